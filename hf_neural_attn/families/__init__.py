@@ -1,0 +1,31 @@
+"""Family registry: adding a model family is one adapter module and one line here."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .base import ModelFamily
+from .gpt2 import GPT2Family
+from .llama import LlamaFamily
+from .vit import ViTFamily
+
+FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (LlamaFamily(), GPT2Family(), ViTFamily())}
+
+
+def find_attention(model: nn.Module) -> tuple[ModelFamily, list[nn.Module]]:
+    """The family of ``model`` and its patchable self-attention modules, in layer order.
+
+    Raises:
+        TypeError: if no supported attention module is found.
+    """
+    for family in FAMILIES.values():
+        modules = [module for module in model.modules() if family.matches(module)]
+        if modules:
+            return family, modules
+    raise TypeError(
+        f"{type(model).__name__} has no attention module hf_neural_attn can patch. Supported families: "
+        f"{sorted(FAMILIES)} ({', '.join(c.__name__ for f in FAMILIES.values() for c in f.attention_classes)})."
+    )
+
+
+__all__ = ["FAMILIES", "ModelFamily", "find_attention"]

@@ -1,0 +1,31 @@
+"""GPT-2: fused c_attn (Conv1D, weight (hidden, 3*hidden)), learned absolute positions (no RoPE).
+Only self-attention is patched; cross-attention modules keep their original scoring."""
+
+from __future__ import annotations
+
+from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+from ..scorers import AttentionGeometry
+from .base import ModelFamily
+
+
+class GPT2Family(ModelFamily):
+    name = "gpt2"
+    attention_classes = (GPT2Attention,)
+
+    def matches(self, module):
+        return super().matches(module) and not module.is_cross_attention
+
+    def geometry(self, module):
+        # Conv1D stores (in, out); the query is the first embed_dim output columns.
+        query_weight = module.c_attn.weight[:, : module.embed_dim]
+        return AttentionGeometry(
+            hidden_size=module.embed_dim,
+            num_heads=module.num_heads,
+            num_kv_heads=module.num_heads,
+            head_dim=module.head_dim,
+            query_bias=True,
+            query_weight_std=float(query_weight.detach().float().std()),
+            dtype=query_weight.dtype,
+            device=query_weight.device,
+        )

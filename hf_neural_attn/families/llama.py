@@ -1,0 +1,32 @@
+"""Llama (and the models that share its attention layout): q_proj/k_proj/v_proj, RoPE from the
+decoder's ``position_embeddings``, grouped-query attention."""
+
+from __future__ import annotations
+
+import sys
+
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+from .base import ModelFamily, call_argument, linear_query_geometry
+
+
+class LlamaFamily(ModelFamily):
+    name = "llama"
+    attention_classes = (LlamaAttention,)
+
+    def geometry(self, module):
+        config = module.config
+        return linear_query_geometry(
+            module.q_proj, config.num_attention_heads, config.num_key_value_heads, module.head_dim
+        )
+
+    def rotary(self, module, args, kwargs):
+        cos, sin = call_argument(module, args, kwargs, "position_embeddings")
+        # The model's own RoPE function, so partial-rotary and scaled variants stay exactly the model's.
+        apply_rotary_pos_emb = sys.modules[type(module).__module__].apply_rotary_pos_emb
+
+        def rotate(x):
+            rotated, _ = apply_rotary_pos_emb(x, x[:, :1], cos, sin)
+            return rotated
+
+        return rotate

@@ -1,0 +1,289 @@
+"""``patch_model`` / ``unpatch_model``: swap the attention scoring of a transformers model in place.
+
+How the swap works, using transformers' own extension points rather than copies of model forwards:
+
+* One attention function, registered in ``AttentionInterface`` as ``"hf_neural_attn"``, becomes the
+  model's ``attn_implementation``. For a module that carries a scorer it computes attention with that
+  scorer; every other module (layers left out by ``layers=``, cross-attention) is sent to the model's
+  original implementation.
+* The same name is registered in ``AttentionMaskInterface`` with transformers' eager mask builder, which
+  always materialises the causal and padding mask. (An attention name without a registered mask gets
+  *no mask at all* from transformers, which would silently make a causal model bidirectional.)
+* QANA's extra query rows read the attention module's hidden states, which transformers does not pass
+  to attention functions. A forward pre-hook on each patched module computes the query slices (with
+  row-wise RoPE) and adds them to the call's kwargs; the model's attention forward passes its kwargs on
+  to the attention function, so no state is stashed on modules.
+* New parameters live in a submodule ``attn_scorer`` of each patched attention module, so they appear in
+  ``state_dict`` / ``named_parameters`` and save with the model. The patch is recorded in
+  ``model.config.hf_neural_attn`` and so written to ``config.json``.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from . import __version__
+from .families import FAMILIES, ModelFamily, find_attention
+from .ops import scored_attention
+from .scorers import Scorer, ScorerConfig, scorer_class
+
+ATTN_IMPLEMENTATION = "hf_neural_attn"
+RECORD_KEY = "hf_neural_attn"  # attribute of model.config holding the patch record
+SCORER_ATTR = "attn_scorer"  # submodule of each patched attention module
+FALLBACK_ATTR = "_hf_neural_attn_fallback"  # implementation used by the model's unpatched attention modules
+EXTRAS_KWARG = "hf_neural_attn_extras"  # per-query scorer inputs passed from the pre-hook to the attention function
+
+# Unpatched modules of a patched model see the eager-style additive mask we register, which these
+# two implementations accept. Others (flash, flex) need masks of their own, so those modules use SDPA.
+_FALLBACK_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+def patch_model(
+    model: PreTrainedModel,
+    scorer: str | ScorerConfig,
+    *,
+    h: int | None = None,
+    layers: list[int] | None = None,
+    **options: Any,
+) -> PreTrainedModel:
+    """Replace the attention scoring of ``model`` in place and return it.
+
+    Args:
+        model: a Llama, GPT-2 or ViT model (any head) from transformers.
+        scorer: ``"qana"`` or ``"neural"``, or a ready :class:`QanaConfig` / :class:`NeuralAttentionConfig`.
+        h: hidden width of the scoring MLP (default 4).
+        layers: indices of the attention layers to patch (negative indices count from the end);
+            None patches all. ``[0]`` is the Neural Attention paper's first-layer-only setup.
+        **options: scorer options: ``activation``, ``init``, ``impl``, and for ``"neural"``
+            ``proj_dim``, ``mode``, ``depth``.
+
+    With the default options the patched model's outputs equal the original's, and training moves them.
+    Every argument is checked before the model is touched: a call that raises leaves it as it was.
+
+    Raises:
+        ValueError: unknown scorer or option, invalid value, layer index out of range, already patched.
+        TypeError: ``model`` is not a transformers model with a supported attention family.
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"patch_model expects a transformers PreTrainedModel, got {type(model).__name__}. "
+            f"Supported families: {sorted(FAMILIES)}."
+        )
+    if is_patched(model):
+        record = getattr(model.config, RECORD_KEY)
+        raise ValueError(
+            f"This model is already patched with scorer {record['scorer']!r} on layers {record['layers']}. "
+            "Call hf_neural_attn.unpatch_model(model) first to patch it differently."
+        )
+    config = _scorer_config(scorer, h, options)
+    family, attention_modules = find_attention(model)
+    selected = _normalise_layers(layers, len(attention_modules))
+    scorer_type = scorer_class(config.scorer_name)
+    # Build every new module before touching the model, so a failure here changes nothing.
+    new_scorers = {index: scorer_type(config, family.geometry(attention_modules[index])) for index in selected}
+
+    base_implementation = model.config._attn_implementation or "eager"
+    fallback = base_implementation if base_implementation in _FALLBACK_IMPLEMENTATIONS else "sdpa"
+    for index, module in enumerate(attention_modules):
+        setattr(module, FALLBACK_ATTR, fallback)
+        if index in new_scorers:
+            module.add_module(SCORER_ATTR, new_scorers[index])
+            if scorer_type.needs_hidden_states:
+                module.register_forward_pre_hook(partial(_add_query_extras, family), with_kwargs=True)
+    for config_object in _configs(model, attention_modules):
+        config_object._attn_implementation = ATTN_IMPLEMENTATION
+    setattr(
+        model.config,
+        RECORD_KEY,
+        {
+            "scorer": config.scorer_name,
+            "options": config.to_dict(),
+            "layers": selected,
+            "family": family.name,
+            "base_attn_implementation": base_implementation,
+            "version": __version__,
+        },
+    )
+    return model
+
+
+def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
+    """Remove the patch in place and return the model: original parameter names, shapes and outputs.
+
+    Raises:
+        ValueError: if ``model`` is not patched.
+    """
+    if not is_patched(model):
+        raise ValueError("This model is not patched by hf_neural_attn; there is nothing to unpatch.")
+    record = getattr(model.config, RECORD_KEY)
+    attention_modules = [module for module in model.modules() if hasattr(module, FALLBACK_ATTR)]
+    for module in attention_modules:
+        if hasattr(module, SCORER_ATTR):
+            delattr(module, SCORER_ATTR)
+        _remove_query_extras_hooks(module)
+        delattr(module, FALLBACK_ATTR)
+    for config_object in _configs(model, attention_modules):
+        config_object._attn_implementation = record["base_attn_implementation"]
+    delattr(model.config, RECORD_KEY)
+    return model
+
+
+def is_patched(model: nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return isinstance(getattr(config, RECORD_KEY, None), dict)
+
+
+def scorer_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters the patch added, by their names in ``model.named_parameters()``."""
+    marker = f".{SCORER_ATTR}."
+    return {name: p for name, p in model.named_parameters() if marker in f".{name}"}
+
+
+def _scorer_config(scorer: str | ScorerConfig, h: int | None, options: dict[str, Any]) -> ScorerConfig:
+    if isinstance(scorer, ScorerConfig):
+        if h is not None or options:
+            raise ValueError(
+                "Pass either a scorer config object or a scorer name with options, not both "
+                f"(got a {type(scorer).__name__} and h={h!r}, options {sorted(options)})."
+            )
+        scorer.validate()
+        return scorer
+    if not isinstance(scorer, str):
+        raise ValueError(f"scorer must be a scorer name or config, got {type(scorer).__name__}.")
+    config_class = scorer_class(scorer).config_class
+    if h is not None:
+        options = {"h": h, **options}
+    return config_class.from_options(options)
+
+
+def _normalise_layers(layers, num_layers: int) -> list[int]:
+    if layers is None:
+        return list(range(num_layers))
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        layers = [layers]
+    selected = []
+    for index in layers:
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise ValueError(f"layers must be integers, got {index!r}.")
+        if not -num_layers <= index < num_layers:
+            raise ValueError(
+                f"Layer index {index} is out of range: this model has {num_layers} attention layers "
+                f"(valid indices 0..{num_layers - 1}, or negative from the end)."
+            )
+        selected.append(index % num_layers)
+    if not selected:
+        raise ValueError("layers is empty; pass None to patch every layer or a list of layer indices.")
+    return sorted(set(selected))
+
+
+def _configs(model: nn.Module, attention_modules: list[nn.Module]) -> list:
+    """Every config object whose ``_attn_implementation`` the model's attention or masks read."""
+    seen: dict[int, Any] = {id(model.config): model.config}
+    for module in attention_modules:
+        config = getattr(module, "config", None)
+        if config is not None:
+            seen.setdefault(id(config), config)
+    return list(seen.values())
+
+
+def _add_query_extras(family: ModelFamily, module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of a patched module whose scorer reads hidden states: compute its per-query inputs."""
+    scorer: Scorer = getattr(module, SCORER_ATTR)
+    hidden_states = family.hidden_states(module, args, kwargs)
+    kwargs[EXTRAS_KWARG] = scorer.query_extras(hidden_states, family.rotary(module, args, kwargs))
+    return args, kwargs
+
+
+def _remove_query_extras_hooks(module: nn.Module) -> None:
+    hooks = module._forward_pre_hooks
+    for hook_id, hook in list(hooks.items()):
+        if isinstance(hook, partial) and hook.func is _add_query_extras:
+            del hooks[hook_id]
+            module._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+
+
+def hf_neural_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attention function registered as ``"hf_neural_attn"`` (transformers' attention-function API).
+
+    query: (batch, heads, q_len, head_dim); key, value: (batch, kv_heads, kv_len, head_dim).
+    Returns (batch, q_len, heads, head_dim) output and the attention probabilities.
+    """
+    extras = kwargs.pop(EXTRAS_KWARG, None)
+    scorer: Scorer | None = getattr(module, SCORER_ATTR, None)
+    if scorer is None:
+        return _original_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    if scorer.needs_hidden_states and extras is None:
+        raise RuntimeError(
+            f"The {scorer.name!r} scorer of {type(module).__name__} got no query inputs: its forward pre-hook "
+            "did not run. Call the attention module itself (not the attention function directly)."
+        )
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    is_causal = kwargs.get("is_causal", getattr(module, "is_causal", False))
+    mask = _additive_mask(attention_mask, query, key, is_causal)
+    return scored_attention(
+        scorer, query, key, value, mask, scaling=scaling, dropout=dropout, training=module.training, extras=extras
+    )
+
+
+def _additive_mask(attention_mask, query: torch.Tensor, key: torch.Tensor, is_causal: bool) -> torch.Tensor | None:
+    """An additive float mask (0 = attend, large negative = blocked), (batch or 1, 1, q_len, kv_len).
+
+    A causal module handed no mask (a direct call, or a custom mask function that skipped it) gets the
+    causal mask built here, aligned to the last query, so the causal mask is never silently dropped.
+    """
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    if attention_mask is None:
+        if not is_causal or q_len == 1:
+            return None
+        allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+        attention_mask = allowed[None, None]
+    elif not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(
+            f"hf_neural_attn needs a tensor attention mask, got {type(attention_mask).__name__}; "
+            "flex-attention block masks are not supported."
+        )
+    attention_mask = attention_mask[..., :kv_len]
+    if attention_mask.dtype == torch.bool:
+        blocked = torch.finfo(query.dtype).min
+        return torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~attention_mask, blocked
+        )
+    return attention_mask
+
+
+def _original_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
+    """Attention of an unpatched module of a patched model, with the model's original implementation."""
+    if getattr(module, FALLBACK_ATTR, "sdpa") == "eager":
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if attention_mask is not None and attention_mask.dtype != torch.bool and attention_mask.dtype != query.dtype:
+        # SDPA wants the mask in the query dtype (autocast); clamp so the large negative stays finite.
+        attention_mask = attention_mask.clamp(min=torch.finfo(query.dtype).min).to(query.dtype)
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    return sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+def _register() -> None:
+    AttentionInterface.register(ATTN_IMPLEMENTATION, hf_neural_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
+
+
+_register()

@@ -1,0 +1,136 @@
+"""Neural Attention (DiGiugno & Mahmood, 2025).
+
+A feed-forward network scores each (query, key) pair:
+
+    q'_i = q_i W_q,  k'_j = k_j W_k                      (optional down-projection to d' = proj_dim)
+    A_ij = w_a . act(W_h [q'_i ; k'_j] + b_h)            (Eq. 4; deeper MLPs stack more layers)
+
+The concatenation is never built: W_h = [W_hq | W_hk], so the first layer is P_i + R_j with
+P = q' W_hq^T and R = k' W_hk^T + b_h, computed once per query and once per key.
+
+Two modes:
+  * ``residual`` (default, for pretrained models): score = q.k * scaling + alpha * A. With the output
+    layer w_a at zero the term vanishes, so outputs equal the pretrained model's, and w_a gets a
+    non-zero gradient on the first backward.
+  * ``replace`` (the paper's from-scratch form, Eq. 10): score = A * scaling, with every layer at
+    PyTorch's default init. Not function-preserving.
+
+The paper's output bias b_a adds one constant to every score, which softmax removes; it could never
+receive a gradient, so it is left out.
+
+Shared across heads like the authors' code: one MLP (and one pair of projections) per layer.
+``depth=2`` with ``h = proj_dim`` and ``activation="relu"`` gives the authors' 2d' -> d' -> d'/2 -> 1.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .base import AttentionGeometry, Scorer, ScorerConfig, _check_choice
+
+MODES = ("residual", "replace")
+
+
+@dataclass
+class NeuralAttentionConfig(ScorerConfig):
+    """Neural Attention options.
+
+    Args:
+        proj_dim: d', the width q and k are down-projected to before the MLP; None skips the projection
+            (the MLP reads q and k directly, as the paper's "no down-projection" runs do).
+        mode: ``"residual"`` keeps the dot product and adds a gated MLP term (function-preserving);
+            ``"replace"`` scores with the MLP alone (the paper's from-scratch form).
+        depth: number of hidden layers; widths are h, h//2, h//4, ... (at least 1).
+    """
+
+    scorer_name = "neural"
+
+    proj_dim: int | None = None
+    mode: str = "residual"
+    depth: int = 1
+
+    def validate(self) -> None:
+        super().validate()
+        if self.proj_dim is not None and (
+            isinstance(self.proj_dim, bool) or not isinstance(self.proj_dim, int) or self.proj_dim <= 0
+        ):
+            raise ValueError(
+                f"proj_dim must be a positive integer (or None for no down-projection), got {self.proj_dim!r}."
+            )
+        _check_choice("mode", self.mode, MODES)
+        if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth <= 0:
+            raise ValueError(f"depth must be a positive integer (hidden layers of the MLP), got {self.depth!r}.")
+        if self.mode == "replace" and self.init == "zero":
+            raise ValueError(
+                "init='zero' only applies to mode='residual'; mode='replace' trains the MLP from its "
+                "default random init."
+            )
+
+    def hidden_widths(self) -> list[int]:
+        return [max(self.h // 2**i, 1) for i in range(self.depth)]
+
+
+class NeuralAttentionScorer(Scorer):
+    name = "neural"
+    config_class = NeuralAttentionConfig
+
+    def __init__(self, config: NeuralAttentionConfig, geometry: AttentionGeometry):
+        super().__init__(config, geometry)
+        factory = {"dtype": geometry.dtype, "device": geometry.device}
+        d = geometry.head_dim
+        widths = config.hidden_widths()
+        if config.proj_dim is not None:
+            self.query_down = nn.Linear(d, config.proj_dim, bias=False, **factory)
+            self.key_down = nn.Linear(d, config.proj_dim, bias=False, **factory)
+            d = config.proj_dim
+        else:
+            self.query_down = self.key_down = None
+        # W_h split into its query and key halves; the key half carries b_h.
+        self.pair_query = nn.Linear(d, widths[0], bias=False, **factory)
+        self.pair_key = nn.Linear(d, widths[0], bias=True, **factory)
+        self.deeper = nn.ModuleList(nn.Linear(a, b, **factory) for a, b in zip(widths, widths[1:]))
+        self.output = nn.Linear(widths[-1], 1, bias=False, **factory)  # w_a
+        if config.mode == "residual":
+            self.gate = nn.Parameter(torch.empty(geometry.num_heads, **factory))
+        else:
+            self.register_parameter("gate", None)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for layer in self.modules():
+            if isinstance(layer, nn.Linear):
+                layer.reset_parameters()
+        if self.config.mode == "replace":
+            return
+        self.output.weight.zero_()
+        if self.config.init == "zero":
+            warnings.warn(
+                "Neural Attention init='zero' (output layer and gate at zero) keeps the model exact but no "
+                "gradient ever reaches the new parameters. Use init='default' to train.",
+                UserWarning,
+                stacklevel=3,
+            )
+            self.gate.zero_()
+        else:
+            self.gate.fill_(1.0)
+
+    def pair_scores(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """A_ij for (batch, heads, q, d) queries and (batch, heads, k, d) keys -> (batch, heads, q, k)."""
+        if self.query_down is not None:
+            query, key = self.query_down(query), self.key_down(key)
+        hidden = self.act(self.pair_query(query).unsqueeze(-2) + self.pair_key(key).unsqueeze(-3))
+        for layer in self.deeper:
+            hidden = self.act(layer(hidden))
+        return self.output(hidden).squeeze(-1)
+
+    def scores(self, query, key, extras, scaling: float) -> torch.Tensor:
+        mlp = self.pair_scores(query, key)
+        if self.gate is None:
+            return mlp * scaling
+        dot = torch.matmul(query, key.transpose(-1, -2)) * scaling
+        return dot + self.gate.view(1, -1, 1, 1) * mlp
