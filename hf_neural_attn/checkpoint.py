@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import transformers
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig
 from transformers.utils import cached_file
 
@@ -55,7 +55,7 @@ def from_pretrained(path_or_repo_id: str, **hf_kwargs: Any):
     # The record describes a patch still to apply; the base model must load unpatched.
     delattr(config, RECORD_KEY)
 
-    with _quiet_transformers():
+    with _unreadable_weights_are_errors(path_or_repo_id), _quiet_transformers():
         model, loading_info = model_class.from_pretrained(
             path_or_repo_id, config=config, output_loading_info=True, **hf_kwargs
         )
@@ -66,7 +66,14 @@ def from_pretrained(path_or_repo_id: str, **hf_kwargs: Any):
 
     expected = scorer_parameters(model)
     _report_base_loading(loading_info, set(expected), path_or_repo_id)
-    tensors = _read_tensors(path_or_repo_id, set(expected), file_kwargs)
+    disk_names = _names_on_disk(model, expected)
+    with _unreadable_weights_are_errors(path_or_repo_id):
+        on_disk = _read_tensors(path_or_repo_id, {n for names in disk_names.values() for n in names}, file_kwargs)
+    tensors = {}
+    for name, candidates in disk_names.items():
+        found = next((candidate for candidate in candidates if candidate in on_disk), None)
+        if found is not None:
+            tensors[name] = on_disk[found]
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise ValueError(
@@ -121,6 +128,17 @@ def _model_class(config, source: str):
 
 
 @contextmanager
+def _unreadable_weights_are_errors(source: str):
+    try:
+        yield
+    except SafetensorError as error:
+        raise ValueError(
+            f"The weights in {source} cannot be read ({error}); the file is truncated or corrupt. Save the "
+            "model again, or download it again with force_download=True."
+        ) from error
+
+
+@contextmanager
 def _quiet_transformers():
     """Hide transformers' load report, which lists the scorer weights as unexpected; we check it ourselves."""
     logger = logging.getLogger("transformers")
@@ -143,6 +161,20 @@ def _report_base_loading(info: dict, scorer_names: set[str], source: str) -> Non
     ]
     if problems:
         warnings.warn(f"Loading the base model from {source}: " + "; ".join(problems), UserWarning)
+
+
+def _names_on_disk(model, parameters: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """Where each parameter can sit in the checkpoint: its name after the key renaming transformers
+    applies when saving some models (e.g. ViT's ``vit.layers.0`` is written as ``vit.encoder.layer.0``),
+    then its name in the model."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    model_name_of = {id(tensor): name for name, tensor in parameters.items()}
+    saved_as = {name: [] for name in parameters}
+    for disk_name, tensor in revert_weight_conversion(model, dict(parameters)).items():
+        if id(tensor) in model_name_of:
+            saved_as[model_name_of[id(tensor)]].append(disk_name)
+    return {name: [*names, name] for name, names in saved_as.items()}
 
 
 def _read_tensors(source: str, names: set[str], file_kwargs: dict) -> dict[str, torch.Tensor]:

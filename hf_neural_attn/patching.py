@@ -270,8 +270,12 @@ def _additive_mask(attention_mask, query: torch.Tensor, key: torch.Tensor, is_ca
 
 
 def _original_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
-    """Attention of an unpatched module of a patched model, with the model's original implementation."""
-    if getattr(module, FALLBACK_ATTR, "sdpa") == "eager":
+    """Attention of an unpatched module of a patched model, with the model's original implementation.
+
+    When attention maps are requested the model's eager path is used, as SDPA cannot return them; so
+    ``output_attentions=True`` gives the maps of every layer, patched or not.
+    """
+    if getattr(module, FALLBACK_ATTR, "sdpa") == "eager" or kwargs.get("output_attentions"):
         eager = sys.modules[type(module).__module__].eager_attention_forward
         return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if attention_mask is not None and attention_mask.dtype != torch.bool and attention_mask.dtype != query.dtype:

@@ -36,9 +36,14 @@ def reference_attention(
         output (batch, heads, q_len, head_dim) and probabilities (batch, heads, q_len, kv_len).
     """
     scores = scorer.scores(query, key, extras, scaling)
+    # Softmax in at least fp32 (half-precision scores are upcast, as transformers' eager path does;
+    # fp64 stays fp64, so this path can serve as a float64 oracle).
+    softmax_dtype = torch.promote_types(scores.dtype, torch.float32)
+    scores = scores.to(softmax_dtype)
     if attention_mask is not None:
-        scores = scores + attention_mask
-    # Softmax in fp32 as transformers' eager path does, then back to the value dtype.
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+        # Clamped so a row masked with -inf everywhere gives uniform weights, not NaN, like the finite
+        # masks transformers builds.
+        scores = (scores + attention_mask).clamp(min=torch.finfo(softmax_dtype).min)
+    probs = F.softmax(scores, dim=-1).to(value.dtype)
     probs = F.dropout(probs, p=dropout, training=training)
     return torch.matmul(probs, value), probs

@@ -105,6 +105,18 @@ class NeuralAttentionScorer(Scorer):
         for layer in self.modules():
             if isinstance(layer, nn.Linear):
                 layer.reset_parameters()
+        # The first map that reads q and k is drawn so its outputs have unit scale. PyTorch's default
+        # ignores the input scale: on a model whose q, k entries are small, P_i + R_j would sit in the
+        # activation's linear range, where the pair MLP collapses to a query constant (which softmax
+        # drops) plus a key bias. A typical q entry is estimated from the pretrained W_Q's scale,
+        # assuming the unit-scale normalised hidden states that attention blocks read.
+        q_scale = self.geometry.query_weight_std * self.geometry.hidden_size**0.5
+        if q_scale > 0:
+            for layer in (self.query_down, self.key_down) if self.query_down is not None else (
+                self.pair_query,
+                self.pair_key,
+            ):
+                nn.init.normal_(layer.weight, 0.0, 1.0 / (q_scale * layer.in_features**0.5))
         if self.config.mode == "replace":
             return
         self.output.weight.zero_()

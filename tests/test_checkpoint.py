@@ -1,0 +1,167 @@
+"""Contract 6 (checkpoints save, reload and push like any HF model) and the checkpoint half of 7."""
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import FACTORIES, logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
+from huggingface_hub import ModelCard, ModelCardData
+from safetensors.torch import load_file, save_file
+
+import hf_neural_attn
+
+PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt"}
+
+
+def saved_patched(tmp_path, family="gpt2", scorer_name="qana", **options):
+    model = FACTORIES[family]()
+    hf_neural_attn.patch_model(model, scorer_name, **options)
+    perturb_scorers(model)
+    folder = tmp_path / "checkpoint"
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def test_save_pretrained_writes_safetensors_and_the_patch_record(tmp_path):
+    model, folder = saved_patched(tmp_path, "llama", "neural", h=3, proj_dim=2, layers=[1])
+    files = {path.name for path in folder.iterdir()}
+    assert "model.safetensors" in files
+    assert not {name for name in files if Path(name).suffix in PICKLE_SUFFIXES}
+    record = json.loads((folder / "config.json").read_text())["hf_neural_attn"]
+    assert record["scorer"] == "neural"
+    assert record["layers"] == [1]
+    assert record["options"] == model.config.hf_neural_attn["options"]
+    assert record["options"]["proj_dim"] == 2 and record["options"]["h"] == 3
+    assert record["version"] == hf_neural_attn.__version__
+    saved = load_file(folder / "model.safetensors")
+    assert set(hf_neural_attn.scorer_parameters(model)) <= set(saved)
+
+
+def test_from_pretrained_reproduces_outputs(tmp_path, family, scorer_name):
+    model, folder = saved_patched(tmp_path, family, scorer_name)
+    inputs = model_inputs(family)
+    expected = logits(model, inputs)
+    state = torch.random.get_rng_state()
+    loaded = hf_neural_attn.from_pretrained(folder)
+    assert torch.equal(torch.random.get_rng_state(), state), "loading must not consume the caller's RNG"
+    assert type(loaded) is type(model)
+    assert loaded.config.hf_neural_attn == model.config.hf_neural_attn
+    torch.testing.assert_close(logits(loaded.eval(), inputs), expected, rtol=0, atol=1e-6)
+    # A reloaded model is an ordinary patched model: it unpatches to the base weights.
+    hf_neural_attn.unpatch_model(loaded)
+    assert not hf_neural_attn.scorer_parameters(loaded)
+
+
+def test_sharded_checkpoint_round_trip(tmp_path):
+    model = tiny_llama()
+    hf_neural_attn.patch_model(model, "qana")
+    perturb_scorers(model)
+    folder = tmp_path / "sharded"
+    model.save_pretrained(folder, max_shard_size="20KB")
+    assert (folder / "model.safetensors.index.json").exists()
+    inputs = model_inputs("llama")
+    loaded = hf_neural_attn.from_pretrained(folder)
+    torch.testing.assert_close(logits(loaded, inputs), logits(model, inputs), rtol=0, atol=1e-6)
+
+
+def test_from_pretrained_passes_hf_kwargs(tmp_path):
+    _, folder = saved_patched(tmp_path, "llama", "qana")
+    loaded = hf_neural_attn.from_pretrained(folder, dtype=torch.bfloat16)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+
+
+class FakeHub:
+    """Stands in for huggingface_hub.HfApi: keeps what push_to_hub commits in a local folder."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.commits = []
+
+    def create_repo(self, repo_id, **kwargs):
+        return SimpleNamespace(repo_id=repo_id)
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        self.commits.append(repo_id)
+        for operation in operations:
+            target = self.folder / operation.path_in_repo
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(operation.path_or_fileobj, target)
+        return SimpleNamespace(commit_url=f"local://{repo_id}")
+
+
+def test_push_to_hub_uploads_what_save_pretrained_writes(tmp_path, monkeypatch):
+    import transformers.utils.hub as hub
+
+    fake = FakeHub(tmp_path / "hub-repo")
+    monkeypatch.setattr(hub, "hf_api", lambda: fake)
+    # The card template is fetched from the Hub when the repo has none; build it locally instead.
+    monkeypatch.setattr(
+        hub,
+        "create_and_tag_model_card",
+        lambda repo_id, tags=None, token=None: ModelCard.from_template(ModelCardData(library_name="transformers")),
+    )
+    model = tiny_gpt2()
+    hf_neural_attn.patch_model(model, "neural", proj_dim=2)
+    perturb_scorers(model)
+    model.push_to_hub("someone/tiny-neural-gpt2")
+
+    assert fake.commits == ["someone/tiny-neural-gpt2"]
+    pushed = {path.name for path in fake.folder.iterdir()}
+    assert {"model.safetensors", "config.json"} <= pushed
+    assert not {name for name in pushed if Path(name).suffix in PICKLE_SUFFIXES}
+    inputs = model_inputs("gpt2")
+    loaded = hf_neural_attn.from_pretrained(fake.folder)
+    torch.testing.assert_close(logits(loaded, inputs), logits(model, inputs), rtol=0, atol=1e-6)
+
+
+def edit_record(folder: Path, change) -> None:
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    change(config)
+    config_file.write_text(json.dumps(config))
+
+
+def test_unpatched_checkpoint_is_refused_with_a_hint(tmp_path):
+    folder = tmp_path / "plain"
+    tiny_gpt2().save_pretrained(folder)
+    with pytest.raises(ValueError, match="not a hf_neural_attn checkpoint.*patch_model"):
+        hf_neural_attn.from_pretrained(folder)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda c: c.update(hf_neural_attn="qana"), "damaged"),
+        (lambda c: c["hf_neural_attn"].pop("layers"), "damaged"),
+        (lambda c: c["hf_neural_attn"].update(scorer="cosine"), "does not have"),
+        (lambda c: c["hf_neural_attn"]["options"].update(h=2), "shape"),
+        (lambda c: c["hf_neural_attn"]["options"].update(bogus=1), "bogus"),
+        (lambda c: c.update(architectures=None), "architectures"),
+    ],
+)
+def test_damaged_record_is_refused(tmp_path, change, message):
+    _, folder = saved_patched(tmp_path)
+    edit_record(folder, change)
+    with pytest.raises(ValueError, match=message):
+        hf_neural_attn.from_pretrained(folder)
+
+
+def test_missing_scorer_weights_are_refused(tmp_path):
+    model, folder = saved_patched(tmp_path)
+    weights = load_file(folder / "model.safetensors")
+    for name in hf_neural_attn.scorer_parameters(model):
+        weights.pop(name)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lack .* scorer tensor"):
+        hf_neural_attn.from_pretrained(folder)
+
+
+def test_truncated_weights_are_refused(tmp_path):
+    _, folder = saved_patched(tmp_path)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        hf_neural_attn.from_pretrained(folder)

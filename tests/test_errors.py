@@ -1,0 +1,102 @@
+"""Contract 7: bad input gets a clear error, and a failed call leaves the model exactly as it was."""
+
+import pytest
+import torch
+from conftest import logits, model_inputs, tiny_gpt2, tiny_llama
+from transformers import ResNetConfig, ResNetForImageClassification
+
+import hf_neural_attn
+
+
+def snapshot(model):
+    """Everything a patch could change: parameters, buffers, config, module tree, hooks, outputs."""
+    return {
+        "state": {name: tensor.clone() for name, tensor in model.state_dict().items()},
+        "config": model.config.to_dict(),
+        "attn": model.config._attn_implementation,
+        "modules": [name for name, _ in model.named_modules()],
+        "hooks": sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()),
+        "attributes": sorted(k for m in model.modules() for k in vars(m) if "neural_attn" in k),
+        "logits": logits(model, model_inputs("llama")),
+    }
+
+
+def assert_unchanged(model, before):
+    after = snapshot(model)
+    assert after["state"].keys() == before["state"].keys()
+    for name in before["state"]:
+        assert torch.equal(after["state"][name], before["state"][name]), name
+    for key in ("config", "attn", "modules", "hooks", "attributes"):
+        assert after[key] == before[key], key
+    assert torch.equal(after["logits"], before["logits"])
+
+
+BAD_CALLS = [
+    (("cosine",), {}, r"Unknown scorer 'cosine'.*\['neural', 'qana'\]"),
+    (("qana",), {"h": 0}, r"\bh must be a positive integer.*h=0"),
+    (("neural",), {"h": -2}, r"\bh must be a positive integer"),
+    (("qana",), {"h": 2.5}, r"\bh must be a positive integer"),
+    (("neural",), {"proj_dim": 0}, r"proj_dim must be a positive integer"),
+    (("qana",), {"proj_dim": 2}, r"Unknown option.*'proj_dim'.*qana"),
+    (("neural",), {"hidden": 4}, r"Unknown option.*'hidden'"),
+    (("neural",), {"mode": "sum"}, r"mode='sum'.*'replace', 'residual'"),
+    (("qana",), {"activation": "swish2"}, r"activation='swish2'"),
+    (("qana",), {"init": "xavier"}, r"init='xavier'"),
+    (("neural",), {"mode": "replace", "init": "zero"}, r"init='zero' only applies"),
+    (("qana",), {"layers": [2]}, r"Layer index 2 is out of range.*2 attention layers"),
+    (("qana",), {"layers": [-3]}, r"Layer index -3 is out of range"),
+    (("qana",), {"layers": []}, r"layers is empty"),
+    (("qana",), {"layers": ["0"]}, r"layers must be integers"),
+    ((hf_neural_attn.QanaConfig(),), {"h": 3}, r"either a scorer config object or a scorer name"),
+]
+
+
+@pytest.mark.parametrize("args,kwargs,message", BAD_CALLS)
+def test_bad_arguments_raise_value_error_and_change_nothing(args, kwargs, message):
+    model = tiny_llama()
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=message):
+        hf_neural_attn.patch_model(model, *args, **kwargs)
+    assert_unchanged(model, before)
+
+
+def test_model_without_supported_attention_is_a_type_error_naming_the_families():
+    config = ResNetConfig(embedding_size=8, hidden_sizes=[8, 8], depths=[1, 1], num_labels=2)
+    model = ResNetForImageClassification(config)
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(TypeError, match=r"no attention module.*\['gpt2', 'llama', 'vit'\]"):
+        hf_neural_attn.patch_model(model, "qana")
+    assert not hasattr(model.config, "hf_neural_attn")
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in state.items())
+
+
+def test_non_transformers_module_is_a_type_error():
+    with pytest.raises(TypeError, match="PreTrainedModel.*Supported families"):
+        hf_neural_attn.patch_model(torch.nn.Linear(4, 4), "qana")
+
+
+def test_patching_twice_is_refused_and_keeps_the_first_patch():
+    model = tiny_llama()
+    hf_neural_attn.patch_model(model, "neural", proj_dim=2, layers=[0])
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"already patched with scorer 'neural' on layers \[0\].*unpatch_model"):
+        hf_neural_attn.patch_model(model, "qana")
+    assert_unchanged(model, before)
+
+
+def test_unpatching_an_unpatched_model_is_refused():
+    model = tiny_gpt2()
+    with pytest.raises(ValueError, match="not patched"):
+        hf_neural_attn.unpatch_model(model)
+
+
+def test_options_are_validated_on_config_objects_too():
+    with pytest.raises(ValueError, match="proj_dim"):
+        hf_neural_attn.NeuralAttentionConfig(proj_dim=-1)
+    config = hf_neural_attn.QanaConfig()
+    config.h = 0  # mutated after construction: patch_model validates again
+    model = tiny_llama()
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="h must be a positive integer"):
+        hf_neural_attn.patch_model(model, config)
+    assert_unchanged(model, before)

@@ -1,0 +1,159 @@
+"""Contract 5: patched models behave the way HF models are used."""
+
+import pytest
+import torch
+from conftest import FACTORIES, logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_vit
+
+import hf_neural_attn
+
+DROPOUT_CONFIG = {"llama": {"attention_dropout": 0.5}, "gpt2": {"attn_pdrop": 0.5}, "vit": {"attention_probs_dropout_prob": 0.5}}
+
+
+def loss_of(model, family, inputs):
+    if family == "vit":
+        return model(**inputs, labels=torch.tensor([0, 1])).loss
+    return model(**inputs, labels=inputs["input_ids"]).loss
+
+
+def test_attention_dropout_applies_in_train_mode_only(family, scorer_name):
+    model = FACTORIES[family](**DROPOUT_CONFIG[family])
+    inputs = model_inputs(family, seq=16)
+    original = logits(model, inputs)
+    hf_neural_attn.patch_model(model, scorer_name)
+    # Eval mode: no dropout, and still the original function.
+    torch.testing.assert_close(logits(model, inputs), original, rtol=0, atol=1e-5)
+    model.train()
+    torch.manual_seed(0)
+    first = model(**inputs, output_attentions=True)
+    second_logits = logits(model, inputs)
+    assert (first.logits - second_logits).abs().max() > 1e-4
+    # Inverted dropout on the probabilities: about half the allowed entries are zeroed, the kept ones
+    # scaled by 1/(1-p) = 2.
+    probs = first.attentions[0]
+    allowed = probs.new_ones(probs.shape[-2:]).tril().bool() if family != "vit" else probs.new_ones(probs.shape[-2:]).bool()
+    zero_fraction = (probs[..., allowed] == 0).float().mean().item()
+    assert 0.4 < zero_fraction < 0.6, zero_fraction
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "vit"])
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(family, scorer_name):
+    reference, checkpointed = FACTORIES[family](), FACTORIES[family]()
+    inputs = model_inputs(family)
+    results = []
+    for model in (reference, checkpointed):
+        hf_neural_attn.patch_model(model, scorer_name)
+        perturb_scorers(model)
+        model.train()
+        if model is checkpointed:
+            model.gradient_checkpointing_enable()
+            assert model.is_gradient_checkpointing
+        loss = loss_of(model, family, inputs)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in hf_neural_attn.scorer_parameters(model).items()}
+        results.append((loss.detach(), grads))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=1e-6)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_runs_forward_and_backward_close_to_the_unpatched_model(family, scorer_name, dtype):
+    model = FACTORIES[family]()
+    inputs = model_inputs(family)
+    with torch.autocast("cpu", dtype=dtype):
+        original = logits(model, inputs).float()
+    hf_neural_attn.patch_model(model, scorer_name)
+    model.train()
+    with torch.autocast("cpu", dtype=dtype):
+        out = model(**inputs)
+        loss = loss_of(model, family, inputs)
+    loss.backward()
+    assert torch.isfinite(out.logits).all()
+    # Half precision carries ~3 significant digits; the two paths round differently.
+    torch.testing.assert_close(out.logits.float(), original, rtol=0, atol=3e-2)
+    for name, parameter in hf_neural_attn.scorer_parameters(model).items():
+        assert torch.isfinite(parameter.grad).all(), name
+
+
+def test_bfloat16_weights(scorer_name):
+    model = tiny_llama().to(torch.bfloat16)
+    inputs = model_inputs("llama")
+    original = logits(model, inputs)
+    hf_neural_attn.patch_model(model, scorer_name)
+    assert all(p.dtype == torch.bfloat16 for p in hf_neural_attn.scorer_parameters(model).values())
+    torch.testing.assert_close(logits(model, inputs), original, rtol=0, atol=3e-2)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "vit"])
+def test_output_attentions_are_probabilities_for_every_layer(family, scorer_name):
+    model = FACTORIES[family]()
+    inputs = model_inputs(family)
+    hf_neural_attn.patch_model(model, scorer_name, layers=[0])
+    perturb_scorers(model)
+    attentions = model(**inputs, output_attentions=True).attentions
+    # The unpatched layer's map comes back too, through the model's eager path; GPT-2's attention keeps
+    # output_attentions to itself instead of passing it on, so there (as in the unpatched GPT-2 under
+    # SDPA) only the patched layer returns one.
+    assert len(attentions) == (1 if family == "gpt2" else 2)
+    for probs in attentions:
+        assert probs.shape[:2] == (2, 4) and probs.shape[-1] == probs.shape[-2]
+        torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[:-1]), rtol=0, atol=1e-5)
+    if family != "vit":
+        assert torch.all(attentions[0].triu(diagonal=1) == 0)
+
+
+def test_layers_selects_which_attention_modules_are_patched():
+    model = tiny_llama(num_hidden_layers=3)
+    inputs = model_inputs("llama")
+    original = logits(model, inputs)
+    hf_neural_attn.patch_model(model, "qana", layers=[-1, 0])
+    patched = [hasattr(layer.self_attn, "attn_scorer") for layer in model.model.layers]
+    assert patched == [True, False, True]
+    assert model.config.hf_neural_attn["layers"] == [0, 2]
+    torch.testing.assert_close(logits(model, inputs), original, rtol=0, atol=1e-5)
+    perturb_scorers(model)
+    assert (logits(model, inputs) - original).abs().max() > 1e-4
+
+
+def test_gpt2_scale_attn_by_inverse_layer_idx_is_kept():
+    inputs = model_inputs("gpt2")
+    scaled, plain = tiny_gpt2(scale_attn_by_inverse_layer_idx=True), tiny_gpt2()
+    # Same weights; only the per-layer scaling differs, and it changes the function.
+    assert (logits(scaled, inputs) - logits(plain, inputs)).abs().max() > 1e-6
+    for scorer_name in ("qana", "neural"):
+        model = tiny_gpt2(scale_attn_by_inverse_layer_idx=True)
+        original = logits(model, inputs)
+        hf_neural_attn.patch_model(model, scorer_name)
+        torch.testing.assert_close(logits(model, inputs), original, rtol=0, atol=1e-5)
+
+
+def test_eager_base_implementation_is_used_for_unpatched_layers_and_restored():
+    model = tiny_vit(attn_implementation="eager")
+    inputs = model_inputs("vit")
+    original = logits(model, inputs)
+    hf_neural_attn.patch_model(model, "neural", layers=[1])
+    assert model.config.hf_neural_attn["base_attn_implementation"] == "eager"
+    torch.testing.assert_close(logits(model, inputs), original, rtol=0, atol=1e-5)
+    hf_neural_attn.unpatch_model(model)
+    assert model.config._attn_implementation == "eager"
+    assert torch.equal(logits(model, inputs), original)
+
+
+def test_sequence_classification_heads_patch_too():
+    from transformers import GPT2ForSequenceClassification, LlamaForSequenceClassification
+
+    for model_class, config in (
+        (GPT2ForSequenceClassification, tiny_gpt2().config),
+        (LlamaForSequenceClassification, tiny_llama().config),
+    ):
+        config.num_labels = 3
+        config.pad_token_id = 0
+        torch.manual_seed(0)
+        model = model_class(config).eval()
+        ids = torch.tensor([[5, 6, 7, 8], [0, 0, 9, 10]])
+        mask = (ids != 0).long()
+        original = model(ids, attention_mask=mask).logits
+        hf_neural_attn.patch_model(model, "qana")
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits, original, rtol=0, atol=1e-5)

@@ -1,0 +1,236 @@
+"""Contract 8: the scorers compute the papers' formulas.
+
+Each reference below is written straight from the paper, in float64 and with explicit loops: QANA by
+widening W_Q and slicing every query as [s; U; V; b; c] (Vermillion, Sec. 3.2), row-wise RoPE applied to
+one row at a time; Neural Attention by building the concatenation C_ij = [q'_i ; k'_j] and passing it
+through W_h (DiGiugno & Mahmood, Eq. 7-9). The library never builds either.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from hf_neural_attn.ops import scored_attention
+from hf_neural_attn.scorers import AttentionGeometry, NeuralAttentionConfig, NeuralAttentionScorer
+from hf_neural_attn.scorers import QanaConfig, QanaScorer
+
+HIDDEN, HEADS, KV_HEADS, D = 6, 2, 1, 4
+F64 = torch.float64
+
+
+def geometry(**overrides):
+    values = dict(
+        hidden_size=HIDDEN,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=D,
+        query_bias=True,
+        query_weight_std=0.5,
+        dtype=F64,
+        device=torch.device("cpu"),
+    )
+    values.update(overrides)
+    return AttentionGeometry(**values)
+
+
+def randomise(module, seed=0, std=0.7):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=F64) * std)
+
+
+def rope_vector(vector, position, base=10000.0):
+    """RoPE of one D-vector at one position, rotate-half convention (as Llama), written out."""
+    half = vector.shape[-1] // 2
+    out = torch.empty_like(vector)
+    for m in range(half):
+        angle = position * base ** (-2 * m / vector.shape[-1])
+        x1, x2 = vector[m], vector[m + half]
+        out[m] = x1 * math.cos(angle) - x2 * math.sin(angle)
+        out[m + half] = x2 * math.cos(angle) + x1 * math.sin(angle)
+    return out
+
+
+def rope_rows(x, positions):
+    """The library-side rotation: (batch, n, seq, D) rotated at ``positions`` (seq,), vectorised."""
+    half = x.shape[-1] // 2
+    inv_freq = 10000.0 ** (-torch.arange(half, dtype=F64) * 2 / x.shape[-1])
+    angles = positions.to(F64)[:, None] * inv_freq[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    rotated_half = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated_half * sin
+
+
+ACTIVATIONS = {"gelu": F.gelu, "tanh": torch.tanh, "relu": F.relu}
+
+
+@pytest.mark.parametrize("h", [1, 3])
+@pytest.mark.parametrize("activation", ["gelu", "tanh"])
+@pytest.mark.parametrize("use_rope", [False, True])
+def test_qana_matches_the_literal_widened_query(h, activation, use_rope):
+    torch.manual_seed(0)
+    scorer = QanaScorer(QanaConfig(h=h, activation=activation), geometry())
+    randomise(scorer)
+    batch, q_len, k_len = 2, 3, 5
+    hidden = torch.randn(batch, q_len, HIDDEN, dtype=F64)
+    w_s, b_s = torch.randn(HEADS * D, HIDDEN, dtype=F64), torch.randn(HEADS * D, dtype=F64)
+    keys = torch.randn(batch, HEADS, k_len, D, dtype=F64)
+    q_positions, k_positions = torch.arange(2, 2 + q_len), torch.arange(k_len)
+    scaling = D**-0.5
+    sigma = ACTIVATIONS[activation]
+
+    # Literal: the widened W_Q, per head the original D_K rows then the extension's rows.
+    rows = scorer.rows_per_head
+    assert rows == h * D + 2 * h + 1  # D_Q - D_K
+    w_ext = scorer.query_extension.weight.view(HEADS, rows, HIDDEN)
+    b_ext = scorer.query_extension.bias.view(HEADS, rows)
+    expected = torch.empty(batch, HEADS, q_len, k_len, dtype=F64)
+    for n in range(HEADS):
+        w_wide = torch.cat([w_s.view(HEADS, D, HIDDEN)[n], w_ext[n]])  # (D_Q, hidden)
+        b_wide = torch.cat([b_s.view(HEADS, D)[n], b_ext[n]])
+        for bi in range(batch):
+            for i in range(q_len):
+                q = w_wide @ hidden[bi, i] + b_wide  # (D_Q,)
+                s = q[:D]
+                U = q[D : D + h * D].reshape(h, D)
+                V = q[D + h * D : D + h * D + h].reshape(1, h)
+                b = q[-h - 1 : -1]
+                c = q[-1:]
+                if use_rope:
+                    s = rope_vector(s, q_positions[i].item())
+                    U = torch.stack([rope_vector(U[l], q_positions[i].item()) for l in range(h)])
+                for j in range(k_len):
+                    k = keys[bi, n, j]
+                    if use_rope:
+                        k = rope_vector(k, k_positions[j].item())
+                    mlp = (V @ sigma(U @ k + b) + c).squeeze()
+                    expected[bi, n, i, j] = s @ k * scaling + scorer.gate[n] * mlp
+
+    # Library: s and k rotated by "the model", U by the scorer's row-wise RoPE.
+    query = (hidden @ w_s.T + b_s).view(batch, q_len, HEADS, D).transpose(1, 2)
+    rotate = (lambda x: rope_rows(x, q_positions)) if use_rope else None
+    if use_rope:
+        query, keys = rope_rows(query, q_positions), rope_rows(keys, k_positions)
+    extras = scorer.query_extras(hidden, rotate)
+    actual = scorer.scores(query, keys, extras, scaling)
+    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
+
+
+def neural_pair_scores_literal(scorer, query, key, sigma):
+    """A_ij = w_a . sigma(W_h C_ij + b_h) with C_ij = [q'_i ; k'_j] built explicitly (Eq. 7-9)."""
+    if scorer.config.proj_dim is not None:
+        query, key = query @ scorer.query_down.weight.T, key @ scorer.key_down.weight.T
+    batch, heads, q_len, _ = query.shape
+    k_len = key.shape[2]
+    C = torch.cat(
+        [query.unsqueeze(3).expand(-1, -1, -1, k_len, -1), key.unsqueeze(2).expand(-1, -1, q_len, -1, -1)], dim=-1
+    )  # (batch, heads, q, k, 2d')
+    W_h = torch.cat([scorer.pair_query.weight, scorer.pair_key.weight], dim=1)  # (h, 2d')
+    A = torch.empty(batch, heads, q_len, k_len, dtype=F64)
+    for index in torch.cartesian_prod(*(torch.arange(size) for size in (batch, heads, q_len, k_len))):
+        bi, n, i, j = index.tolist()
+        z = sigma(W_h @ C[bi, n, i, j] + scorer.pair_key.bias)
+        for layer in scorer.deeper:
+            z = sigma(layer.weight @ z + layer.bias)
+        A[bi, n, i, j] = scorer.output.weight[0] @ z
+    return A
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"h": 4},
+        {"h": 3, "proj_dim": 2},
+        {"h": 4, "proj_dim": 2, "depth": 2, "activation": "relu"},
+        {"h": 2, "mode": "replace"},
+        {"h": 4, "proj_dim": 3, "mode": "replace", "depth": 3, "activation": "tanh"},
+    ],
+)
+def test_neural_attention_matches_the_literal_concatenation(options):
+    torch.manual_seed(0)
+    scorer = NeuralAttentionScorer(NeuralAttentionConfig(**options), geometry())
+    randomise(scorer, std=0.6)
+    sigma = ACTIVATIONS[scorer.config.activation]
+    query = torch.randn(2, HEADS, 3, D, dtype=F64)
+    key = torch.randn(2, HEADS, 4, D, dtype=F64)
+    scaling = D**-0.5
+    A = neural_pair_scores_literal(scorer, query, key, sigma)
+    if scorer.config.mode == "replace":
+        expected = A * scaling  # Eq. 10: softmax(A / sqrt(d))
+    else:
+        dot = torch.einsum("bnqd,bnkd->bnqk", query, key) * scaling
+        expected = dot + scorer.gate.view(1, -1, 1, 1) * A
+    torch.testing.assert_close(scorer.scores(query, key, None, scaling), expected, rtol=1e-10, atol=1e-10)
+
+
+def literal_attention(scores, value, mask):
+    return torch.softmax(scores + mask, dim=-1) @ value
+
+
+@pytest.mark.parametrize("scorer_name", ["qana", "neural"])
+def test_scored_attention_is_softmax_of_scores_with_mask_and_grouped_heads(scorer_name):
+    torch.manual_seed(0)
+    if scorer_name == "qana":
+        scorer = QanaScorer(QanaConfig(h=2), geometry())
+    else:
+        scorer = NeuralAttentionScorer(NeuralAttentionConfig(h=3, proj_dim=2), geometry())
+    randomise(scorer)
+    batch, q_len, k_len = 2, 4, 4
+    hidden = torch.randn(batch, q_len, HIDDEN, dtype=F64)
+    extras = scorer.query_extras(hidden, None)
+    query = torch.randn(batch, HEADS, q_len, D, dtype=F64)
+    key = torch.randn(batch, KV_HEADS, k_len, D, dtype=F64)
+    value = torch.randn(batch, KV_HEADS, k_len, D, dtype=F64)
+    mask = torch.zeros(batch, 1, q_len, k_len, dtype=F64)
+    mask[..., ~torch.ones(q_len, k_len, dtype=torch.bool).tril()] = torch.finfo(F64).min
+    mask[1, ..., 0] = torch.finfo(F64).min  # a padded first key in the second sequence
+    out, probs = scored_attention(scorer, query, key, value, mask, scaling=D**-0.5, extras=extras)
+    # Grouped-query attention: both query heads read the single kv head.
+    key_full, value_full = key.expand(-1, HEADS, -1, -1), value.expand(-1, HEADS, -1, -1)
+    expected = literal_attention(scorer.scores(query, key_full, extras, D**-0.5), value_full, mask)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-12, atol=1e-12)
+    assert torch.all(probs[1, :, 1:, 0] == 0)  # the padded key gets no weight...
+    # ...and the query that can see nothing at all (causal and padded) averages uniformly, like eager.
+    torch.testing.assert_close(probs[1, :, 0], torch.full((HEADS, k_len), 1 / k_len, dtype=F64))
+
+
+class AttentionUnderTest(nn.Module):
+    """Hidden states and q, k, v in, attention output out: the whole scorer path, as a module."""
+
+    def __init__(self, scorer, mask, positions):
+        super().__init__()
+        self.scorer, self.mask, self.positions = scorer, mask, positions
+
+    def forward(self, hidden, query, key, value):
+        extras = self.scorer.query_extras(hidden, lambda x: rope_rows(x, self.positions))
+        return scored_attention(self.scorer, query, key, value, self.mask, scaling=D**-0.5, extras=extras)[0]
+
+
+@pytest.mark.parametrize("scorer_name", ["qana", "neural"])
+def test_gradcheck_through_inputs_and_parameters(scorer_name):
+    torch.manual_seed(0)
+    if scorer_name == "qana":
+        scorer = QanaScorer(QanaConfig(h=2), geometry(num_kv_heads=HEADS))
+    else:
+        scorer = NeuralAttentionScorer(NeuralAttentionConfig(h=3, proj_dim=2, depth=2), geometry(num_kv_heads=HEADS))
+    randomise(scorer, std=0.5)
+    seq = 3
+    mask = torch.zeros(1, 1, seq, seq, dtype=F64)
+    mask[..., ~torch.ones(seq, seq, dtype=torch.bool).tril()] = torch.finfo(F64).min
+    module = AttentionUnderTest(scorer, mask, torch.arange(seq))
+    names = [name for name, _ in module.named_parameters()]
+
+    def attention(hidden, query, key, value, *parameters):
+        return functional_call(module, dict(zip(names, parameters)), (hidden, query, key, value))
+
+    inputs = (
+        torch.randn(1, seq, HIDDEN, dtype=F64, requires_grad=True),
+        *(torch.randn(1, HEADS, seq, D, dtype=F64, requires_grad=True) for _ in range(3)),
+        *(p.detach().clone().requires_grad_() for p in module.parameters()),
+    )
+    assert torch.autograd.gradcheck(attention, inputs, eps=1e-6, atol=1e-7)
