@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-from transformers import (
+import os
+
+# Nothing in the tests may reach the Hub; say so, so a stray lookup fails at once instead of waiting.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import (  # noqa: E402
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -13,7 +18,7 @@ from transformers import (
     ViTForImageClassification,
 )
 
-import hf_neural_attn
+import hf_neural_attn  # noqa: E402
 
 VOCAB = 64
 

@@ -45,8 +45,8 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(family, scorer
         perturb_scorers(model)
         model.train()
         if model is checkpointed:
-            model.gradient_checkpointing_enable()
-            assert model.is_gradient_checkpointing
+            model.activation_checkpointing_enable()
+            assert model.is_activation_checkpointing
         loss = loss_of(model, family, inputs)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in hf_neural_attn.scorer_parameters(model).items()}

@@ -1,0 +1,26 @@
+# Two targets a new user needs; each sets up .venv on first use.
+#   make demo   run the main job on its embedded default (offline, CPU, a few minutes)
+#   make test   run the test suite (offline)
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: demo test install
+
+install: $(VENV)/.installed
+
+# torch is installed first and pinned: a bare `pip install torch` may resolve to a build with several GB of
+# CUDA packages where a CPU build is what this machine has.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: install
+	$(BIN)/python recipes/demo.py
+
+test: install
+	$(BIN)/python -m pytest -q
