@@ -80,3 +80,19 @@ def test_config_object_api_matches_keyword_api():
     assert by_name.config.hf_neural_attn == by_config.config.hf_neural_attn
     names = set(hf_neural_attn.scorer_parameters(by_name))
     assert names == set(hf_neural_attn.scorer_parameters(by_config))
+
+
+def test_deep_copies_are_independent_patched_models():
+    import copy
+
+    model = FACTORIES["llama"]()
+    inputs = model_inputs("llama")
+    original = logits(model, inputs)
+    hf_neural_attn.patch_model(model, "qana")
+    perturb_scorers(model)
+    patched = logits(model, inputs)
+    duplicate = copy.deepcopy(model)
+    torch.testing.assert_close(logits(duplicate, inputs), patched, rtol=0, atol=0)
+    hf_neural_attn.unpatch_model(duplicate)
+    assert torch.equal(logits(duplicate, inputs), original)
+    torch.testing.assert_close(logits(model, inputs), patched, rtol=0, atol=0)

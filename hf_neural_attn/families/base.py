@@ -9,6 +9,7 @@ masks) stays the model's own: the patch only swaps the attention function throug
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Callable, ClassVar
 
@@ -45,9 +46,14 @@ def call_argument(module: nn.Module, args: tuple, kwargs: dict, name: str):
     """The value of parameter ``name`` in a call ``module(*args, **kwargs)``, however it was passed."""
     if name in kwargs:
         return kwargs[name]
-    parameters = list(inspect.signature(module.forward).parameters)
-    position = parameters.index(name)
+    position = _forward_parameters(type(module)).index(name)
     return args[position] if position < len(args) else None
+
+
+@functools.cache
+def _forward_parameters(module_class: type[nn.Module]) -> list[str]:
+    # Looked up on every forward of every patched layer, so computed once per class.
+    return [name for name in inspect.signature(module_class.forward).parameters if name != "self"]
 
 
 def linear_query_geometry(
