@@ -9,6 +9,7 @@ again, and the scorer weights are read from the same safetensors files.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import warnings
@@ -49,11 +50,16 @@ def from_pretrained(path_or_repo_id: str, **hf_kwargs: Any):
             the record is damaged, or the scorer weights are missing or do not fit.
     """
     file_kwargs = {k: hf_kwargs[k] for k in _FILE_KWARGS if k in hf_kwargs}
-    config = hf_kwargs.pop("config", None) or AutoConfig.from_pretrained(path_or_repo_id, **file_kwargs)
+    config = hf_kwargs.pop("config", None)
+    # A copy: the record is removed from it below, and a config the caller passed must stay as it was.
+    config = copy.deepcopy(config) if config is not None else AutoConfig.from_pretrained(path_or_repo_id, **file_kwargs)
     record = _read_record(config, path_or_repo_id)
     model_class = _model_class(config, path_or_repo_id)
     # The record describes a patch still to apply; the base model must load unpatched.
     delattr(config, RECORD_KEY)
+    # Unpatched layers (and unpatch_model) should run what the saved model ran, unless told otherwise.
+    if record.get("base_attn_implementation") in ("eager", "sdpa"):
+        hf_kwargs.setdefault("attn_implementation", record["base_attn_implementation"])
 
     with _unreadable_weights_are_errors(path_or_repo_id), _quiet_transformers():
         model, loading_info = model_class.from_pretrained(

@@ -20,7 +20,8 @@ How the swap works, using transformers' own extension points rather than copies 
 
 from __future__ import annotations
 
-import sys
+import copy
+import warnings
 from functools import partial
 from typing import Any
 
@@ -28,7 +29,6 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import __version__
 from .families import FAMILIES, ModelFamily, find_attention
@@ -38,7 +38,9 @@ from .scorers import Scorer, ScorerConfig, scorer_class
 ATTN_IMPLEMENTATION = "hf_neural_attn"
 RECORD_KEY = "hf_neural_attn"  # attribute of model.config holding the patch record
 SCORER_ATTR = "attn_scorer"  # submodule of each patched attention module
-FALLBACK_ATTR = "_hf_neural_attn_fallback"  # implementation used by the model's unpatched attention modules
+# On every attention module that reads the patched config: (family name, original implementation), so
+# the modules the patch does not score keep running the model's own attention.
+FALLBACK_ATTR = "_hf_neural_attn_fallback"
 EXTRAS_KWARG = "hf_neural_attn_extras"  # per-query scorer inputs passed from the pre-hook to the attention function
 
 # Unpatched modules of a patched model see the eager-style additive mask we register, which these
@@ -78,27 +80,35 @@ def patch_model(
             f"Supported families: {sorted(FAMILIES)}."
         )
     if is_patched(model):
-        record = getattr(model.config, RECORD_KEY)
+        record = getattr(model.config, RECORD_KEY, None) or {}
         raise ValueError(
-            f"This model is already patched with scorer {record['scorer']!r} on layers {record['layers']}. "
+            f"This model is already patched with scorer {record.get('scorer')!r} on layers {record.get('layers')}. "
             "Call hf_neural_attn.unpatch_model(model) first to patch it differently."
         )
     config = _scorer_config(scorer, h, options)
-    family, attention_modules = find_attention(model)
+    family, attention_modules, config_readers = find_attention(model)
     selected = _normalise_layers(layers, len(attention_modules))
     scorer_type = scorer_class(config.scorer_name)
+    if config.init == "zero":
+        warnings.warn(
+            "init='zero' is the papers' literal init: the model stays exact, but no gradient ever reaches the "
+            "new parameters, so it cannot leave plain attention. Use init='default' to train.",
+            UserWarning,
+            stacklevel=2,
+        )
     # Build every new module before touching the model, so a failure here changes nothing.
     new_scorers = {index: scorer_type(config, family.geometry(attention_modules[index])) for index in selected}
 
     base_implementation = model.config._attn_implementation or "eager"
-    fallback = base_implementation if base_implementation in _FALLBACK_IMPLEMENTATIONS else "sdpa"
-    for index, module in enumerate(attention_modules):
+    fallback = (family.name, base_implementation if base_implementation in _FALLBACK_IMPLEMENTATIONS else "sdpa")
+    for module in config_readers:
         setattr(module, FALLBACK_ATTR, fallback)
-        if index in new_scorers:
-            module.add_module(SCORER_ATTR, new_scorers[index])
-            if scorer_type.needs_hidden_states:
-                module.register_forward_pre_hook(partial(_add_query_extras, family), with_kwargs=True)
-    for config_object in _configs(model, attention_modules):
+    for index, scorer_module in new_scorers.items():
+        module = attention_modules[index]
+        module.add_module(SCORER_ATTR, scorer_module)
+        if scorer_type.needs_hidden_states:
+            module.register_forward_pre_hook(partial(_add_query_extras, family), with_kwargs=True)
+    for config_object in _configs(model, config_readers):
         config_object._attn_implementation = ATTN_IMPLEMENTATION
     setattr(
         model.config,
@@ -124,21 +134,22 @@ def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
     if not is_patched(model):
         raise ValueError("This model is not patched by hf_neural_attn; there is nothing to unpatch.")
     record = getattr(model.config, RECORD_KEY)
-    attention_modules = [module for module in model.modules() if hasattr(module, FALLBACK_ATTR)]
-    for module in attention_modules:
+    config_readers = [module for module in model.modules() if hasattr(module, FALLBACK_ATTR)]
+    for module in config_readers:
         if hasattr(module, SCORER_ATTR):
             delattr(module, SCORER_ATTR)
         _remove_query_extras_hooks(module)
         delattr(module, FALLBACK_ATTR)
-    for config_object in _configs(model, attention_modules):
+    for config_object in _configs(model, config_readers):
         config_object._attn_implementation = record["base_attn_implementation"]
     delattr(model.config, RECORD_KEY)
     return model
 
 
 def is_patched(model: nn.Module) -> bool:
-    config = getattr(model, "config", None)
-    return isinstance(getattr(config, RECORD_KEY, None), dict)
+    """Whether ``model`` carries a patch. Judged by its modules, not by ``config.hf_neural_attn``: a config
+    loaded from a patched checkpoint by plain transformers carries the record over an unpatched model."""
+    return isinstance(model, nn.Module) and any(hasattr(module, FALLBACK_ATTR) for module in model.modules())
 
 
 def scorer_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -155,9 +166,10 @@ def _scorer_config(scorer: str | ScorerConfig, h: int | None, options: dict[str,
                 f"(got a {type(scorer).__name__} and h={h!r}, options {sorted(options)})."
             )
         scorer.validate()
-        return scorer
+        # A private copy: the patched modules and the record must not change if the caller's object does.
+        return copy.deepcopy(scorer)
     if not isinstance(scorer, str):
-        raise ValueError(f"scorer must be a scorer name or config, got {type(scorer).__name__}.")
+        raise TypeError(f"scorer must be a scorer name or config object, got {type(scorer).__name__}.")
     config_class = scorer_class(scorer).config_class
     if h is not None:
         options = {"h": h, **options}
@@ -228,7 +240,10 @@ def hf_neural_attention_forward(
     extras = kwargs.pop(EXTRAS_KWARG, None)
     scorer: Scorer | None = getattr(module, SCORER_ATTR, None)
     if scorer is None:
-        return _original_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+        family_name, implementation = getattr(module, FALLBACK_ATTR)
+        return FAMILIES[family_name].original_attention(
+            module, implementation, query, key, value, attention_mask, scaling, dropout, **kwargs
+        )
     if scorer.needs_hidden_states and extras is None:
         raise RuntimeError(
             f"The {scorer.name!r} scorer of {type(module).__name__} got no query inputs: its forward pre-hook "
@@ -239,7 +254,17 @@ def hf_neural_attention_forward(
     is_causal = kwargs.get("is_causal", getattr(module, "is_causal", False))
     mask = _additive_mask(attention_mask, query, key, is_causal)
     return scored_attention(
-        scorer, query, key, value, mask, scaling=scaling, dropout=dropout, training=module.training, extras=extras
+        scorer,
+        query,
+        key,
+        value,
+        mask,
+        scaling=scaling,
+        dropout=dropout,
+        training=module.training,
+        extras=extras,
+        is_causal=is_causal,
+        need_weights=bool(kwargs.get("output_attentions")),
     )
 
 
@@ -267,22 +292,6 @@ def _additive_mask(attention_mask, query: torch.Tensor, key: torch.Tensor, is_ca
             ~attention_mask, blocked
         )
     return attention_mask
-
-
-def _original_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
-    """Attention of an unpatched module of a patched model, with the model's original implementation.
-
-    When attention maps are requested the model's eager path is used, as SDPA cannot return them; so
-    ``output_attentions=True`` gives the maps of every layer, patched or not.
-    """
-    if getattr(module, FALLBACK_ATTR, "sdpa") == "eager" or kwargs.get("output_attentions"):
-        eager = sys.modules[type(module).__module__].eager_attention_forward
-        return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    if attention_mask is not None and attention_mask.dtype != torch.bool and attention_mask.dtype != query.dtype:
-        # SDPA wants the mask in the query dtype (autocast); clamp so the large negative stays finite.
-        attention_mask = attention_mask.clamp(min=torch.finfo(query.dtype).min).to(query.dtype)
-    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    return sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 def _register() -> None:

@@ -68,9 +68,56 @@ def test_sharded_checkpoint_round_trip(tmp_path):
 
 
 def test_from_pretrained_passes_hf_kwargs(tmp_path):
-    _, folder = saved_patched(tmp_path, "llama", "qana")
+    model, folder = saved_patched(tmp_path, "llama", "qana")
     loaded = hf_neural_attn.from_pretrained(folder, dtype=torch.bfloat16)
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    inputs = model_inputs("llama")
+    expected = logits(model.to(torch.bfloat16), inputs)
+    # bf16 keeps ~3 significant digits; loading in bf16 and casting a loaded model round at different
+    # points (observed up to 2e-3 on logits of magnitude 0.35).
+    torch.testing.assert_close(logits(loaded, inputs), expected, rtol=0, atol=1e-2)
+
+
+def test_from_pretrained_keeps_the_saved_base_implementation(tmp_path):
+    model = tiny_llama(attn_implementation="eager")
+    hf_neural_attn.patch_model(model, "qana", layers=[1])
+    perturb_scorers(model)
+    model.save_pretrained(tmp_path / "eager")
+    inputs = model_inputs("llama")
+    loaded = hf_neural_attn.from_pretrained(tmp_path / "eager")
+    assert loaded.config.hf_neural_attn == model.config.hf_neural_attn
+    assert torch.equal(logits(loaded, inputs), logits(model, inputs))
+    hf_neural_attn.unpatch_model(loaded)
+    assert loaded.config._attn_implementation == "eager"
+    # An explicit choice wins over the record.
+    assert hf_neural_attn.from_pretrained(tmp_path / "eager", attn_implementation="sdpa").config.hf_neural_attn[
+        "base_attn_implementation"
+    ] == "sdpa"
+
+
+def test_from_pretrained_leaves_a_passed_config_untouched(tmp_path):
+    from transformers import AutoConfig
+
+    model, folder = saved_patched(tmp_path)
+    config = AutoConfig.from_pretrained(folder)
+    inputs = model_inputs("gpt2")
+    for _ in range(2):
+        loaded = hf_neural_attn.from_pretrained(folder, config=config)
+        torch.testing.assert_close(logits(loaded, inputs), logits(model, inputs), rtol=0, atol=1e-6)
+    assert config.hf_neural_attn == model.config.hf_neural_attn
+
+
+def test_plain_transformers_load_gives_the_unpatched_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, folder = saved_patched(tmp_path, "llama", "neural")
+    plain = AutoModelForCausalLM.from_pretrained(folder)
+    assert not hf_neural_attn.is_patched(plain)  # although its config still carries the record
+    inputs = model_inputs("llama")
+    hf_neural_attn.unpatch_model(model)
+    torch.testing.assert_close(logits(plain, inputs), logits(model, inputs), rtol=0, atol=1e-6)
+    hf_neural_attn.patch_model(plain, "qana")  # a fresh patch replaces the stale record
+    assert plain.config.hf_neural_attn["scorer"] == "qana"
 
 
 class FakeHub:

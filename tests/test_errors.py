@@ -2,13 +2,13 @@
 
 import pytest
 import torch
-from conftest import logits, model_inputs, tiny_gpt2, tiny_llama
+from conftest import FACTORIES, logits, model_inputs, tiny_gpt2, tiny_llama
 from transformers import ResNetConfig, ResNetForImageClassification
 
 import hf_neural_attn
 
 
-def snapshot(model):
+def snapshot(model, family="llama"):
     """Everything a patch could change: parameters, buffers, config, module tree, hooks, outputs."""
     return {
         "state": {name: tensor.clone() for name, tensor in model.state_dict().items()},
@@ -17,12 +17,12 @@ def snapshot(model):
         "modules": [name for name, _ in model.named_modules()],
         "hooks": sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()),
         "attributes": sorted(k for m in model.modules() for k in vars(m) if "neural_attn" in k),
-        "logits": logits(model, model_inputs("llama")),
+        "logits": logits(model, model_inputs(family)),
     }
 
 
-def assert_unchanged(model, before):
-    after = snapshot(model)
+def assert_unchanged(model, before, family="llama"):
+    after = snapshot(model, family)
     assert after["state"].keys() == before["state"].keys()
     for name in before["state"]:
         assert torch.equal(after["state"][name], before["state"][name]), name
@@ -58,6 +58,36 @@ def test_bad_arguments_raise_value_error_and_change_nothing(args, kwargs, messag
     with pytest.raises(ValueError, match=message):
         hf_neural_attn.patch_model(model, *args, **kwargs)
     assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "vit"])
+@pytest.mark.parametrize("args,kwargs,message", [BAD_CALLS[1], BAD_CALLS[5], BAD_CALLS[11]])
+def test_bad_arguments_change_nothing_in_other_families(family, args, kwargs, message):
+    model = FACTORIES[family]()
+    before = snapshot(model, family)
+    with pytest.raises(ValueError, match=message):
+        hf_neural_attn.patch_model(model, *args, **kwargs)
+    assert_unchanged(model, before, family)
+
+
+def test_wrong_scorer_type_is_a_type_error():
+    with pytest.raises(TypeError, match="scorer name or config object"):
+        hf_neural_attn.patch_model(tiny_llama(), 4)
+
+
+def test_init_zero_warning_points_at_the_caller():
+    with pytest.warns(UserWarning, match="no gradient") as caught:
+        hf_neural_attn.patch_model(tiny_llama(), "qana", init="zero")
+    assert caught[0].filename == __file__
+
+
+def test_config_object_is_copied_not_shared():
+    config = hf_neural_attn.QanaConfig(h=2)
+    model = tiny_llama()
+    hf_neural_attn.patch_model(model, config)
+    config.h = 3  # the caller's object changes; the patched model must not
+    assert model.config.hf_neural_attn["options"]["h"] == 2
+    logits(model, model_inputs("llama"))
 
 
 def test_model_without_supported_attention_is_a_type_error_naming_the_families():

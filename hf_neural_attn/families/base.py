@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from typing import Callable, ClassVar
 
 import torch
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..scorers import AttentionGeometry
 
@@ -26,8 +28,29 @@ class ModelFamily:
     attention_classes: ClassVar[tuple[type[nn.Module], ...]]
 
     def matches(self, module: nn.Module) -> bool:
-        """Whether ``module`` is a self-attention module of this family."""
+        """Whether ``module`` is a self-attention module of this family (the ones that get a scorer)."""
         return isinstance(module, self.attention_classes)
+
+    def reads_shared_config(self, module: nn.Module) -> bool:
+        """Whether ``module`` picks its attention function from the model's config. Those a patch does not
+        score (cross-attention, say) must still be routed to the model's original implementation."""
+        return isinstance(module, self.attention_classes)
+
+    def original_attention(
+        self, module: nn.Module, implementation: str, query, key, value, attention_mask, scaling, dropout, **kwargs
+    ):
+        """Run the model's own attention (``"eager"`` or ``"sdpa"``) for a module the patch does not score.
+
+        Attention maps can only come from the eager path, so it also serves ``output_attentions`` calls.
+        """
+        if implementation == "eager" or kwargs.get("output_attentions"):
+            eager = sys.modules[type(module).__module__].eager_attention_forward
+            return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        if attention_mask is not None and attention_mask.dtype not in (torch.bool, query.dtype):
+            # SDPA wants the mask in the query dtype (autocast); clamp so the large negative stays finite.
+            attention_mask = attention_mask.clamp(min=torch.finfo(query.dtype).min).to(query.dtype)
+        sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        return sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
     def geometry(self, module: nn.Module) -> AttentionGeometry:
         raise NotImplementedError

@@ -16,6 +16,14 @@ class GPT2Family(ModelFamily):
     def matches(self, module):
         return super().matches(module) and not module.is_cross_attention
 
+    def original_attention(self, module, implementation, query, key, value, attention_mask, scaling, dropout, **kwargs):
+        # GPT-2's eager path has a variant of its own: q.k in fp32 with the scale folded in.
+        if implementation == "eager" and module.reorder_and_upcast_attn:
+            return module._upcast_and_reordered_attn(query, key, value, attention_mask)
+        return super().original_attention(
+            module, implementation, query, key, value, attention_mask, scaling, dropout, **kwargs
+        )
+
     def geometry(self, module):
         # Conv1D stores (in, out); the query is the first embed_dim output columns.
         query_weight = module.c_attn.weight[:, : module.embed_dim]

@@ -11,10 +11,12 @@ from typing import Any
 
 import torch
 
+from .chunked import chunked_attention
 from .reference import reference_attention
 
 IMPLEMENTATIONS = {
     "reference": reference_attention,
+    "chunked": chunked_attention,
 }
 
 
@@ -37,12 +39,19 @@ def scored_attention(
     dropout: float = 0.0,
     training: bool = False,
     extras: Any = None,
+    is_causal: bool = False,
+    need_weights: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention with ``scorer``'s logits.
 
     Args:
         query: (batch, heads, q_len, head_dim); key, value: (batch, kv_heads, kv_len, head_dim).
         attention_mask: additive float mask broadcastable to (batch, heads, q_len, kv_len), or None.
+        is_causal: whether the mask is causal (lets a path skip blocks the mask hides entirely).
+        need_weights: the caller wants the probabilities (``output_attentions``).
+
+    Only the reference path materialises the probabilities, so it also serves calls that need them
+    returned or need dropout applied to them, whatever ``impl`` says.
 
     Returns:
         output (batch, q_len, heads, head_dim), the layout transformers' attention functions return,
@@ -50,8 +59,19 @@ def scored_attention(
     """
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    compute = IMPLEMENTATIONS[scorer.config.impl]
-    output, probs = compute(
-        scorer, query, key, value, attention_mask, scaling=scaling, dropout=dropout, training=training, extras=extras
+    impl = scorer.config.impl
+    if need_weights or (training and dropout > 0):
+        impl = "reference"
+    output, probs = IMPLEMENTATIONS[impl](
+        scorer,
+        query,
+        key,
+        value,
+        attention_mask,
+        scaling=scaling,
+        dropout=dropout,
+        training=training,
+        extras=extras,
+        is_causal=is_causal,
     )
     return output.transpose(1, 2).contiguous(), probs

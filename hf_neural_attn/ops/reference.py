@@ -23,6 +23,7 @@ def reference_attention(
     dropout: float,
     training: bool,
     extras: Any,
+    is_causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(scorer.scores(q, k) + mask) @ v.
 
@@ -30,7 +31,8 @@ def reference_attention(
         query: (batch, heads, q_len, head_dim).
         key, value: (batch, heads, kv_len, head_dim), already repeated for grouped-query attention.
         attention_mask: additive float (batch or 1, 1, q_len, kv_len) with large negatives where
-            attention is not allowed, or None for full attention.
+            attention is not allowed, or None for full attention. It carries the causal structure too, so
+            ``is_causal`` (a hint other paths use to skip work) is not needed here.
 
     Returns:
         output (batch, heads, q_len, head_dim) and probabilities (batch, heads, q_len, kv_len).

@@ -39,7 +39,9 @@ class ScorerConfig:
         init: ``"default"`` keeps the patched model's outputs equal to the original and lets gradients
             reach the new parameters (see ``docs/scorers.md``); ``"zero"`` is the papers' literal
             all-zero init, under which no gradient ever reaches the new parameters (it warns).
-        impl: how scores are turned into attention outputs; see :mod:`hf_neural_attn.ops`.
+        impl: how scores are turned into attention outputs: ``"reference"`` materialises the score matrix
+            (simple, the test oracle); ``"chunked"`` processes blocks of queries and recomputes their
+            scores in backward, so memory grows with n instead of n². See :mod:`hf_neural_attn.ops`.
     """
 
     scorer_name: ClassVar[str] = ""
@@ -135,7 +137,11 @@ class Scorer(nn.Module):
         self, hidden_states: torch.Tensor, rotate: Callable[[torch.Tensor], torch.Tensor] | None
     ) -> Any:
         """Per-query inputs computed from ``hidden_states`` (batch, seq, hidden); ``rotate`` applies the
-        model's RoPE at the query positions to a (batch, n, seq, head_dim) tensor, or is None."""
+        model's RoPE at the query positions to a (batch, n, seq, head_dim) tensor, or is None.
+
+        What is returned must be a NamedTuple of tensors with a ``query_block(start, end)`` method giving
+        the same inputs for queries ``start:end`` (the chunked path scores one block of queries at a time).
+        """
         return None
 
     def scores(self, query: torch.Tensor, key: torch.Tensor, extras: Any, scaling: float) -> torch.Tensor:
@@ -152,6 +158,10 @@ class Scorer(nn.Module):
             (batch, heads, q_len, kv_len) logits.
         """
         raise NotImplementedError
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, extras: Any, scaling: float) -> torch.Tensor:
+        """Same as :meth:`scores`; lets ``torch.func.functional_call`` run a scorer with given parameters."""
+        return self.scores(query, key, extras, scaling)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.config.to_dict().items())

@@ -9,11 +9,11 @@ The concatenation is never built: W_h = [W_hq | W_hk], so the first layer is P_i
 P = q' W_hq^T and R = k' W_hk^T + b_h, computed once per query and once per key.
 
 Two modes:
-  * ``residual`` (default, for pretrained models): score = q.k * scaling + alpha * A. With the output
-    layer w_a at zero the term vanishes, so outputs equal the pretrained model's, and w_a gets a
-    non-zero gradient on the first backward.
-  * ``replace`` (the paper's from-scratch form, Eq. 10): score = A * scaling, with every layer at
-    PyTorch's default init. Not function-preserving.
+  * ``residual`` (default, for pretrained models): score = q.k * scaling + alpha * A. The last hidden
+    layer starts as mirrored pairs of units with opposite output weights, so A cancels and outputs equal
+    the pretrained model's, while w_a and the last layer get a gradient on the first backward.
+  * ``replace`` (the paper's from-scratch form, Eq. 10): score = A * scaling, with random init (scaled as
+    described in ``reset_parameters``). Not function-preserving.
 
 The paper's output bias b_a adds one constant to every score, which softmax removes; it could never
 receive a gradient, so it is left out.
@@ -24,7 +24,6 @@ Shared across heads like the authors' code: one MLP (and one pair of projections
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -119,17 +118,23 @@ class NeuralAttentionScorer(Scorer):
                 nn.init.normal_(layer.weight, 0.0, 1.0 / (q_scale * layer.in_features**0.5))
         if self.config.mode == "replace":
             return
-        self.output.weight.zero_()
         if self.config.init == "zero":
-            warnings.warn(
-                "Neural Attention init='zero' (output layer and gate at zero) keeps the model exact but no "
-                "gradient ever reaches the new parameters. Use init='default' to train.",
-                UserWarning,
-                stacklevel=3,
-            )
+            self.output.weight.zero_()
             self.gate.zero_()
-        else:
-            self.gate.fill_(1.0)
+            return
+        # Mirrored pairs on the last hidden layer: duplicate the rows that produce it, give the copies
+        # opposite output weights. Each pair's terms cancel (outputs unchanged, to rounding) while the
+        # output weights and the last layer's rows get a gradient on the first backward.
+        producers = [self.deeper[-1]] if len(self.deeper) else [self.pair_query, self.pair_key]
+        pairs = self.output.in_features // 2
+        output = self.output.weight[0]
+        for layer in producers:
+            layer.weight[pairs : 2 * pairs] = layer.weight[:pairs]
+            if layer.bias is not None:
+                layer.bias[pairs : 2 * pairs] = layer.bias[:pairs]
+        output[pairs : 2 * pairs] = -output[:pairs]
+        output[2 * pairs :] = 0.0  # an odd last unit has no partner
+        self.gate.fill_(1.0)
 
     def pair_scores(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         """A_ij for (batch, heads, q, d) queries and (batch, heads, k, d) keys -> (batch, heads, q, k)."""

@@ -14,15 +14,15 @@ position (row-wise RoPE), so each U_il . k_j keeps depending on j - i only.
 Here ``s`` is the model's own query (its pretrained W_Q rows, untouched); the extra rows of W_Q that
 produce U, V, b, c live in ``query_extension``, one block of h*D_K + 2h + 1 rows per head.
 
-Init (``init="default"``): U rows random, V, b, c rows zero, alpha = 1. The MLP term is then exactly 0,
-so outputs equal the pretrained model's, and the V rows get a non-zero gradient on the first backward
-(dL/dV = alpha * act(U k + b), which varies with the key). No exactly function-preserving init can give
-the gate alpha a gradient at the same time: see ``docs/scorers.md``.
+Init (``init="default"``): hidden units in mirrored pairs, the same random U rows and opposite random V
+rows (b, c zero, alpha = 1). Each pair's two terms cancel, so outputs equal the pretrained model's (to
+rounding), while U, V and b all get a non-zero gradient on the first backward. Only alpha (and c, which
+softmax ignores) must wait a step: no function-preserving init can give the gate a gradient at once,
+see ``docs/scorers.md``.
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -47,6 +47,12 @@ class QanaQueryParts(NamedTuple):
     b: torch.Tensor  # (batch, heads, q_len, h)
     c: torch.Tensor  # (batch, heads, q_len, 1)
 
+    def query_block(self, start: int, end: int) -> "QanaQueryParts":
+        """The slices of queries ``start:end``."""
+        return QanaQueryParts(
+            self.U[:, :, :, start:end], self.V[:, :, start:end], self.b[:, :, start:end], self.c[:, :, start:end]
+        )
+
 
 class QanaScorer(Scorer):
     name = "qana"
@@ -70,25 +76,26 @@ class QanaScorer(Scorer):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        """Mirrored pairs of hidden units: the same U (and b) rows, opposite V rows; see module doc."""
         h, d, heads = self.config.h, self.geometry.head_dim, self.geometry.num_heads
         weight = self.query_extension.weight.view(heads, self.rows_per_head, -1)
         weight.zero_()
         if self.query_extension.bias is not None:
             self.query_extension.bias.zero_()
         if self.config.init == "zero":
-            warnings.warn(
-                "QANA init='zero' (all new W_Q rows and the gate at zero) keeps the model exact but no "
-                "gradient ever reaches the new parameters: the model cannot leave plain attention. "
-                "Use init='default' to train.",
-                UserWarning,
-                stacklevel=3,
-            )
             self.gate.zero_()
             return
-        # U rows at the scale of the pretrained W_Q rows times 1/sqrt(D_K): U~ . k~ then has the
-        # magnitude of the model's own scaled scores, inside the activation's nonlinear range.
-        std = self.geometry.query_weight_std * d**-0.5
-        weight[:, : h * d].normal_(0.0, std)
+        U = weight[:, : h * d].view(heads, h, d, -1)
+        V = weight[:, h * d : h * d + h]
+        pairs = h // 2
+        # U rows at the scale of the pretrained W_Q rows times 1/sqrt(D_K): U~ . k~ then has the magnitude
+        # of the model's own scaled scores, inside the activation's nonlinear range. V rows at the scale
+        # of W_Q rows, so V has the magnitude of a query entry.
+        U.normal_(0.0, self.geometry.query_weight_std * d**-0.5)
+        V[:, :pairs].normal_(0.0, self.geometry.query_weight_std)
+        U[:, pairs : 2 * pairs] = U[:, :pairs]
+        V[:, pairs : 2 * pairs] = -V[:, :pairs]
+        # With h odd, the last unit has no partner: its V row stays zero.
         self.gate.fill_(1.0)
 
     def query_extras(

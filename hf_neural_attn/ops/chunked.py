@@ -1,0 +1,151 @@
+"""Chunked attention: O(n · block) memory for any scorer, on any device.
+
+The reference path keeps every (query, key) activation of the scoring MLP for backward:
+batch × heads × n × n × h numbers per patched layer. Here queries are processed in blocks of
+``QUERY_BLOCK``; forward keeps only the inputs and two numbers per query row, the row maximum and the
+softmax normaliser. Backward recomputes one block's scores at a time, rebuilds its probabilities
+exactly as forward made them, and backpropagates the softmax gradient ``dS = P ⊙ (dP − rowsum(P ⊙ dP))``
+through the scorer, whose own autograd does the rest. Peak memory is one block's scores instead of all
+of them.
+
+A block holds whole rows, so no online softmax is needed. Saving the maximum and the normaliser rather
+than their log-sum-exp keeps fp32 results as accurate as the reference: rebuilding P as exp(s − lse)
+would add an error proportional to |lse|.
+
+Under a causal mask, the keys after a block's last query are masked for the whole block and are not
+scored at all.
+
+Queries that may attend to no key (left-padding rows) get uniform weights over the keys a path visits,
+which here can be fewer than the reference visits; their outputs carry no information on either path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+QUERY_BLOCK = 128
+
+
+def chunked_attention(
+    scorer,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    scaling: float,
+    dropout: float,
+    training: bool,
+    extras: Any,
+    is_causal: bool = False,
+) -> tuple[torch.Tensor, None]:
+    """Same contract as :func:`~hf_neural_attn.ops.reference.reference_attention`, without dropout and
+    without returning probabilities (the dispatcher sends those cases to the reference path)."""
+    if training and dropout > 0:
+        raise ValueError("The chunked path applies no attention dropout; use the reference path for it.")
+    named = list(scorer.named_parameters())
+    names, parameters = tuple(name for name, _ in named), tuple(parameter for _, parameter in named)
+    extras_tensors = tuple(extras) if extras is not None else ()
+    output = _BlockwiseAttention.apply(
+        scorer,
+        names,
+        type(extras) if extras is not None else None,
+        len(extras_tensors),
+        scaling,
+        is_causal,
+        attention_mask,
+        query,
+        key,
+        value,
+        *extras_tensors,
+        *parameters,
+    )
+    return output, None
+
+
+def _blocks(q_len: int, kv_len: int, is_causal: bool):
+    """(start, end, kv_end) per query block; queries are aligned to the end of the keys (KV cache)."""
+    for start in range(0, q_len, QUERY_BLOCK):
+        end = min(start + QUERY_BLOCK, q_len)
+        kv_end = min(kv_len, end + kv_len - q_len) if is_causal else kv_len
+        yield start, end, kv_end
+
+
+def _block_scores(score, query, key, extras, attention_mask, start, end, kv_end, scaling) -> torch.Tensor:
+    """Masked logits of queries ``start:end`` against keys ``:kv_end``, in at least fp32."""
+    block_extras = extras.query_block(start, end) if extras is not None else None
+    scores = score(query[:, :, start:end], key[:, :, :kv_end], block_extras, scaling)
+    dtype = torch.promote_types(scores.dtype, torch.float32)
+    scores = scores.to(dtype)
+    if attention_mask is not None:
+        rows = attention_mask[..., start:end, :kv_end] if attention_mask.shape[-2] > 1 else attention_mask[..., :kv_end]
+        scores = (scores + rows).clamp(min=torch.finfo(dtype).min)
+    return scores
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, scorer, names, extras_type, num_extras, scaling, is_causal, attention_mask, query, key, value, *tensors
+    ):
+        extras = extras_type._make(tensors[:num_extras]) if extras_type is not None else None
+        q_len, kv_len = query.shape[-2], key.shape[-2]
+        output = torch.empty(*query.shape[:-1], value.shape[-1], dtype=value.dtype, device=value.device)
+        stats_dtype = torch.promote_types(query.dtype, torch.float32)
+        row_max = torch.empty(query.shape[:-1], dtype=stats_dtype, device=query.device)
+        row_sum = torch.empty_like(row_max)
+        for start, end, kv_end in _blocks(q_len, kv_len, is_causal):
+            scores = _block_scores(scorer, query, key, extras, attention_mask, start, end, kv_end, scaling)
+            block_max = scores.amax(dim=-1, keepdim=True)
+            exps = torch.exp(scores - block_max)
+            block_sum = exps.sum(dim=-1, keepdim=True)
+            probs = (exps / block_sum).to(value.dtype)
+            output[:, :, start:end] = torch.matmul(probs, value[:, :, :kv_end])
+            row_max[:, :, start:end], row_sum[:, :, start:end] = block_max.squeeze(-1), block_sum.squeeze(-1)
+        device = query.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.scorer, ctx.names, ctx.extras_type, ctx.num_extras = scorer, names, extras_type, num_extras
+        ctx.scaling, ctx.is_causal = scaling, is_causal
+        ctx.save_for_backward(attention_mask, query, key, value, row_max, row_sum, *tensors)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        attention_mask, query, key, value, row_max, row_sum, *tensors = ctx.saved_tensors
+        needs = ctx.needs_input_grad  # aligned with forward's arguments after ctx
+        first_tensor = 10  # index of *tensors among forward's arguments
+        device, autocast_enabled, autocast_dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast_enabled):
+            query_leaf = query.detach().requires_grad_(needs[7])
+            key_leaf = key.detach().requires_grad_(needs[8])
+            leaves = [t.detach().requires_grad_(needs[first_tensor + i]) for i, t in enumerate(tensors)]
+            extras = ctx.extras_type._make(leaves[: ctx.num_extras]) if ctx.extras_type is not None else None
+            parameters = dict(zip(ctx.names, leaves[ctx.num_extras :]))
+
+            def score(*args):
+                return functional_call(ctx.scorer, parameters, args)
+
+            grad_value = torch.zeros_like(value, dtype=row_max.dtype)
+            for start, end, kv_end in _blocks(query.shape[-2], key.shape[-2], ctx.is_causal):
+                scores = _block_scores(
+                    score, query_leaf, key_leaf, extras, attention_mask, start, end, kv_end, ctx.scaling
+                )
+                with torch.no_grad():
+                    rows = slice(start, end)
+                    probs = torch.exp(scores - row_max[:, :, rows, None]) / row_sum[:, :, rows, None]
+                    grad_block = grad_output[:, :, rows].to(probs.dtype)
+                    grad_value[:, :, :kv_end] += torch.matmul(probs.transpose(-1, -2), grad_block)
+                    grad_probs = torch.matmul(grad_block, value[:, :, :kv_end].transpose(-1, -2).to(probs.dtype))
+                    grad_scores = probs * (grad_probs - (probs * grad_probs).sum(-1, keepdim=True))
+                if scores.requires_grad:
+                    torch.autograd.backward(scores, grad_scores)
+        return (
+            None, None, None, None, None, None, None,
+            query_leaf.grad,
+            key_leaf.grad,
+            grad_value.to(value.dtype) if needs[9] else None,
+            *(leaf.grad for leaf in leaves),
+        )  # fmt: skip
