@@ -211,15 +211,9 @@ class AttentionUnderTest(nn.Module):
         return scored_attention(self.scorer, query, key, value, self.mask, scaling=D**-0.5, extras=extras)[0]
 
 
-@pytest.mark.parametrize("scorer_name", ["qana", "neural"])
-def test_gradcheck_through_inputs_and_parameters(scorer_name):
-    torch.manual_seed(0)
-    if scorer_name == "qana":
-        scorer = QanaScorer(QanaConfig(h=2), geometry(num_kv_heads=HEADS))
-    else:
-        scorer = NeuralAttentionScorer(NeuralAttentionConfig(h=3, proj_dim=2, depth=2), geometry(num_kv_heads=HEADS))
-    randomise(scorer, std=0.5)
-    seq = 3
+def causal_gradcheck(scorer, seq: int, seed: int = 0) -> bool:
+    """float64 gradcheck of the whole scorer path under a causal mask, with respect to the hidden states,
+    q, k, v and every scorer parameter."""
     mask = torch.zeros(1, 1, seq, seq, dtype=F64)
     mask[..., ~torch.ones(seq, seq, dtype=torch.bool).tril()] = torch.finfo(F64).min
     module = AttentionUnderTest(scorer, mask, torch.arange(seq))
@@ -228,9 +222,21 @@ def test_gradcheck_through_inputs_and_parameters(scorer_name):
     def attention(hidden, query, key, value, *parameters):
         return functional_call(module, dict(zip(names, parameters)), (hidden, query, key, value))
 
+    generator = torch.Generator().manual_seed(seed)
     inputs = (
-        torch.randn(1, seq, HIDDEN, dtype=F64, requires_grad=True),
-        *(torch.randn(1, HEADS, seq, D, dtype=F64, requires_grad=True) for _ in range(3)),
+        torch.randn(1, seq, HIDDEN, dtype=F64, generator=generator).requires_grad_(),
+        *(torch.randn(1, HEADS, seq, D, dtype=F64, generator=generator).requires_grad_() for _ in range(3)),
         *(p.detach().clone().requires_grad_() for p in module.parameters()),
     )
-    assert torch.autograd.gradcheck(attention, inputs, eps=1e-6, atol=1e-7)
+    return torch.autograd.gradcheck(attention, inputs, eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("scorer_name", ["qana", "neural"])
+def test_gradcheck_through_inputs_and_parameters(scorer_name):
+    torch.manual_seed(0)
+    if scorer_name == "qana":
+        scorer = QanaScorer(QanaConfig(h=2), geometry(num_kv_heads=HEADS))
+    else:
+        scorer = NeuralAttentionScorer(NeuralAttentionConfig(h=3, proj_dim=2, depth=2), geometry(num_kv_heads=HEADS))
+    randomise(scorer, std=0.5)
+    assert causal_gradcheck(scorer, seq=3)

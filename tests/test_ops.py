@@ -3,8 +3,7 @@
 import pytest
 import torch
 from conftest import FACTORIES, logits, model_inputs, perturb_scorers
-from test_math import F64, HEADS, HIDDEN, KV_HEADS, D, AttentionUnderTest, geometry, randomise
-from torch.func import functional_call
+from test_math import F64, HEADS, HIDDEN, KV_HEADS, D, causal_gradcheck, geometry, randomise
 
 import hf_neural_attn
 import hf_neural_attn.ops.chunked as chunked
@@ -76,25 +75,8 @@ def test_chunked_matches_reference_in_fp32(monkeypatch, scorer_name, q_len, kv_l
 
 @pytest.mark.parametrize("scorer_name", ["qana", "neural"])
 def test_chunked_gradcheck_in_float64(monkeypatch, scorer_name):
-    monkeypatch.setattr(chunked, "QUERY_BLOCK", 2)
-    scorer = make_scorer(scorer_name, dtype=F64, impl="chunked")
-    seq = 5
-    mask = torch.zeros(1, 1, seq, seq, dtype=F64)
-    mask[..., ~torch.ones(seq, seq, dtype=torch.bool).tril()] = torch.finfo(F64).min
-    module = AttentionUnderTest(scorer, mask, torch.arange(seq))
-    names = [name for name, _ in module.named_parameters()]
-
-    def attention(hidden, query, key, value, *parameters):
-        return functional_call(module, dict(zip(names, parameters)), (hidden, query, key, value))
-
-    generator = torch.Generator().manual_seed(1)
-    heads = HEADS
-    inputs = (
-        torch.randn(1, seq, HIDDEN, dtype=F64, generator=generator).requires_grad_(),
-        *(torch.randn(1, heads, seq, D, dtype=F64, generator=generator).requires_grad_() for _ in range(3)),
-        *(p.detach().clone().requires_grad_() for p in module.parameters()),
-    )
-    assert torch.autograd.gradcheck(attention, inputs, eps=1e-6, atol=1e-7)
+    monkeypatch.setattr(chunked, "QUERY_BLOCK", 2)  # 5 queries: blocks of 2, 2 and 1
+    assert causal_gradcheck(make_scorer(scorer_name, dtype=F64, impl="chunked"), seq=5, seed=1)
 
 
 def saved_bytes(fn):
