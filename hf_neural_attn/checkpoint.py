@@ -117,7 +117,9 @@ def _read_record(config, source: str) -> dict[str, Any]:
         )
     if str(record["version"]).split(".")[0] != __version__.split(".")[0]:
         warnings.warn(
-            f"{source} was saved by hf_neural_attn {record['version']}; this is {__version__}.", UserWarning
+            f"{source} was saved by hf_neural_attn {record['version']}; this is {__version__}.",
+            UserWarning,
+            stacklevel=3,
         )
     return record
 
@@ -166,7 +168,7 @@ def _report_base_loading(info: dict, scorer_names: set[str], source: str) -> Non
         if names
     ]
     if problems:
-        warnings.warn(f"Loading the base model from {source}: " + "; ".join(problems), UserWarning)
+        warnings.warn(f"Loading the base model from {source}: " + "; ".join(problems), UserWarning, stacklevel=3)
 
 
 def _names_on_disk(model, parameters: dict[str, torch.Tensor]) -> dict[str, list[str]]:

@@ -6,7 +6,11 @@ from conftest import FACTORIES, logits, model_inputs, perturb_scorers, tiny_gpt2
 
 import hf_neural_attn
 
-DROPOUT_CONFIG = {"llama": {"attention_dropout": 0.5}, "gpt2": {"attn_pdrop": 0.5}, "vit": {"attention_probs_dropout_prob": 0.5}}
+DROPOUT_CONFIG = {
+    "llama": {"attention_dropout": 0.5},
+    "gpt2": {"attn_pdrop": 0.5},
+    "vit": {"attention_probs_dropout_prob": 0.5},
+}
 
 
 def loss_of(model, family, inputs):
@@ -30,7 +34,9 @@ def test_attention_dropout_applies_in_train_mode_only(family, scorer_name):
     # Inverted dropout on the probabilities: about half the allowed entries are zeroed, the kept ones
     # scaled by 1/(1-p) = 2.
     probs = first.attentions[0]
-    allowed = probs.new_ones(probs.shape[-2:]).tril().bool() if family != "vit" else probs.new_ones(probs.shape[-2:]).bool()
+    allowed = torch.ones(probs.shape[-2:], dtype=torch.bool)
+    if family != "vit":
+        allowed = allowed.tril()
     zero_fraction = (probs[..., allowed] == 0).float().mean().item()
     assert 0.4 < zero_fraction < 0.6, zero_fraction
 

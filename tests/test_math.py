@@ -103,7 +103,7 @@ def test_qana_matches_the_literal_widened_query(h, activation, use_rope):
                 c = q[-1:]
                 if use_rope:
                     s = rope_vector(s, q_positions[i].item())
-                    U = torch.stack([rope_vector(U[l], q_positions[i].item()) for l in range(h)])
+                    U = torch.stack([rope_vector(U[row], q_positions[i].item()) for row in range(h)])
                 for j in range(k_len):
                     k = keys[bi, n, j]
                     if use_rope:

@@ -15,7 +15,8 @@ def make_scorer(name, dtype=torch.float32, impl="reference"):
     if name == "qana":
         scorer = QanaScorer(QanaConfig(h=2, impl=impl), geometry(dtype=dtype))
     else:
-        scorer = NeuralAttentionScorer(NeuralAttentionConfig(h=3, proj_dim=2, depth=2, impl=impl), geometry(dtype=dtype))
+        config = NeuralAttentionConfig(h=3, proj_dim=2, depth=2, impl=impl)
+        scorer = NeuralAttentionScorer(config, geometry(dtype=dtype))
     randomise(scorer)
     return scorer.to(dtype)
 
@@ -141,7 +142,8 @@ def test_chunked_generation_and_attention_maps(monkeypatch):
     perturb_scorers(model)
     prompt = model_inputs("llama", seq=6)["input_ids"]
     settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert torch.equal(model.generate(prompt, use_cache=True, **settings), model.generate(prompt, use_cache=False, **settings))
+    with_cache = model.generate(prompt, use_cache=True, **settings)
+    assert torch.equal(with_cache, model.generate(prompt, use_cache=False, **settings))
     # Maps are only materialised by the reference path, which serves output_attentions calls.
     attentions = model(prompt, output_attentions=True).attentions
     assert len(attentions) == 2 and attentions[0].shape == (2, 4, 6, 6)
