@@ -1,0 +1,401 @@
+"""The recipes' command line: Hugging Face example-script flag names, plus the patch's own flags.
+
+A YAML or JSON file may stand in for the flags: ``--config file.yaml`` (or the file as the first argument,
+as the Hugging Face scripts accept). Its keys are the flag names without dashes; flags given on the command
+line override the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+GLUE_TASKS = ("cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli")
+TASKS = ("clm", *GLUE_TASKS, "image")
+SCORERS = ("none", "qana", "neural")
+SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "cosine_with_min_lr",
+    "warmup_stable_decay",
+)
+TEXT_EXTENSIONS = {"txt": "text", "text": "text", "csv": "csv", "json": "json", "jsonl": "json"}
+CONFIG_EXTENSIONS = (".yaml", ".yml", ".json")
+
+
+class RecipeError(ValueError):
+    """A problem with the run's inputs, reported before any training starts."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="finetune.py",
+        description=(
+            "Fine-tune (or train from scratch) a Transformers model with its attention scoring replaced by "
+            "hf_neural_attn (QANA or Neural Attention), and evaluate it on WikiText, GLUE or CIFAR. "
+            "Run with no arguments for an offline demo: baseline and patched side by side."
+        ),
+    )
+    add = parser.add_argument
+    add("--config", type=str, default=None, help="A YAML or JSON file of flag values (keys = flag names).")
+
+    group = parser.add_argument_group("task and model")
+    add = group.add_argument
+    add("--task", type=str, default="clm", choices=TASKS, help="clm (causal LM), a GLUE task name, or image.")
+    add("--model_name_or_path", type=str, default=None, help="Pretrained model (Hub id or local folder).")
+    add("--config_name", type=str, default=None, help="Config (Hub id or folder) to build a model from scratch.")
+    add(
+        "--model_type",
+        type=str,
+        default=None,
+        help="Model type to build from scratch with its default config (e.g. gpt2, llama, vit).",
+    )
+    add(
+        "--config_overrides",
+        type=str,
+        default=None,
+        help='Override config values of a from-scratch model, e.g. "n_layer=8,n_head=8,n_embd=512".',
+    )
+    add("--tokenizer_name", type=str, default=None, help="Tokenizer, if not the model's.")
+    add("--image_processor_name", type=str, default=None, help="Image processor, if not the model's.")
+    add(
+        "--ignore_mismatched_sizes",
+        action="store_true",
+        help="Re-initialise a pretrained head whose shape does not fit the task (e.g. a different label count).",
+    )
+    add("--cpu", action="store_true", help="Run on CPU even when an accelerator is present.")
+
+    group = parser.add_argument_group("data")
+    add = group.add_argument
+    add("--dataset_name", type=str, default=None, help="Hub dataset (default: per task; see docs/recipes.md).")
+    add("--dataset_config_name", type=str, default=None, help="Dataset config, e.g. wikitext-103-raw-v1.")
+    add(
+        "--eval_split",
+        type=str,
+        default=None,
+        help="clm and image, Hub datasets: the split to evaluate on (default: validation, else test), e.g. test.",
+    )
+    add("--train_file", type=str, default=None, help="Training data: a .txt, .csv or .json(l) file.")
+    add("--validation_file", type=str, default=None, help="Evaluation data: a .txt, .csv or .json(l) file.")
+    add("--validation_mismatched_file", type=str, default=None, help="MNLI only: the mismatched evaluation file.")
+    add("--train_dir", type=str, default=None, help="Image task: a folder of class subfolders of images.")
+    add("--validation_dir", type=str, default=None, help="Image task: evaluation folder of class subfolders.")
+    add("--text_column_name", type=str, default=None, help="clm: the text column (default: text, or the first).")
+    add("--sentence1_key", type=str, default=None, help="GLUE: first text column (default: the task's).")
+    add("--sentence2_key", type=str, default=None, help="GLUE: second text column (default: the task's).")
+    add("--label_column_name", type=str, default=None, help="Label column (default: label).")
+    add("--image_column_name", type=str, default=None, help="Image column (default: the dataset's image column).")
+    add(
+        "--validation_split_percentage",
+        type=int,
+        default=None,
+        help="Percent of the training data held out when there is no validation split (clm 5, image 15).",
+    )
+    add("--max_train_samples", type=int, default=None, help="Truncate the training set (debugging, quick runs).")
+    add("--max_eval_samples", type=int, default=None, help="Truncate the evaluation set(s).")
+    add("--block_size", type=int, default=None, help="clm: training sequence length and evaluation window.")
+    add("--max_seq_length", type=int, default=128, help="GLUE: maximum tokens per example (truncation).")
+    add("--pad_to_max_length", action="store_true", help="GLUE: pad every example to --max_seq_length.")
+    add(
+        "--stride",
+        type=int,
+        default=None,
+        help="clm evaluation: window stride (default: --block_size, i.e. non-overlapping windows).",
+    )
+    add(
+        "--perplexity_protocol",
+        type=str,
+        default="sliding",
+        choices=("sliding", "full_window"),
+        help=(
+            "sliding: every token scored once, with up to block_size tokens of context (the standard protocol). "
+            "full_window: the Neural Attention authors' protocol, overlapping full windows at --stride, every "
+            "prediction of each window scored, perplexity = exp(mean window loss)."
+        ),
+    )
+    add("--preprocessing_num_workers", type=int, default=None, help="Processes for dataset.map.")
+    add("--overwrite_cache", action="store_true", help="Do not reuse cached preprocessed datasets.")
+
+    group = parser.add_argument_group("training")
+    add = group.add_argument
+    add("--output_dir", type=str, default=None, help="Where to write the model, results, card and plot.")
+    add("--per_device_train_batch_size", type=int, default=8)
+    add("--per_device_eval_batch_size", type=int, default=8)
+    add("--learning_rate", type=float, default=5e-5)
+    add("--scorer_learning_rate", type=float, default=None, help="Learning rate of the new parameters.")
+    add("--weight_decay", type=float, default=0.0)
+    add("--num_train_epochs", type=int, default=3)
+    add("--max_train_steps", type=int, default=None, help="Total optimizer steps; overrides --num_train_epochs.")
+    add("--gradient_accumulation_steps", type=int, default=1)
+    add("--lr_scheduler_type", type=str, default="linear", choices=SCHEDULERS)
+    add("--num_warmup_steps", type=int, default=0)
+    add("--max_grad_norm", type=float, default=1.0, help="Gradient clipping (0 disables).")
+    add("--seed", type=int, default=42)
+    add("--logging_steps", type=int, default=10, help="Log the training loss every N steps.")
+    add(
+        "--eval_steps",
+        type=int,
+        default=None,
+        help="Evaluate every N steps (default: at the end of each epoch and of training).",
+    )
+    add(
+        "--eval_at_start",
+        action="store_true",
+        help="Also evaluate before the first step (a patched model starts where the unpatched one does).",
+    )
+    add(
+        "--checkpointing_steps",
+        type=str,
+        default=None,
+        help="Save the full training state every N steps, or 'epoch' after each epoch.",
+    )
+    add("--checkpoints_total_limit", type=int, default=None, help="Keep only the newest N checkpoints.")
+    add(
+        "--resume_from_checkpoint",
+        type=str,
+        default=None,
+        help="A checkpoint folder, or 'latest' for the newest complete one in --output_dir.",
+    )
+    add("--with_tracking", action="store_true", help="Log to experiment trackers (TensorBoard by default).")
+    add("--report_to", type=str, default="tensorboard", help="Tracker(s) for --with_tracking, e.g. tensorboard.")
+    add("--push_to_hub", action="store_true", help="Upload the output folder to the Hub at the end.")
+    add("--hub_model_id", type=str, default=None, help="Hub repository, e.g. user/gpt2-qana-wikitext2.")
+    add("--hub_token", type=str, default=None, help="Hub token (default: the logged-in one).")
+    add("--hub_private_repo", action="store_true", help="Create the Hub repository as private.")
+
+    group = parser.add_argument_group("attention patch (hf_neural_attn)")
+    add = group.add_argument
+    add("--scorer", type=str, default="qana", choices=SCORERS, help="none = the unpatched baseline.")
+    add("--h", type=int, default=None, help="Hidden width of the scoring MLP (default 4).")
+    add("--layers", type=str, default=None, help='Layers to patch: "all" (default), or indices like "0" or "0,1".')
+    add("--proj_dim", type=int, default=None, help="neural: down-projection width d' (default: none).")
+    add("--mode", type=str, default=None, choices=("residual", "replace"), help="neural: residual or replace.")
+    add("--depth", type=int, default=None, help="neural: hidden layers of the scoring MLP.")
+    add("--activation", type=str, default=None, help="Scoring MLP nonlinearity (gelu, relu, silu, tanh, sigmoid).")
+    add("--scorer_init", type=str, default=None, choices=("default", "zero"), help="Init of the new parameters.")
+    add("--impl", type=str, default=None, help="Attention implementation of the scorer (default: reference).")
+    add(
+        "--train_only_new_params",
+        action="store_true",
+        help="Freeze the pretrained weights; train the scorers (and a newly initialised task head) only.",
+    )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None, output_dir_template: str = "{task}-{scorer}") -> argparse.Namespace:
+    """Parse flags (and a config file), check them, and fill in defaults that depend on the task.
+
+    Without --output_dir, the run writes to ``outputs/<output_dir_template>`` (formatted with the flags).
+    """
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_path = _config_path(argv)
+    if config_path is not None:
+        parser.set_defaults(**load_config_file(config_path, parser))
+    args = parser.parse_args(argv)
+    args.config = config_path
+    validate_args(args, parser)
+    if args.output_dir is None:
+        args.output_dir = os.path.join("outputs", output_dir_template.format(**vars(args)))
+    return args
+
+
+def _config_path(argv: list[str]) -> str | None:
+    """``--config FILE`` anywhere, or a config file as the first argument (removed from ``argv``)."""
+    if argv and not argv[0].startswith("-") and argv[0].lower().endswith(CONFIG_EXTENSIONS):
+        return argv.pop(0)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", type=str, default=None)
+    known, _ = pre.parse_known_args(argv)
+    return known.config
+
+
+def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise RecipeError(f"Config file {path} does not exist.")
+    text = Path(path).read_text()
+    try:
+        if path.lower().endswith(".json"):
+            values = json.loads(text)
+        else:
+            import yaml
+
+            values = yaml.safe_load(text)
+    except Exception as error:
+        raise RecipeError(f"Could not parse config file {path}: {error}") from error
+    if not isinstance(values, dict):
+        raise RecipeError(
+            f"Config file {path} must hold a mapping of flag names to values, got {type(values).__name__}."
+        )
+    known = {action.dest for action in parser._actions}
+    values = {str(key).lstrip("-").replace("-", "_"): value for key, value in values.items()}
+    unknown = sorted(set(values) - known - {"config"})
+    if unknown:
+        raise RecipeError(f"Config file {path} has unknown key(s) {unknown}. Keys are flag names, e.g. learning_rate.")
+    values.pop("config", None)
+    return values
+
+
+def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> None:
+    """Every check that needs no model or data: bad input fails here, before anything is loaded."""
+    parser = parser or build_parser()
+    _check_types_and_choices(args, parser)
+    args.layers = parse_layers(args.layers)
+
+    if args.push_to_hub and not args.hub_model_id:
+        raise RecipeError("--push_to_hub needs --hub_model_id (the repository to upload to, e.g. user/model-name).")
+
+    is_glue, is_image = args.task in GLUE_TASKS, args.task == "image"
+    if is_image and (args.train_file or args.validation_file):
+        raise RecipeError("--task image reads images from --train_dir/--validation_dir (or --dataset_name), not files.")
+    if not is_image and (args.train_dir or args.validation_dir):
+        raise RecipeError(f"--train_dir/--validation_dir are for --task image; --task {args.task} reads --train_file.")
+    if args.validation_mismatched_file and args.task != "mnli":
+        raise RecipeError("--validation_mismatched_file is for --task mnli only.")
+    for name in ("train_file", "validation_file", "validation_mismatched_file"):
+        path = getattr(args, name)
+        if path is None:
+            continue
+        if not os.path.isfile(path):
+            raise RecipeError(f"--{name} {path} does not exist.")
+        extension = path.rsplit(".", 1)[-1].lower()
+        if extension not in TEXT_EXTENSIONS:
+            raise RecipeError(f"--{name} {path}: unsupported file type .{extension}; use .txt, .csv, .json or .jsonl.")
+        if is_glue and TEXT_EXTENSIONS[extension] == "text":
+            raise RecipeError(f"--{name} {path}: GLUE tasks need labelled .csv or .json files, not plain text.")
+    extensions = {TEXT_EXTENSIONS[p.rsplit(".", 1)[-1].lower()] for p in (args.train_file, args.validation_file) if p}
+    if len(extensions) > 1:
+        raise RecipeError("--train_file and --validation_file must be of the same type (both text, csv or json).")
+    if args.validation_file and not args.train_file:
+        raise RecipeError("--validation_file needs --train_file too.")
+    for name in ("train_dir", "validation_dir"):
+        path = getattr(args, name)
+        if path is not None and not os.path.isdir(path):
+            raise RecipeError(f"--{name} {path} is not a folder.")
+    if args.validation_dir and not args.train_dir:
+        raise RecipeError("--validation_dir needs --train_dir too.")
+    local_data = args.train_file or args.train_dir
+    if args.eval_split and (local_data or is_glue):
+        raise RecipeError(
+            "--eval_split picks a split of a Hub dataset for clm or image; GLUE evaluates on its validation split(s), "
+            "and local data on --validation_file / --validation_dir."
+        )
+    if local_data and args.dataset_name:
+        raise RecipeError("Give either --dataset_name or local data (--train_file / --train_dir), not both.")
+
+    if args.model_name_or_path and (args.config_name or args.model_type):
+        raise RecipeError("--model_name_or_path loads a pretrained model; drop --config_name/--model_type.")
+    if args.config_name and args.model_type:
+        raise RecipeError("Give --config_name or --model_type, not both.")
+    if args.config_overrides and args.model_name_or_path:
+        raise RecipeError("--config_overrides only applies to models built from scratch (--config_name/--model_type).")
+
+    for name in (
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+        "num_train_epochs",
+        "logging_steps",
+    ):
+        if getattr(args, name) < 1:
+            raise RecipeError(f"--{name} must be at least 1, got {getattr(args, name)}.")
+    for name in ("max_train_steps", "eval_steps", "block_size", "stride", "max_train_samples", "max_eval_samples"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise RecipeError(f"--{name} must be at least 1, got {value}.")
+    if args.num_warmup_steps < 0:
+        raise RecipeError(f"--num_warmup_steps must be >= 0, got {args.num_warmup_steps}.")
+    if args.block_size and args.stride and args.stride > args.block_size:
+        raise RecipeError(
+            f"--stride {args.stride} is larger than --block_size {args.block_size}: tokens would be skipped."
+        )
+    if args.validation_split_percentage is not None and not 0 < args.validation_split_percentage < 100:
+        raise RecipeError("--validation_split_percentage must be between 1 and 99.")
+    if args.checkpointing_steps is not None:
+        value = str(args.checkpointing_steps)
+        if value != "epoch" and not (value.isdigit() and int(value) > 0):
+            raise RecipeError(f"--checkpointing_steps must be a positive integer or 'epoch', got {value!r}.")
+        args.checkpointing_steps = value
+    resume = args.resume_from_checkpoint
+    if resume and resume != "latest" and not os.path.isdir(resume):
+        raise RecipeError(f"--resume_from_checkpoint {args.resume_from_checkpoint} is not a folder.")
+
+    scorer_flags = {
+        name: getattr(args, name)
+        for name in ("h", "proj_dim", "mode", "depth", "activation", "scorer_init", "impl")
+        if getattr(args, name) is not None
+    }
+    if args.scorer == "none":
+        given = sorted(scorer_flags) + (["layers"] if args.layers is not None else [])
+        if given:
+            raise RecipeError(f"--scorer none (the baseline) takes no patch options, got {given}.")
+        if args.train_only_new_params:
+            raise RecipeError("--train_only_new_params needs a patch (--scorer qana or neural).")
+        if args.scorer_learning_rate is not None:
+            raise RecipeError("--scorer_learning_rate needs a patch (--scorer qana or neural).")
+    else:
+        from hf_neural_attn import scorers  # light: the scorer configs only
+
+        try:
+            scorers.scorer_class(args.scorer).config_class.from_options(scorer_options(args))
+        except ValueError as error:
+            raise RecipeError(f"Invalid patch options for --scorer {args.scorer}: {error}") from error
+
+
+def _check_types_and_choices(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """argparse checks ``choices`` only on the command line; values from a config file are checked here."""
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if value is None or action.dest == "help":
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                raise RecipeError(f"{action.dest} must be true or false, got {value!r}.")
+            continue
+        if action.type in (int, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise RecipeError(f"{action.dest} must be a number, got {value!r}.")
+            if action.type is int and not float(value).is_integer():
+                raise RecipeError(f"{action.dest} must be an integer, got {value!r}.")
+            value = action.type(value)
+        elif action.type is str and not isinstance(value, str):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                value = str(value)  # e.g. checkpointing_steps: 500 in a YAML file
+            elif action.dest != "layers":  # layers may be a list, parsed by parse_layers
+                raise RecipeError(f"{action.dest} must be a string, got {value!r}.")
+        setattr(args, action.dest, value)
+        if action.choices is not None and value not in action.choices:
+            raise RecipeError(f"{action.dest}={value!r} is not one of {list(action.choices)}.")
+
+
+def parse_layers(value: Any) -> list[int] | None:
+    """``None``/``"all"`` -> None (every layer); ``"0,2"``, ``0``, ``[0, 2]`` -> a list of indices."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "all")):
+        return None
+    if isinstance(value, bool):
+        raise RecipeError(f"--layers must be 'all' or layer indices, got {value!r}.")
+    if isinstance(value, int):
+        return [value]
+    items = value if isinstance(value, (list, tuple)) else str(value).replace(" ", "").split(",")
+    try:
+        return [int(item) for item in items]
+    except (TypeError, ValueError) as error:
+        raise RecipeError(
+            f"--layers must be 'all' or comma-separated layer indices like 0,1; got {value!r}."
+        ) from error
+
+
+def scorer_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options for ``hf_neural_attn.patch_model`` that were given (the rest keep the library's defaults)."""
+    names = {"h": "h", "proj_dim": "proj_dim", "mode": "mode", "depth": "depth", "activation": "activation"}
+    names.update({"scorer_init": "init", "impl": "impl"})
+    return {option: getattr(args, flag) for flag, option in names.items() if getattr(args, flag) is not None}

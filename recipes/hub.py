@@ -1,0 +1,88 @@
+"""Knowing quickly whether the Hugging Face Hub can be reached.
+
+Without network, the Hub clients retry a failed connection for about 20 seconds before giving up. A run that
+needs Hub files (a model or dataset named by its Hub id) first checks in well under a second: with
+``HF_HUB_OFFLINE=1`` it does not try at all; otherwise one TCP connection to the Hub with a short timeout
+decides. If that fails, the run switches the Hub clients to offline mode, so files already in the local cache
+still load and anything else fails at once with a clear message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+from urllib.parse import urlparse
+
+logger = logging.getLogger(__name__)
+
+_reachable: bool | None = None
+
+
+def is_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """One TCP connection to the Hub endpoint (cached for the process)."""
+    global _reachable
+    if _reachable is None:
+        from huggingface_hub import constants
+
+        endpoint = urlparse(constants.ENDPOINT)
+        port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+        try:
+            with socket.create_connection((endpoint.hostname, port), timeout=timeout):
+                _reachable = True
+        except OSError:
+            _reachable = False
+    return _reachable
+
+
+def go_offline() -> None:
+    """Switch huggingface_hub, transformers and datasets to offline mode (cached files only) for this process."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    os.environ["HF_HUB_OFFLINE"] = "1"  # for worker processes started later
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+    datasets.config.HF_HUB_OFFLINE = True
+    datasets.config.HF_DATASETS_OFFLINE = True
+
+
+def hub_resources(args: argparse.Namespace) -> list[str]:
+    """The Hub ids this run would download from (local paths excluded)."""
+    from .tasks import uses_embedded_model
+
+    names = [
+        args.model_name_or_path,
+        args.config_name,
+        args.tokenizer_name,
+        getattr(args, "image_processor_name", None),
+    ]
+    needed = [name for name in names if name and not os.path.exists(name)]
+    local_data = args.train_file or args.train_dir
+    if args.dataset_name and not os.path.exists(args.dataset_name):
+        needed.append(args.dataset_name)
+    elif not local_data and not args.dataset_name and not (args.task == "clm" and uses_embedded_model(args)):
+        needed.append(f"the default {args.task} dataset")
+    return needed
+
+
+def check_hub(args: argparse.Namespace) -> None:
+    """Before loading anything: go offline at once if the run needs the Hub and the Hub is not there."""
+    needed = hub_resources(args)
+    if not needed:
+        return
+    if is_offline():
+        logger.info("Offline mode (HF_HUB_OFFLINE): %s must be in the local cache.", ", ".join(needed))
+        return
+    if not hub_reachable():
+        logger.warning(
+            "The Hugging Face Hub is not reachable: continuing offline, so %s must be in the local cache.",
+            ", ".join(needed),
+        )
+        go_offline()

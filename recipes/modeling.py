@@ -1,0 +1,294 @@
+"""Building the model, its tokenizer or image processor, and the attention patch.
+
+Where the model comes from:
+
+* ``--model_name_or_path``: a pretrained model (Hub id or folder). A folder written by a patched run
+  (``hf_neural_attn`` record in its config) is reloaded with its patch and scorer weights.
+* ``--config_name`` / ``--model_type`` (+ ``--config_overrides``): a model built from scratch.
+* none of them: the *embedded* model, a small GPT-2-shaped (text) or ViT (image) config built here, with
+  the byte-level ``ByT5Tokenizer`` for text: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import hf_neural_attn
+from hf_neural_attn.patching import RECORD_KEY
+
+from .args import GLUE_TASKS, RecipeError, scorer_options
+
+logger = logging.getLogger(__name__)
+
+# The embedded defaults: small enough to train on two CPU cores in a minute or two.
+EMBEDDED_TEXT_CONFIG = {
+    "n_layer": 4,
+    "n_head": 4,
+    "n_embd": 128,
+    "resid_pdrop": 0.1,
+    "embd_pdrop": 0.1,
+    "attn_pdrop": 0.1,
+}
+EMBEDDED_BLOCK_SIZE = 128
+EMBEDDED_IMAGE_CONFIG = {
+    "image_size": 32,
+    "patch_size": 4,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+}
+EMBEDDED_NAME = "embedded (built from a config here, byte-level ByT5Tokenizer)"
+
+
+@dataclass
+class ModelBundle:
+    model: Any
+    tokenizer: Any = None  # text tasks
+    image_processor: Any = None  # image task
+    source: str = EMBEDDED_NAME  # where the weights came from, for logs and the model card
+    base_model: str | None = None  # Hub id of the pretrained model, for the model card
+    from_scratch: bool = True
+    new_parameters: set[str] = field(default_factory=set)  # names of parameters initialised in this run
+    patch: dict[str, Any] | None = None  # the patch record (model.config.hf_neural_attn), None for the baseline
+
+
+def task_head(task: str) -> tuple[dict[str, str], str]:
+    """The transformers model-type -> class mapping a task needs, and its name for messages."""
+    from transformers.models.auto import modeling_auto
+
+    if task == "clm":
+        return modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "a causal language-modeling head"
+    if task in GLUE_TASKS:
+        return modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, "a sequence-classification head"
+    return modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES, "an image-classification head"
+
+
+def load_config(args: argparse.Namespace):
+    """The model config, checked against the task, before any weights or data are loaded."""
+    from transformers import CONFIG_MAPPING, AutoConfig, GPT2Config, ViTConfig
+
+    is_image = args.task == "image"
+    if args.model_name_or_path or args.config_name:
+        source = args.model_name_or_path or args.config_name
+        try:
+            config = AutoConfig.from_pretrained(source)
+        except Exception as error:
+            raise RecipeError(
+                f"Could not load the model config from {source!r}: {error}\n"
+                "Without Hub access, pass a local folder (or run with no model flags for the embedded model)."
+            ) from error
+    elif args.model_type:
+        if args.model_type not in CONFIG_MAPPING:
+            raise RecipeError(f"Unknown --model_type {args.model_type!r}; e.g. gpt2, llama, vit.")
+        config = CONFIG_MAPPING[args.model_type]()
+    elif is_image:
+        config = ViTConfig(**EMBEDDED_IMAGE_CONFIG)
+    else:
+        config = GPT2Config(**EMBEDDED_TEXT_CONFIG, n_positions=args.block_size or EMBEDDED_BLOCK_SIZE)
+    if args.config_overrides:
+        try:
+            config.update_from_string(args.config_overrides)
+        except ValueError as error:
+            raise RecipeError(f"Bad --config_overrides {args.config_overrides!r}: {error}") from error
+
+    mapping, head = task_head(args.task)
+    if config.model_type not in mapping:
+        raise RecipeError(
+            f"The model ({config.model_type}, from {describe_source(args)}) cannot take --task {args.task}: "
+            f"transformers has no {head} for model type {config.model_type!r}. "
+            + ("Use a ViT-style image model." if is_image else "Use a decoder such as gpt2 or llama.")
+        )
+    if is_patched_config(config) and args.scorer != "none":
+        record = getattr(config, RECORD_KEY)
+        raise RecipeError(
+            f"{args.model_name_or_path} is already patched (scorer {record['scorer']!r}, layers {record['layers']}). "
+            "Pass --scorer none to keep training it with its patch."
+        )
+    return config
+
+
+def is_patched_config(config) -> bool:
+    return isinstance(getattr(config, RECORD_KEY, None), dict)
+
+
+def describe_source(args: argparse.Namespace) -> str:
+    if args.model_name_or_path:
+        return args.model_name_or_path
+    if args.config_name:
+        return f"config {args.config_name} (from scratch)"
+    if args.model_type:
+        return f"model type {args.model_type} (from scratch)"
+    return EMBEDDED_NAME
+
+
+def load_tokenizer(args: argparse.Namespace):
+    """The tokenizer: --tokenizer_name, the model's, or the byte-level ByT5Tokenizer (no download)."""
+    from transformers import AutoTokenizer, ByT5Tokenizer
+
+    name = args.tokenizer_name or args.model_name_or_path
+    if name is None:
+        return ByT5Tokenizer()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except Exception as error:
+        raise RecipeError(f"Could not load a tokenizer from {name!r}: {error}") from error
+    if tokenizer.pad_token is None:
+        # The standard Hugging Face way for decoders without a pad token (GPT-2, Llama).
+        if tokenizer.eos_token is None:
+            raise RecipeError(f"The tokenizer of {name!r} has neither a pad nor an eos token to pad with.")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_image_processor(args: argparse.Namespace, config):
+    """The image processor: --image_processor_name, the model's, or a ViT processor at the config's size."""
+    import transformers
+
+    name = args.image_processor_name or args.model_name_or_path
+    if name is not None:
+        try:
+            return transformers.AutoImageProcessor.from_pretrained(name)
+        except Exception as error:
+            raise RecipeError(f"Could not load an image processor from {name!r}: {error}") from error
+    size = {"height": config.image_size, "width": config.image_size}
+    try:
+        import torchvision  # noqa: F401
+
+        return transformers.ViTImageProcessor(size=size)
+    except ImportError:
+        return transformers.ViTImageProcessorPil(size=size)
+
+
+def prepare_text_config(config, tokenizer, args: argparse.Namespace, labels: dict[str, Any] | None) -> None:
+    """Fit the config to the tokenizer (from-scratch models) and to the task's labels (GLUE)."""
+    from_scratch = args.model_name_or_path is None
+    if from_scratch:
+        overridden = set(_override_keys(args.config_overrides))
+        if "vocab_size" not in overridden:
+            config.vocab_size = len(tokenizer)
+        eos = tokenizer.eos_token_id
+        for name, value in (("bos_token_id", tokenizer.bos_token_id or eos), ("eos_token_id", eos)):
+            if name not in overridden and hasattr(config, name):
+                setattr(config, name, value)
+    if labels is not None:
+        config.num_labels = labels["num_labels"]
+        config.problem_type = "regression" if labels["regression"] else "single_label_classification"
+        if not labels["regression"]:
+            config.id2label = dict(enumerate(labels["names"]))
+            config.label2id = {name: index for index, name in enumerate(labels["names"])}
+        config.pad_token_id = tokenizer.pad_token_id
+
+
+def _override_keys(overrides: str | None) -> list[str]:
+    return [item.split("=", 1)[0].strip() for item in (overrides or "").split(",") if "=" in item]
+
+
+def build_model(args: argparse.Namespace, config, preprocessor, labels: dict[str, Any] | None) -> ModelBundle:
+    """Build or load the model for the task, patch it, and freeze what --train_only_new_params keeps."""
+    import transformers
+
+    mapping, _ = task_head(args.task)
+    model_class = getattr(transformers, mapping[config.model_type])
+    is_image = args.task == "image"
+    if is_image:
+        if labels is not None:
+            config.num_labels = labels["num_labels"]
+            config.id2label = dict(enumerate(labels["names"]))
+            config.label2id = {name: index for index, name in enumerate(labels["names"])}
+    else:
+        prepare_text_config(config, preprocessor, args, labels if args.task != "clm" else None)
+
+    bundle = ModelBundle(model=None, source=describe_source(args))
+    if is_image:
+        bundle.image_processor = preprocessor
+    else:
+        bundle.tokenizer = preprocessor
+    path = args.model_name_or_path
+    if path is None:
+        torch.manual_seed(args.seed)  # the from-scratch init depends on the seed only
+        bundle.model = model_class(config)
+        bundle.new_parameters = {name for name, _ in bundle.model.named_parameters()}
+    else:
+        bundle.from_scratch = False
+        bundle.base_model = None if os.path.isdir(path) else path
+        bundle.model, bundle.new_parameters = _load_pretrained(model_class, path, config, args)
+
+    model = bundle.model
+    if not is_image:
+        embeddings = model.get_input_embeddings().weight.shape[0]
+        if len(preprocessor) > embeddings:
+            model.resize_token_embeddings(len(preprocessor))
+            bundle.new_parameters.add("resized token embeddings")
+
+    if args.scorer != "none":
+        try:
+            hf_neural_attn.patch_model(model, args.scorer, layers=args.layers, **scorer_options(args))
+        except (TypeError, ValueError) as error:
+            raise RecipeError(f"Cannot patch {type(model).__name__} with --scorer {args.scorer}: {error}") from error
+    if hf_neural_attn.is_patched(model):
+        bundle.patch = dict(getattr(model.config, RECORD_KEY))
+
+    if args.train_only_new_params:
+        if bundle.from_scratch:
+            raise RecipeError(
+                "--train_only_new_params freezes pretrained weights, but this model is built from scratch: "
+                "pass --model_name_or_path."
+            )
+        trainable = set(hf_neural_attn.scorer_parameters(model)) | bundle.new_parameters
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(name in trainable)
+    return bundle
+
+
+def _load_pretrained(model_class, path: str, config, args: argparse.Namespace):
+    """Load pretrained weights into the task's class; returns the model and its freshly initialised names."""
+    config.architectures = [model_class.__name__]
+    kwargs = {"dtype": torch.float32, "ignore_mismatched_sizes": args.ignore_mismatched_sizes}
+    try:
+        if is_patched_config(config):
+            # A checkpoint of a patched run: reload it with its patch and scorer weights.
+            model = hf_neural_attn.from_pretrained(path, config=config, **kwargs)
+            saved = _checkpoint_keys(path)
+            new = {name for name in model.state_dict() if name not in saved}
+        else:
+            model, info = model_class.from_pretrained(path, config=config, output_loading_info=True, **kwargs)
+            new = set(info.get("missing_keys", ())) | {
+                str(key[0]) if isinstance(key, tuple) else str(key) for key in info.get("mismatched_keys", ())
+            }
+    except RecipeError:
+        raise
+    except Exception as error:
+        raise RecipeError(f"Could not load {model_class.__name__} weights from {path!r}: {error}") from error
+    if new:
+        logger.info("Newly initialised parameters (not in %s): %s", path, sorted(new))
+    return model, new
+
+
+def _checkpoint_keys(path: str) -> set[str]:
+    """Tensor names stored in a checkpoint's safetensors file(s)."""
+    import json
+
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    index = cached_file(path, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False)
+    if index is not None:
+        with open(index) as handle:
+            return set(json.load(handle)["weight_map"])
+    weights = cached_file(path, "model.safetensors")
+    with safe_open(weights, framework="pt") as handle:
+        return set(handle.keys())
+
+
+def count_parameters(model) -> dict[str, int]:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    added = sum(p.numel() for p in hf_neural_attn.scorer_parameters(model).values())
+    return {"total": total, "trainable": trainable, "added_by_patch": added}

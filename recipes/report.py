@@ -1,0 +1,307 @@
+"""What a run leaves behind: ``all_results.json``, the model card (README.md), the training plot, the
+comparison table and plot, and the Hub upload."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+RESULTS_FILE = "all_results.json"
+PLOT_FILE = "training_curves.png"
+CARD_FILE = "README.md"
+COMPARISON_TABLE = "comparison.md"
+COMPARISON_PLOT = "comparison.png"
+# Folders and files of a run that are not part of the model repository.
+HUB_IGNORE_PATTERNS = ["step_*", "epoch_*", ".*", "runs/*", "finetune/*", "*.partial/*"]
+
+METRIC_LABELS = {
+    "perplexity": "perplexity",
+    "eval_loss": "eval loss",
+    "accuracy": "accuracy",
+    "accuracy_mm": "accuracy (mismatched)",
+    "f1": "F1",
+    "matthews_correlation": "Matthews correlation",
+    "pearson": "Pearson",
+    "spearmanr": "Spearman",
+    "combined_score": "combined score",
+}
+# Model-index task types and metric names as the Hub shows them.
+HUB_TASK_TYPES = {"clm": "text-generation", "glue": "text-classification", "image": "image-classification"}
+HUB_TASK_NAMES = {"clm": "Causal Language Modeling", "glue": "Text Classification", "image": "Image Classification"}
+
+
+def write_json(path: str | os.PathLike, values: dict[str, Any]) -> None:
+    with open(path, "w") as handle:
+        json.dump(values, handle, indent=2, default=str)
+        handle.write("\n")
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return str(value)
+        return f"{value:.4f}" if abs(value) < 1000 else f"{value:.1f}"
+    return str(value)
+
+
+# ------------------------------------------------------------------------------------------------ plot
+
+
+def plot_training(history: dict[str, Any], metric: str, path: str | os.PathLike, title: str) -> None:
+    """Training loss and the evaluation metric over optimizer steps, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (loss_axis, metric_axis) = plt.subplots(1, 2, figsize=(10, 4))
+    losses = history.get("train_loss", [])
+    if losses:
+        loss_axis.plot([s for s, _ in losses], [v for _, v in losses], color="tab:blue", linewidth=1.2)
+    loss_axis.set(title="training loss", xlabel="step", ylabel="loss")
+    points = [(e["step"], e[metric]) for e in history.get("evaluations", []) if metric in e]
+    if points:
+        metric_axis.plot(*zip(*points), marker="o", color="tab:orange")
+    metric_axis.set(title=f"evaluation {METRIC_LABELS.get(metric, metric)}", xlabel="step", ylabel=metric)
+    if metric == "perplexity":  # spans orders of magnitude early in training
+        _log_scale(metric_axis)
+    for axis in (loss_axis, metric_axis):
+        axis.grid(alpha=0.3)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def _log_scale(axis) -> None:
+    from matplotlib.ticker import FormatStrFormatter
+
+    axis.set_yscale("log")
+    axis.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    axis.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+
+
+def plot_comparison(runs: list[dict[str, Any]], metric: str, path: str | os.PathLike, title: str) -> None:
+    """The evaluation curves of several runs in one plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        points = [(e["step"], e[metric]) for e in run["history"]["evaluations"] if metric in e]
+        if points:
+            axis.plot(*zip(*points), marker="o", label=run["label"])
+    axis.set(title=title, xlabel="step", ylabel=METRIC_LABELS.get(metric, metric))
+    if metric == "perplexity":  # spans orders of magnitude early in training
+        _log_scale(axis)
+    axis.grid(alpha=0.3, which="both")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+# ------------------------------------------------------------------------------------------ comparison
+
+
+def comparison_table(runs: list[dict[str, Any]], metrics: list[str], greater_is_better: bool) -> str:
+    """A markdown table: one row per run, its patch, added parameters, metrics, and change vs the first run."""
+    primary = metrics[0]
+    header = ["run", "patch", "params added", *[METRIC_LABELS.get(m, m) for m in metrics]]
+    header += [f"Δ {METRIC_LABELS.get(primary, primary)} vs baseline", "train time (s)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    baseline = runs[0]["results"].get(primary)
+    for run in runs:
+        results = run["results"]
+        value = results.get(primary)
+        if run is runs[0] or baseline in (None, 0) or value is None:
+            delta = "—"
+        else:
+            change = 100.0 * (value - baseline) / abs(baseline)
+            better = (change > 0) == greater_is_better
+            delta = f"{change:+.2f}% ({'better' if better else 'worse'})" if change else "0.00%"
+        row = [run["label"], run["patch"], f"{results.get('parameters', {}).get('added_by_patch', 0):,}"]
+        row += [format_value(results.get(m, "—")) for m in metrics]
+        row += [delta, f"{results.get('train_runtime_s', 0.0):.1f}"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def describe_patch(patch: dict[str, Any] | None) -> str:
+    if not patch:
+        return "none (baseline)"
+    options = patch.get("options", {})
+    parts = [f"{patch['scorer']}", f"h={options.get('h')}"]
+    if patch["scorer"] == "neural":
+        parts += [f"d'={options.get('proj_dim')}", f"mode={options.get('mode')}"]
+    parts.append(f"layers={patch['layers']}")
+    return ", ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------ model card
+
+
+def model_card(results: dict[str, Any], output_dir: str | os.PathLike) -> str:
+    """The model card (README.md) in the Hub's format: YAML metadata with a model-index, then the text."""
+    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+    settings = results["settings"]
+    task, kind = settings["task"], results["task_kind"]
+    data = results["data"]
+    patch = results.get("patch")
+    metric_names = [m for m in results["metric_names"] if isinstance(results.get(m), (int, float))]
+    index_metrics = [m for m in metric_names if m != "eval_loss"]  # the task's metrics, for the model-index
+    dataset_id = data["dataset_name"] if data["hub_dataset"] else "local"
+    dataset_label = {"clm": "Causal LM", "image": "Image classification"}.get(kind, f"GLUE {task.upper()}")
+    eval_results = []
+    for name in index_metrics:
+        if not math.isfinite(float(results[name])):
+            continue
+        mismatched = name.endswith("_mm")  # MNLI's mismatched accuracy: its own split
+        eval_results.append(
+            EvalResult(
+                task_type=HUB_TASK_TYPES[kind],
+                task_name=HUB_TASK_NAMES[kind],
+                dataset_type=dataset_id,
+                dataset_name=data["dataset_name"]
+                + (f" ({data['dataset_config']})" if data.get("dataset_config") else ""),
+                dataset_config=data.get("dataset_config"),
+                dataset_split="validation_mismatched" if mismatched else data.get("eval_split"),
+                metric_type=name[: -len("_mm")] if mismatched else name,
+                metric_name=METRIC_LABELS.get(name, name),
+                metric_value=float(results[name]),
+            )
+        )
+    tags = ["hf-neural-attn", kind] + ([patch["scorer"], "nonlinear-attention"] if patch else ["baseline"])
+    card_data = ModelCardData(
+        base_model=results.get("base_model"),
+        datasets=[data["dataset_name"]] if data["hub_dataset"] else None,
+        library_name="transformers",
+        metrics=index_metrics,
+        model_name=Path(output_dir).resolve().name if not settings.get("hub_model_id") else settings["hub_model_id"],
+        pipeline_tag=results["pipeline_tag"],
+        tags=tags,
+        eval_results=eval_results or None,
+    )
+    repo = settings.get("hub_model_id") or "path/to/this/folder"
+    processor_class = "AutoImageProcessor" if kind == "image" else "AutoTokenizer"
+    processor_name = "processor" if kind == "image" else "tokenizer"
+    if patch:
+        imports = f"import hf_neural_attn\nfrom transformers import {processor_class}"
+        model_line = f'model = hf_neural_attn.from_pretrained("{repo}")  # {results["model_class"]}, patch re-applied'
+    else:
+        imports = f"from transformers import {processor_class}, {results['model_class']}"
+        model_line = f'model = {results["model_class"]}.from_pretrained("{repo}")  # baseline: no patch'
+    load = (
+        f'```python\n{imports}\n\n{model_line}\n{processor_name} = {processor_class}.from_pretrained("{repo}")\n```\n'
+    )
+
+    patch_rows = "| setting | value |\n|---|---|\n"
+    if patch:
+        patch_rows += f"| scorer | `{patch['scorer']}` |\n| layers | {patch['layers']} |\n"
+        for key, value in patch["options"].items():
+            patch_rows += f"| {key} | {value} |\n"
+        patch_rows += f"| new parameters | {results['parameters']['added_by_patch']:,} |\n"
+        patch_rows += (
+            f"| trained | {'new parameters only' if settings.get('train_only_new_params') else 'all parameters'} |\n"
+        )
+    else:
+        patch_rows += "| scorer | none (unpatched baseline) |\n"
+
+    metric_rows = "| metric | value |\n|---|---|\n" + "".join(
+        f"| {METRIC_LABELS.get(m, m)} (`{m}`) | {format_value(results[m])} |\n" for m in metric_names
+    )
+    training_keys = [
+        "learning_rate",
+        "scorer_learning_rate",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "weight_decay",
+        "lr_scheduler_type",
+        "num_warmup_steps",
+        "seed",
+    ]
+    training_rows = "| setting | value |\n|---|---|\n"
+    training_rows += f"| steps | {results['train_steps']} |\n| processes | {results['num_processes']} |\n"
+    training_rows += f"| total batch size | {results['total_train_batch_size']} |\n"
+    training_rows += "".join(f"| {k} | {settings.get(k)} |\n" for k in training_keys if settings.get(k) is not None)
+    if kind == "clm":
+        training_rows += (
+            f"| block size | {results.get('block_size')} |\n"
+            f"| perplexity protocol | {settings.get('perplexity_protocol')} (stride {results.get('stride')}) |\n"
+        )
+    data_text = (
+        f"[{data['dataset_name']}](https://huggingface.co/datasets/{data['dataset_name']})"
+        if data["hub_dataset"]
+        else f"{data['dataset_name']}" + (f": {', '.join(map(str, data['files']))}" if data.get("files") else "")
+    )
+    if data.get("dataset_config"):
+        data_text += f", config `{data['dataset_config']}`"
+    data_text += f"; evaluated on `{data.get('eval_split')}`."
+
+    origin = (
+        f"trained from scratch ({results.get('model_source')})"
+        if results.get("from_scratch")
+        else f"fine-tuned from **{results.get('base_model') or results.get('model_source')}**"
+    )
+    change = (
+        f"with its attention scoring replaced by `hf_neural_attn` ({describe_patch(patch)})"
+        if patch
+        else ("as an unpatched baseline (attention unchanged) for `hf_neural_attn` comparisons")
+    )
+    title = f"{results['model_class']} with {describe_patch(patch)} — {dataset_label}"
+    content = f"""---
+{card_data.to_yaml()}
+---
+
+# {title}
+
+This model was {origin} {change}, with the `recipes/finetune.py` recipe.
+
+## Attention patch
+
+{patch_rows}
+## Data
+
+{data_text}
+
+## Results
+
+{metric_rows}
+## Training
+
+{training_rows}
+![training curves]({PLOT_FILE})
+
+## How to load
+
+{load}"""
+    # Round-trip through ModelCard so the metadata is validated the way the Hub validates it.
+    return str(ModelCard(content))
+
+
+# ------------------------------------------------------------------------------------------------ Hub
+
+
+def push_to_hub(output_dir: str | os.PathLike, repo_id: str, token: str | None = None, private: bool = False) -> Any:
+    """Upload the output folder (model, tokenizer/processor, card, results, plot) to a Hub model repo."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    logger.info("Uploading %s to https://huggingface.co/%s", output_dir, repo_id)
+    return api.upload_folder(
+        repo_id=repo_id,
+        folder_path=str(output_dir),
+        repo_type="model",
+        commit_message="End of training",
+        ignore_patterns=HUB_IGNORE_PATTERNS,
+    )

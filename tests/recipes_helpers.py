@@ -1,0 +1,262 @@
+"""Tiny models, tokenizers and data files for the recipe tests, all built here (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # the recipes are a folder of the repository, not an installed package
+    sys.path.insert(0, str(ROOT))
+
+FINETUNE = ROOT / "recipes" / "finetune.py"
+
+WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "sat",
+    "ran",
+    "on",
+    "under",
+    "mat",
+    "tree",
+    "good",
+    "bad",
+    "great",
+    "awful",
+    "fine",
+    "poor",
+    "nice",
+    "dull",
+    "big",
+    "small",
+    "red",
+    "blue",
+    "quick",
+    "slow",
+    "bird",
+    "fish",
+    "sees",
+    "likes",
+    "eats",
+    "runs",
+    "jumps",
+    "house",
+    "river",
+    "hill",
+    "sky",
+    "sun",
+    "moon",
+]
+
+# Small GPT-2 shape used throughout: 2 layers, hidden 32, 2 heads (head dim 16). Dropout off so that runs
+# with different process counts can be compared (each process would draw its own dropout masks).
+TINY_GPT2 = {
+    "n_layer": 2,
+    "n_embd": 32,
+    "n_head": 2,
+    "n_positions": 64,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+}
+TINY_GPT2_OVERRIDES = "n_layer=2,n_embd=32,n_head=2,resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0"
+
+
+def offline_env(home: Path | None = None, **extra: str) -> dict[str, str]:
+    """Environment for recipe subprocesses: no Hub, one thread per process (deterministic float results)."""
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    if home is not None:
+        env["HF_HOME"] = str(home)
+    env.update(extra)
+    return env
+
+
+def run_recipe(args: list[str], env: dict[str, str], timeout: int = 300, launcher: list[str] | None = None):
+    command = (launcher or [sys.executable]) + [str(FINETUNE), *args]
+    return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+# ------------------------------------------------------------------------------------------------ text
+
+
+def sentences(count: int, seed: int, length: int = 8) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(length)) for _ in range(count)]
+
+
+def write_text_files(folder: Path, train_lines: int = 120, validation_lines: int = 30) -> tuple[Path, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    train, validation = folder / "train.txt", folder / "validation.txt"
+    train.write_text("\n".join(sentences(train_lines, seed=1)) + "\n")
+    validation.write_text("\n".join(sentences(validation_lines, seed=2)) + "\n")
+    return train, validation
+
+
+def write_glue_files(
+    folder: Path, task: str, train_rows: int = 32, eval_rows: int = 16, fmt: str = "csv"
+) -> dict[str, Path]:
+    """GLUE-shaped files with the task's columns; labels follow a simple rule of the words, so a model can learn."""
+    from recipes.tasks import TASK_TO_KEYS
+
+    folder.mkdir(parents=True, exist_ok=True)
+    first, second = TASK_TO_KEYS[task]
+    names = {"mnli": ["entailment", "neutral", "contradiction"]}
+
+    def rows(count: int, seed: int) -> list[dict]:
+        rng = random.Random(seed)
+        out = []
+        for _ in range(count):
+            row = {first: " ".join(rng.choice(WORDS) for _ in range(6))}
+            if second:
+                row[second] = " ".join(rng.choice(WORDS) for _ in range(5))
+            positive = ("good" in row[first]) or ("great" in row[first])
+            if task == "stsb":
+                row["label"] = round(rng.uniform(0, 5), 2)
+            elif task == "mnli":
+                row["label"] = names["mnli"][rng.randrange(3)]  # string labels, mapped by the recipe
+            else:
+                row["label"] = int(positive)
+            out.append(row)
+        return out
+
+    splits = {"train": rows(train_rows, 11), "validation": rows(eval_rows, 12)}
+    if task == "mnli":
+        splits["validation_mismatched"] = rows(eval_rows - 2, 13)
+    paths = {}
+    for split, data in splits.items():
+        path = folder / f"{task}_{split}.{fmt}"
+        if fmt == "csv":
+            with open(path, "w", newline="") as handle:
+                writer = csv.DictWriter(handle, fieldnames=list(data[0]))
+                writer.writeheader()
+                writer.writerows(data)
+        else:
+            path.write_text("".join(json.dumps(row) + "\n" for row in data))
+        paths[split] = path
+    return paths
+
+
+def glue_file_args(paths: dict[str, Path]) -> list[str]:
+    args = ["--train_file", str(paths["train"]), "--validation_file", str(paths["validation"])]
+    if "validation_mismatched" in paths:
+        args += ["--validation_mismatched_file", str(paths["validation_mismatched"])]
+    return args
+
+
+# ---------------------------------------------------------------------------------------------- images
+
+
+def write_image_folders(
+    folder: Path, per_class_train: int = 6, per_class_eval: int = 3, size: int = 12
+) -> tuple[Path, Path]:
+    """Three colour classes of small PNGs: red, green and blue noise."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, count in (("train", per_class_train), ("validation", per_class_eval)):
+        for channel, name in enumerate(("red", "green", "blue")):
+            target = folder / split / name
+            target.mkdir(parents=True, exist_ok=True)
+            for index in range(count):
+                pixels = (rng.random((size, size, 3)) * 90).astype("uint8")
+                pixels[..., channel] += 150
+                Image.fromarray(pixels).save(target / f"{index}.png")
+    return folder / "train", folder / "validation"
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+def save_tiny_gpt2(folder: Path, seed: int = 0, dropout: float = 0.0) -> Path:
+    """A 2-layer GPT-2 (hidden 32) with the byte-level ByT5 tokenizer, saved as a pretrained folder."""
+    import torch
+    from transformers import ByT5Tokenizer, GPT2Config, GPT2LMHeadModel
+
+    tokenizer = ByT5Tokenizer()
+    torch.manual_seed(seed)
+    sizes = {**TINY_GPT2, "resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout}
+    config = GPT2Config(vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=1, **sizes)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def word_tokenizer(pad: bool):
+    """A word-level fast tokenizer over WORDS; without a pad token unless ``pad`` (as GPT-2's and Llama's)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[UNK]", "</s>"] + (["[PAD]"] if pad else [])
+    vocab = {token: index for index, token in enumerate(specials + sorted(set(WORDS)))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    extra = {"pad_token": "[PAD]"} if pad else {}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="</s>", **extra)
+
+
+def save_tiny_llama(folder: Path, seed: int = 0) -> Path:
+    """A 2-layer Llama (hidden 32, grouped-query attention) with a word tokenizer that has no pad token."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = word_tokenizer(pad=False)
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=1,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def save_tiny_vit(folder: Path, num_labels: int = 3, seed: int = 0) -> Path:
+    """A 2-layer ViT (hidden 32, 16x16 images, patch 4) and its image processor."""
+    import torch
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessorPil
+
+    torch.manual_seed(seed)
+    config = ViTConfig(
+        image_size=16,
+        patch_size=4,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_labels=num_labels,
+    )
+    ViTForImageClassification(config).save_pretrained(folder)
+    ViTImageProcessorPil(size={"height": 16, "width": 16}).save_pretrained(folder)
+    return folder
+
+
+def read_results(output_dir: Path) -> dict:
+    return json.loads((Path(output_dir) / "all_results.json").read_text())
+
+
+def read_history(output_dir: Path) -> dict:
+    return json.loads((Path(output_dir) / "training_history.json").read_text())
