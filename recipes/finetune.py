@@ -39,7 +39,9 @@ from recipes.tasks import Task, get_task
 
 logger = logging.getLogger("recipes")
 
-# Settings a resumed run must share with the run that wrote the checkpoint.
+# Settings a resumed run must share with the run that wrote the checkpoint: what shapes the data order,
+# the model (patch options included) and the optimisation. A resumed optimizer and scheduler keep their
+# saved state, so a changed learning rate would silently not apply.
 RESUME_SETTINGS = (
     "task",
     "seed",
@@ -47,9 +49,22 @@ RESUME_SETTINGS = (
     "gradient_accumulation_steps",
     "num_processes",
     "max_train_steps",
+    "model",
     "scorer",
     "layers",
-    "model",
+    "h",
+    "proj_dim",
+    "mode",
+    "depth",
+    "activation",
+    "init",
+    "impl",
+    "train_only_new_params",
+    "learning_rate",
+    "scorer_learning_rate",
+    "weight_decay",
+    "lr_scheduler_type",
+    "num_warmup_steps",
 )
 SECRET_SETTINGS = ("hub_token",)
 
@@ -156,6 +171,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     task: Task = get_task(args.task)
     accelerator = make_accelerator(args)
     setup_logging(accelerator)
+    if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps:
+        # An Accelerate config (DeepSpeed's, for one) can set its own value, which wins over the flag.
+        logger.warning(
+            "The Accelerate config sets gradient accumulation to %d steps, overriding "
+            "--gradient_accumulation_steps %d; training and the recorded settings use %d.",
+            accelerator.gradient_accumulation_steps,
+            args.gradient_accumulation_steps,
+            accelerator.gradient_accumulation_steps,
+        )
+        args.gradient_accumulation_steps = accelerator.gradient_accumulation_steps
     logger.info("Run settings: %s", json.dumps(public_settings(args), default=str))
     logger.info("%s", accelerator.state)
     set_seed(args.seed)

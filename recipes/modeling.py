@@ -225,7 +225,10 @@ def build_model(args: argparse.Namespace, config, preprocessor, labels: dict[str
         embeddings = model.get_input_embeddings().weight.shape[0]
         if len(preprocessor) > embeddings:
             model.resize_token_embeddings(len(preprocessor))
-            bundle.new_parameters.add("resized token embeddings")
+            # The resized matrices have new rows to learn: they stay trainable under --train_only_new_params.
+            resized = [model.get_input_embeddings(), model.get_output_embeddings()]
+            resized_weights = {id(module.weight) for module in resized if module is not None}
+            bundle.new_parameters |= {name for name, p in model.named_parameters() if id(p) in resized_weights}
 
     if args.scorer != "none":
         try:

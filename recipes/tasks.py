@@ -214,7 +214,9 @@ def _progress(dataloader, accelerator, description: str, enabled: bool):
 def embedded_corpus(validation_every: int = 10):
     """The Python documentation topics (``pydoc_data``, part of the standard library) as a text dataset.
 
-    Topics in sorted order; every ``validation_every``-th topic is held out for validation.
+    Topics in sorted order; every ``validation_every``-th topic is held out for validation. Topics repeat
+    each other (``if`` and ``else`` are the same page, many share paragraphs), so validation paragraphs that
+    also occur in a training topic are dropped: the held-out text is text the model has not seen.
     """
     from pydoc_data.topics import topics
 
@@ -222,7 +224,13 @@ def embedded_corpus(validation_every: int = 10):
 
     names = sorted(topics)
     train = [topics[name] for index, name in enumerate(names) if index % validation_every]
-    validation = [topics[name] for index, name in enumerate(names) if not index % validation_every]
+    seen = {paragraph.strip() for text in train for paragraph in text.split("\n\n")}
+    validation = []
+    for index, name in enumerate(names):
+        if not index % validation_every:
+            unseen = [p for p in topics[name].split("\n\n") if p.strip() and p.strip() not in seen]
+            if unseen:
+                validation.append("\n\n".join(unseen))
     return datasets.DatasetDict(
         {
             "train": datasets.Dataset.from_dict({"text": train}),

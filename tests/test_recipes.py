@@ -535,13 +535,11 @@ def test_train_only_new_params_keeps_pretrained_weights(assets, tmp_path):
     for name, tensor in before.items():
         if name in after:
             assert torch.equal(after[name], tensor), f"pretrained weight {name} changed"
-    # QANA's V rows (h per head, after the h*D_K rows of U) start at exactly zero: training moved them.
-    h, head_dim, heads = 4, 16, 2
-    rows = h * head_dim + 2 * h + 1
-    for name in scorer:
-        if name.endswith("query_extension.weight"):
-            v_rows = after[name].view(heads, rows, -1)[:, h * head_dim : h * head_dim + h]
-            assert v_rows.abs().sum() > 0, f"{name}: the scorer did not train"
+    # QANA's gates start at exactly 1 and get gradient from the second step on: training moved them.
+    gates = [name for name in scorer if name.endswith("attn_scorer.gate")]
+    assert gates
+    for name in gates:
+        assert not torch.equal(after[name], torch.ones_like(after[name])), f"{name}: the scorer did not train"
     results = read_results(out)
     assert results["parameters"]["trainable"] < results["parameters"]["total"]
 
@@ -656,9 +654,14 @@ def test_checkpoint_every_epoch_and_keep_only_the_newest(assets, tmp_path):
 
 def test_resume_refuses_a_checkpoint_of_a_different_run(assets, tmp_path):
     out = tmp_path / "run"
-    finetune(out, *clm_flags(assets, "--checkpointing_steps", "2"))
-    with pytest.raises(RecipeError, match="different settings"):
-        finetune(out, *clm_flags(assets, "--resume_from_checkpoint", str(out / "step_2"), "--seed", "7"))
+    finetune(out, *clm_flags(assets, "--checkpointing_steps", "2", "--scorer", "qana"))
+    resume = ("--resume_from_checkpoint", str(out / "step_2"))
+    # Each of these would change the run: a resumed optimizer would silently keep the old learning rate,
+    # a different h would not even fit the saved weights.
+    for changed in (("--seed", "7"), ("--learning_rate", "0.5"), ("--h", "2"), ("--scorer", "neural")):
+        flags = clm_flags(assets, *resume, "--scorer", "qana", *changed)
+        with pytest.raises(RecipeError, match=f"different settings.*{changed[0][2:]}"):
+            finetune(out, *flags)
     with pytest.raises(RecipeError, match="not a complete checkpoint"):
         finetune(out, *clm_flags(assets, "--resume_from_checkpoint", str(assets["gpt2"])))
 
@@ -698,3 +701,33 @@ def test_embedded_default_runs_offline_without_model_or_data_flags(tmp_path, cap
         assert results["data"]["dataset_name"] == "pydoc_data" and results["from_scratch"]
         assert "ByT5Tokenizer" in results["model_source"] and math.isfinite(results["perplexity"])
     assert "| qana |" in capsys.readouterr().out
+
+
+def test_train_only_new_params_keeps_resized_embeddings_trainable(assets, tmp_path):
+    """A tokenizer larger than the model's vocabulary adds embedding rows, which must learn too."""
+    from transformers import ByT5Tokenizer, GPT2Config, GPT2LMHeadModel
+
+    from recipes import modeling
+
+    folder = tmp_path / "small-vocab"
+    tokenizer = ByT5Tokenizer()
+    GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=32, n_layer=2, n_head=2, n_positions=64)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    args = parse_args(
+        [*clm_flags(assets, "--scorer", "qana", "--train_only_new_params"), "--output_dir", str(tmp_path / "out")]
+    )
+    args.model_name_or_path = str(folder)
+    bundle = modeling.build_model(args, modeling.load_config(args), modeling.load_tokenizer(args), None)
+    trainable = {name for name, p in bundle.model.named_parameters() if p.requires_grad}
+    assert bundle.model.get_input_embeddings().weight.shape[0] == len(tokenizer) > 300
+    assert "transformer.wte.weight" in trainable
+    assert set(hf_neural_attn.scorer_parameters(bundle.model)) <= trainable
+    assert "transformer.h.0.mlp.c_fc.weight" not in trainable
+
+
+def test_gradient_accumulation_set_by_the_accelerate_config_is_used_and_recorded(assets, tmp_path, monkeypatch):
+    # What `accelerate launch` with a DeepSpeed config exports; it overrides the flag inside Accelerator.
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
+    results = finetune(tmp_path / "run", *clm_flags(assets, "--gradient_accumulation_steps", "2"))
+    assert results["settings"]["gradient_accumulation_steps"] == 1
+    assert results["total_train_batch_size"] == 4
