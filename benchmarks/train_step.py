@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import statistics
@@ -121,11 +122,7 @@ def main() -> None:
 
 def report(results, args) -> str:
     baseline = {r["seq"]: r for r in results if r["scorer"] == "none" and "error" not in r}
-    machine = f"{platform.processor() or platform.machine()}, {args.device}"
-    if args.device.startswith("cuda"):
-        import torch
-
-        machine = torch.cuda.get_device_name()
+    machine = describe_machine(args.device)
     lines = [
         f"GPT-2 shape {args.layers} layers x {args.width} wide x {args.heads} heads, batch 1, all layers patched, "
         f"h={args.h}, neural proj_dim={args.proj_dim}, {'bf16 autocast' if args.bf16 else 'fp32'}; "
@@ -146,6 +143,20 @@ def report(results, args) -> str:
             f"{r['peak_bytes'] / 2**20:.0f} | {memory_ratio} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def describe_machine(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} (CPU)"
 
 
 def plot(results, path: Path) -> None:
