@@ -50,8 +50,6 @@ EMBEDDED_NAME = "embedded (built from a config here, byte-level ByT5Tokenizer)"
 @dataclass
 class ModelBundle:
     model: Any
-    tokenizer: Any = None  # text tasks
-    image_processor: Any = None  # image task
     source: str = EMBEDDED_NAME  # where the weights came from, for logs and the model card
     base_model: str | None = None  # Hub id of the pretrained model, for the model card
     from_scratch: bool = True
@@ -206,10 +204,6 @@ def build_model(args: argparse.Namespace, config, preprocessor, labels: dict[str
         prepare_text_config(config, preprocessor, args, labels if args.task != "clm" else None)
 
     bundle = ModelBundle(model=None, source=describe_source(args))
-    if is_image:
-        bundle.image_processor = preprocessor
-    else:
-        bundle.tokenizer = preprocessor
     path = args.model_name_or_path
     if path is None:
         torch.manual_seed(args.seed)  # the from-scratch init depends on the seed only

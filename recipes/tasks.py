@@ -87,7 +87,6 @@ class TaskData:
     train_collate: Callable
     eval_collate: Callable
     info: DataInfo
-    labels: dict[str, Any] | None = None
 
 
 class Task:
@@ -471,9 +470,7 @@ class GlueTask(Task):
         _require_columns(
             raw, {"first text": self.keys[0], "second text": self.keys[1], "label": self.label_column}, splits
         )
-        labels = self._label_info(raw, splits)
-        self.labels = labels
-        return labels
+        return self._label_info(raw, splits)
 
     def _label_info(self, raw, splits) -> dict[str, Any]:
         import datasets
@@ -544,7 +541,7 @@ class GlueTask(Task):
         train = _limit(processed.pop("train"), args.max_train_samples)
         evals = {split: _limit(data, args.max_eval_samples) for split, data in processed.items()}
         collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=None)
-        return TaskData(train, evals, collate, collate, self.info, labels)
+        return TaskData(train, evals, collate, collate, self.info)
 
     def evaluate(self, model, dataloaders, accelerator, args, progress=True):
         model.eval()
@@ -640,8 +637,7 @@ class ImageTask(Task):
             if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
                 raise RecipeError(f"The label column {label!r} must hold class indices or class names (ClassLabel).")
             names = [str(i) for i in range(max(values) + 1)]
-        self.labels = {"num_labels": len(names), "names": names, "regression": False, "to_id": None}
-        return self.labels
+        return {"num_labels": len(names), "names": names, "regression": False, "to_id": None}
 
     def prepare(self, args, raw, processor, model_config, labels, accelerator):
         image_column, label_column = self.image_column, self.label_column
@@ -664,7 +660,7 @@ class ImageTask(Task):
         train = train.add_column("example_index", list(range(len(train))))
         train = train.with_transform(transform)
         validation = _limit(raw["validation"], args.max_eval_samples).with_transform(transform)
-        return TaskData(train, {"validation": validation}, collate_images, collate_images, self.info, labels)
+        return TaskData(train, {"validation": validation}, collate_images, collate_images, self.info)
 
     def training_inputs(self, batch, epoch, args):
         """Random horizontal flip and padded random crop, drawn per example from (seed, epoch, example index):
