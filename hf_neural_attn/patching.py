@@ -240,6 +240,11 @@ def hf_neural_attention_forward(
     extras = kwargs.pop(EXTRAS_KWARG, None)
     scorer: Scorer | None = getattr(module, SCORER_ATTR, None)
     if scorer is None:
+        if not hasattr(module, FALLBACK_ATTR):
+            raise RuntimeError(
+                f"{type(module).__name__} runs attn_implementation={ATTN_IMPLEMENTATION!r} but was not patched. "
+                "Patch the model with hf_neural_attn.patch_model(model, ...) instead of setting that name by hand."
+            )
         family_name, implementation = getattr(module, FALLBACK_ATTR)
         return FAMILIES[family_name].original_attention(
             module, implementation, query, key, value, attention_mask, scaling, dropout, **kwargs

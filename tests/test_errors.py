@@ -130,3 +130,10 @@ def test_options_are_validated_on_config_objects_too():
     with pytest.raises(ValueError, match="h must be a positive integer"):
         hf_neural_attn.patch_model(model, config)
     assert_unchanged(model, before)
+
+
+def test_setting_the_attention_name_by_hand_without_patching_is_a_clear_error():
+    model = tiny_llama()
+    model.config._attn_implementation = "hf_neural_attn"
+    with pytest.raises(RuntimeError, match="was not patched.*patch_model"):
+        logits(model, model_inputs("llama"))
