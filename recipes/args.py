@@ -338,10 +338,8 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         given = sorted(scorer_flags) + (["layers"] if args.layers is not None else [])
         if given:
             raise RecipeError(f"--scorer none (the baseline) takes no patch options, got {given}.")
-        if args.train_only_new_params:
-            raise RecipeError("--train_only_new_params needs a patch (--scorer qana or neural).")
-        if args.scorer_learning_rate is not None:
-            raise RecipeError("--scorer_learning_rate needs a patch (--scorer qana or neural).")
+        # --train_only_new_params and --scorer_learning_rate also suit --scorer none with an already patched
+        # checkpoint; whether there is a patch is checked once the model is loaded (modeling.build_model).
     else:
         from hf_neural_attn import scorers  # light: the scorer configs only
 

@@ -57,7 +57,7 @@ RESUME_SETTINGS = (
     "mode",
     "depth",
     "activation",
-    "init",
+    "scorer_init",
     "impl",
     "train_only_new_params",
     "learning_rate",

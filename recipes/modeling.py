@@ -231,6 +231,16 @@ def build_model(args: argparse.Namespace, config, preprocessor, labels: dict[str
             raise RecipeError(f"Cannot patch {type(model).__name__} with --scorer {args.scorer}: {error}") from error
     if hf_neural_attn.is_patched(model):
         bundle.patch = dict(getattr(model.config, RECORD_KEY))
+    else:
+        for flag, given in (
+            ("--train_only_new_params", args.train_only_new_params),
+            ("--scorer_learning_rate", args.scorer_learning_rate is not None),
+        ):
+            if given:
+                raise RecipeError(
+                    f"{flag} needs a patch: pass --scorer qana or neural, or a patched checkpoint as "
+                    "--model_name_or_path (with --scorer none)."
+                )
 
     if args.train_only_new_params:
         if bundle.from_scratch:

@@ -731,3 +731,26 @@ def test_gradient_accumulation_set_by_the_accelerate_config_is_used_and_recorded
     results = finetune(tmp_path / "run", *clm_flags(assets, "--gradient_accumulation_steps", "2"))
     assert results["settings"]["gradient_accumulation_steps"] == 1
     assert results["total_train_batch_size"] == 4
+
+
+def test_a_patched_checkpoint_can_keep_training_only_its_new_parameters(assets, tmp_path):
+    from safetensors.torch import load_file
+
+    first = tmp_path / "first"
+    finetune(first, *clm_flags(assets, "--scorer", "neural", "--proj_dim", "2"))
+    second = tmp_path / "second"
+    flags = clm_flags(assets, "--scorer", "none", "--train_only_new_params")
+    flags[flags.index("--model_name_or_path") + 1] = str(first)
+    results = finetune(second, *flags)
+    assert results["patch"]["scorer"] == "neural"
+    before, after = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    scorer_names = [name for name in after if ".attn_scorer." in name]
+    assert scorer_names and any(not torch.equal(after[n], before[n]) for n in scorer_names)
+    for name, tensor in before.items():
+        if ".attn_scorer." not in name:
+            assert torch.equal(after[name], tensor), f"pretrained weight {name} changed"
+
+
+def test_train_only_new_params_without_any_patch_is_refused(assets, tmp_path):
+    with pytest.raises(RecipeError, match="--train_only_new_params needs a patch"):
+        finetune(tmp_path / "run", *clm_flags(assets, "--scorer", "none", "--train_only_new_params"))
