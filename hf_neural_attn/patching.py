@@ -243,7 +243,8 @@ def hf_neural_attention_forward(
         if not hasattr(module, FALLBACK_ATTR):
             raise RuntimeError(
                 f"{type(module).__name__} runs attn_implementation={ATTN_IMPLEMENTATION!r} but was not patched. "
-                "Patch the model with hf_neural_attn.patch_model(model, ...) instead of setting that name by hand."
+                "Either the name was set by hand (patch with hf_neural_attn.patch_model instead), or this model "
+                "shares its config object with a patched model (build each model from its own copy of the config)."
             )
         family_name, implementation = getattr(module, FALLBACK_ATTR)
         return FAMILIES[family_name].original_attention(

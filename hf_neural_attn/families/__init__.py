@@ -7,9 +7,21 @@ from torch import nn
 from .base import ModelFamily
 from .gpt2 import GPT2Family
 from .llama import LlamaFamily
+from .llama_like import GemmaFamily, MistralFamily, Qwen2Family, Qwen3Family
 from .vit import ViTFamily
 
-FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (LlamaFamily(), GPT2Family(), ViTFamily())}
+FAMILIES: dict[str, ModelFamily] = {
+    family.name: family
+    for family in (
+        LlamaFamily(),
+        GPT2Family(),
+        ViTFamily(),
+        MistralFamily(),
+        Qwen2Family(),
+        Qwen3Family(),
+        GemmaFamily(),
+    )
+}
 
 
 def find_attention(model: nn.Module) -> tuple[ModelFamily, list[nn.Module], list[nn.Module]]:
