@@ -31,7 +31,7 @@ from recipes.args import GLUE_TASKS, RecipeError, parse_args
 from recipes.finetune import main as finetune_main
 from recipes.finetune import run
 
-TINY_BERT = "num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64"
+TINY_DISTILBERT = "n_layers=1,dim=32,n_heads=2,hidden_dim=64"  # a family the patch does not support
 
 # ------------------------------------------------------------------------------------------ fixtures
 
@@ -274,8 +274,11 @@ def bad_input_cases(assets, tmp_path):
             "out of range",
         ),
         "unsupported family for the patch": (
-            ["--task", "mrpc", *glue_file_args(glue), "--model_type", "bert", "--config_overrides", TINY_BERT],
-            "Cannot patch BertForSequenceClassification",
+            [
+                *("--task", "mrpc", *glue_file_args(glue)),
+                *("--model_type", "distilbert", "--config_overrides", TINY_DISTILBERT),
+            ],
+            "Cannot patch DistilBertForSequenceClassification",
         ),
         "baseline with patch options": (["--task", "clm", "--scorer", "none", "--h", "8"], "takes no patch options"),
         "unknown scorer option value": (

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from .base import ModelFamily
+from .bert import BertFamily, RobertaFamily
 from .gpt2 import GPT2Family
 from .llama import LlamaFamily
 from .llama_like import GemmaFamily, MistralFamily, Qwen2Family, Qwen3Family
@@ -20,6 +21,8 @@ FAMILIES: dict[str, ModelFamily] = {
         Qwen2Family(),
         Qwen3Family(),
         GemmaFamily(),
+        BertFamily(),
+        RobertaFamily(),
     )
 }
 
