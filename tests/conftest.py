@@ -23,21 +23,24 @@ import hf_neural_attn  # noqa: E402
 VOCAB = 64
 
 
+# A tiny rotary decoder: 2 layers, 4 query heads sharing 2 key/value heads (grouped-query attention). Llama,
+# Mistral, Qwen and Gemma configs all take these keys.
+TINY_DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=0,
+)
+
+
 def tiny_llama(**overrides) -> LlamaForCausalLM:
-    """2 layers, 4 query heads sharing 2 key/value heads (grouped-query attention)."""
-    config = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=0,
-    )
-    config.update(overrides)
+    config = {**TINY_DECODER, **overrides}
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(**config)).eval()
 

@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from conftest import TINY_DECODER as COMMON
 from conftest import VOCAB, perturb_scorers
 from transformers import (
     GemmaConfig,
@@ -18,18 +19,6 @@ from transformers import (
 
 import hf_neural_attn
 
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    pad_token_id=0,
-    bos_token_id=0,
-    eos_token_id=1,
-)
 MODELS = {
     # A sliding window shorter than the test sequences, so the window mask is exercised.
     "mistral": (MistralForCausalLM, MistralConfig(**COMMON, sliding_window=6)),
