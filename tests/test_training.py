@@ -77,6 +77,16 @@ def test_neural_first_backward_reaches_output_and_last_layer_then_everything(fam
         assert scorer.output.weight.grad.abs().max() > 0
         for layer in last:
             assert layer.weight.grad.abs().max() > 0
+        # What feeds the pairs gets the two halves' gradients with opposite signs, which cancel; the gate
+        # multiplies a term that is zero. All of it waits one step.
+        waiting = [scorer.gate]
+        for layer in (scorer.query_down, scorer.key_down):
+            if layer is not None:
+                waiting += layer.parameters()
+        if len(scorer.deeper):
+            waiting += [*scorer.pair_query.parameters(), *scorer.pair_key.parameters()]
+        for parameter in waiting:
+            assert negligible(parameter.grad, scorer.output.weight.grad)
     optimizer.step()
     optimizer.zero_grad()
 
