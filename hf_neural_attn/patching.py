@@ -60,14 +60,18 @@ def patch_model(
 
     Args:
         model: a Llama, GPT-2 or ViT model (any head) from transformers.
-        scorer: ``"qana"`` or ``"neural"``, or a ready :class:`QanaConfig` / :class:`NeuralAttentionConfig`.
+        scorer: a name from ``hf_neural_attn.scorers.SCORERS`` (``"qana"``, ``"neural"``, ``"additive"``,
+            ``"general"``, ``"nsea"``, ``"hea"``), or a ready config object (:class:`QanaConfig`, ...).
         h: hidden width of the scoring MLP (default 4).
         layers: indices of the attention layers to patch (negative indices count from the end);
             None patches all. ``[0]`` is the Neural Attention paper's first-layer-only setup.
-        **options: scorer options: ``activation``, ``init``, ``impl``, and for ``"neural"``
-            ``proj_dim``, ``mode``, ``depth``.
+        **options: scorer options (``impl`` for all; ``activation``, ``init`` for the MLP scorers; for
+            ``"neural"`` ``proj_dim``, ``mode``, ``depth``; ``mode`` for ``"additive"``; ``terms`` and the
+            required ``mode="replace"`` for ``"nsea"``/``"hea"``). See ``docs/scorers.md``.
 
-    With the default options the patched model's outputs equal the original's, and training moves them.
+    With the default options of ``"qana"``, ``"neural"``, ``"additive"`` and ``"general"`` the patched model's
+    outputs equal the original's, and training moves them; ``"nsea"`` and ``"hea"`` are for training from
+    scratch.
     Every argument is checked before the model is touched: a call that raises leaves it as it was.
 
     Raises:
@@ -89,13 +93,15 @@ def patch_model(
     family, attention_modules, config_readers = find_attention(model)
     selected = _normalise_layers(layers, len(attention_modules))
     scorer_type = scorer_class(config.scorer_name)
-    if config.init == "zero":
+    if getattr(config, "init", None) == "zero":
         warnings.warn(
             "init='zero' is the papers' literal init: the model stays exact, but no gradient ever reaches the "
             "new parameters, so it cannot leave plain attention. Use init='default' to train.",
             UserWarning,
             stacklevel=2,
         )
+    for index in selected:
+        scorer_type.check_module(config, attention_modules[index])
     # Build every new module before touching the model, so a failure here changes nothing.
     new_scorers = {index: scorer_type(config, family.geometry(attention_modules[index])) for index in selected}
 

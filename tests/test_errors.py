@@ -33,7 +33,7 @@ def assert_unchanged(model, before, family="llama"):
 
 
 BAD_CALLS = [
-    (("cosine",), {}, r"Unknown scorer 'cosine'.*\['neural', 'qana'\]"),
+    (("cosine",), {}, r"Unknown scorer 'cosine'.*\['additive', 'general', 'hea', 'neural', 'nsea', 'qana'\]"),
     (("qana",), {"h": 0}, r"\bh must be a positive integer.*h=0"),
     (("neural",), {"h": -2}, r"\bh must be a positive integer"),
     (("qana",), {"h": 2.5}, r"\bh must be a positive integer"),

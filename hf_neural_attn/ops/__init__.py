@@ -2,7 +2,9 @@
 
 Every path computes the same thing, ``softmax(scorer.scores(q, k) + mask) @ v``; they differ in memory
 and speed. ``scored_attention`` picks the path named by the scorer's ``impl`` option, so a new path (a
-chunked autograd function, a fused kernel) is one entry in ``IMPLEMENTATIONS``.
+chunked autograd function, a fused kernel) is one entry in ``IMPLEMENTATIONS``. Scorers that are not
+softmax attention (``scorer.uses_softmax`` False: NSEA, HEA) compute their output themselves in
+``scorer.attend``.
 """
 
 from __future__ import annotations
@@ -59,6 +61,19 @@ def scored_attention(
     """
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    if not scorer.uses_softmax:
+        # NSEA, HEA: the weights are not a softmax of logits, so none of the paths below applies.
+        output, weights = scorer.attend(
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=scaling,
+            dropout=dropout if training else 0.0,
+            is_causal=is_causal,
+            need_weights=need_weights,
+        )
+        return output.transpose(1, 2).contiguous(), weights
     impl = scorer.config.impl
     if need_weights or (training and dropout > 0):
         impl = "reference"

@@ -1,12 +1,19 @@
 """Scorer registry: adding a scorer is one module and one line here."""
 
-from .base import ACTIVATIONS, AttentionGeometry, Scorer, ScorerConfig
+from .additive import AdditiveConfig, AdditiveScorer
+from .base import ACTIVATIONS, AttentionGeometry, MLPScorerConfig, Scorer, ScorerConfig
+from .exponential import HeaConfig, HeaScorer, NseaConfig, NseaScorer
+from .general import GeneralConfig, GeneralScorer
 from .neural import NeuralAttentionConfig, NeuralAttentionScorer
 from .qana import QanaConfig, QanaScorer
 
 SCORERS: dict[str, type[Scorer]] = {
     QanaScorer.name: QanaScorer,
     NeuralAttentionScorer.name: NeuralAttentionScorer,
+    AdditiveScorer.name: AdditiveScorer,
+    GeneralScorer.name: GeneralScorer,
+    NseaScorer.name: NseaScorer,
+    HeaScorer.name: HeaScorer,
 }
 
 
@@ -18,12 +25,21 @@ def scorer_class(name: str) -> type[Scorer]:
 
 __all__ = [
     "ACTIVATIONS",
+    "SCORERS",
+    "AdditiveConfig",
+    "AdditiveScorer",
     "AttentionGeometry",
+    "GeneralConfig",
+    "GeneralScorer",
+    "HeaConfig",
+    "HeaScorer",
+    "MLPScorerConfig",
     "NeuralAttentionConfig",
     "NeuralAttentionScorer",
+    "NseaConfig",
+    "NseaScorer",
     "QanaConfig",
     "QanaScorer",
-    "SCORERS",
     "Scorer",
     "ScorerConfig",
     "scorer_class",

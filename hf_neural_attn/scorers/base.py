@@ -9,8 +9,9 @@ hands over q, k and RoPE lives in :mod:`hf_neural_attn.families`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -31,14 +32,9 @@ INITS = ("default", "zero")
 
 @dataclass
 class ScorerConfig:
-    """Options shared by every scorer.
+    """Options every scorer has.
 
     Args:
-        h: hidden width of the scoring MLP.
-        activation: the MLP's nonlinearity, one of ``ACTIVATIONS``.
-        init: ``"default"`` keeps the patched model's outputs equal to the original and lets gradients
-            reach the new parameters (see ``docs/scorers.md``); ``"zero"`` is the papers' literal
-            all-zero init, under which no gradient ever reaches the new parameters (it warns).
         impl: how scores are turned into attention outputs: ``"reference"`` materialises the score matrix
             (simple, the test oracle); ``"chunked"`` processes blocks of queries and recomputes their
             scores in backward, so memory grows with n instead of n². See :mod:`hf_neural_attn.ops`.
@@ -46,19 +42,12 @@ class ScorerConfig:
 
     scorer_name: ClassVar[str] = ""
 
-    h: int = 4
-    activation: str = "gelu"
-    init: str = "default"
     impl: str = "reference"
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        if isinstance(self.h, bool) or not isinstance(self.h, int) or self.h <= 0:
-            raise ValueError(f"h must be a positive integer (the scoring MLP's hidden width), got h={self.h!r}.")
-        _check_choice("activation", self.activation, ACTIVATIONS)
-        _check_choice("init", self.init, INITS)
         _check_choice("impl", self.impl, IMPLEMENTATIONS)
 
     @classmethod
@@ -66,18 +55,45 @@ class ScorerConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def from_options(cls, options: dict[str, Any]) -> "ScorerConfig":
+    def from_options(cls, options: dict[str, Any]) -> ScorerConfig:
         """Build a config from keyword options, naming any option this scorer does not have."""
         unknown = sorted(set(options) - set(cls.option_names()))
         if unknown:
             raise ValueError(
-                f"Unknown option(s) {unknown} for scorer {cls.scorer_name!r}. "
-                f"Valid options: {cls.option_names()}."
+                f"Unknown option(s) {unknown} for scorer {cls.scorer_name!r}. Valid options: {cls.option_names()}."
             )
         return cls(**options)
 
     def to_dict(self) -> dict[str, Any]:
         return {name: _jsonable(getattr(self, name)) for name in self.option_names()}
+
+
+@dataclass
+class MLPScorerConfig(ScorerConfig):
+    """Options of the scorers built around a small MLP (QANA, Neural Attention, additive).
+
+    Args:
+        h: hidden width of the scoring MLP.
+        activation: the MLP's nonlinearity, one of ``ACTIVATIONS``.
+        init: ``"default"`` keeps the patched model's outputs equal to the original and lets gradients
+            reach the new parameters (see ``docs/scorers.md``); ``"zero"`` is the papers' literal
+            all-zero init, under which no gradient ever reaches the new parameters (it warns).
+    """
+
+    h: int = 4
+    activation: str = "gelu"
+    init: str = "default"
+
+    def validate(self) -> None:
+        super().validate()
+        _check_positive_int("h", self.h, "the scoring MLP's hidden width")
+        _check_choice("activation", self.activation, ACTIVATIONS)
+        _check_choice("init", self.init, INITS)
+
+
+def _check_positive_int(name: str, value: Any, meaning: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer ({meaning}), got {name}={value!r}.")
 
 
 def _check_choice(name: str, value: Any, choices) -> None:
@@ -126,16 +142,21 @@ class Scorer(nn.Module):
     name: ClassVar[str]
     config_class: ClassVar[type[ScorerConfig]]
     needs_hidden_states: ClassVar[bool] = False
+    # Scorers whose attention weights are not a softmax of logits (NSEA, HEA) set this to False and
+    # implement :meth:`attend`; the ``impl`` paths, which are all softmax attention, then do not apply.
+    uses_softmax: ClassVar[bool] = True
 
     def __init__(self, config: ScorerConfig, geometry: AttentionGeometry):
         super().__init__()
         self.config = config
         self.geometry = geometry
-        self.act = ACTIVATIONS[config.activation]
 
-    def query_extras(
-        self, hidden_states: torch.Tensor, rotate: Callable[[torch.Tensor], torch.Tensor] | None
-    ) -> Any:
+    @classmethod
+    def check_module(cls, config: ScorerConfig, module: nn.Module) -> None:
+        """Raise ``ValueError`` if this scorer cannot serve the attention ``module`` (called by
+        ``patch_model`` on every selected module before the model is changed)."""
+
+    def query_extras(self, hidden_states: torch.Tensor, rotate: Callable[[torch.Tensor], torch.Tensor] | None) -> Any:
         """Per-query inputs computed from ``hidden_states`` (batch, seq, hidden); ``rotate`` applies the
         model's RoPE at the query positions to a (batch, n, seq, head_dim) tensor, or is None.
 
@@ -156,6 +177,30 @@ class Scorer(nn.Module):
 
         Returns:
             (batch, heads, q_len, kv_len) logits.
+        """
+        raise NotImplementedError
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *,
+        scaling: float,
+        dropout: float,
+        is_causal: bool,
+        need_weights: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention output of a scorer that is not softmax-based (``uses_softmax = False``).
+
+        Args as :meth:`scores`, plus ``value`` (batch, heads, kv_len, head_dim) and the additive float
+        ``attention_mask`` (batch or 1, 1, q_len, kv_len) or None, and the attention ``dropout``
+        probability to apply to the weights (0 outside training).
+
+        Returns:
+            output (batch, heads, q_len, head_dim) and, when ``need_weights``, the weights it applied to
+            the values (batch, heads, q_len, kv_len).
         """
         raise NotImplementedError
 

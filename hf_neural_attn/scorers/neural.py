@@ -24,18 +24,19 @@ Shared across heads like the authors' code: one MLP (and one pair of projections
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .base import AttentionGeometry, Scorer, ScorerConfig, _check_choice
+from .base import ACTIVATIONS, AttentionGeometry, MLPScorerConfig, Scorer, _check_choice
 
 MODES = ("residual", "replace")
 
 
 @dataclass
-class NeuralAttentionConfig(ScorerConfig):
+class NeuralAttentionConfig(MLPScorerConfig):
     """Neural Attention options.
 
     Args:
@@ -79,6 +80,7 @@ class NeuralAttentionScorer(Scorer):
 
     def __init__(self, config: NeuralAttentionConfig, geometry: AttentionGeometry):
         super().__init__(config, geometry)
+        self.act = ACTIVATIONS[config.activation]
         factory = {"dtype": geometry.dtype, "device": geometry.device}
         d = geometry.head_dim
         widths = config.hidden_widths()
@@ -91,7 +93,7 @@ class NeuralAttentionScorer(Scorer):
         # W_h split into its query and key halves; the key half carries b_h.
         self.pair_query = nn.Linear(d, widths[0], bias=False, **factory)
         self.pair_key = nn.Linear(d, widths[0], bias=True, **factory)
-        self.deeper = nn.ModuleList(nn.Linear(a, b, **factory) for a, b in zip(widths, widths[1:]))
+        self.deeper = nn.ModuleList(nn.Linear(a, b, **factory) for a, b in itertools.pairwise(widths))
         self.output = nn.Linear(widths[-1], 1, bias=False, **factory)  # w_a
         if config.mode == "residual":
             self.gate = nn.Parameter(torch.empty(geometry.num_heads, **factory))
@@ -111,9 +113,13 @@ class NeuralAttentionScorer(Scorer):
         # assuming the unit-scale normalised hidden states that attention blocks read.
         q_scale = self.geometry.query_weight_std * self.geometry.hidden_size**0.5
         if q_scale > 0:
-            for layer in (self.query_down, self.key_down) if self.query_down is not None else (
-                self.pair_query,
-                self.pair_key,
+            for layer in (
+                (self.query_down, self.key_down)
+                if self.query_down is not None
+                else (
+                    self.pair_query,
+                    self.pair_key,
+                )
             ):
                 nn.init.normal_(layer.weight, 0.0, 1.0 / (q_scale * layer.in_features**0.5))
         if self.config.mode == "replace":

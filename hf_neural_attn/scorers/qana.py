@@ -23,17 +23,18 @@ see ``docs/scorers.md``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from .base import AttentionGeometry, Scorer, ScorerConfig
+from .base import ACTIVATIONS, AttentionGeometry, MLPScorerConfig, Scorer
 
 
 @dataclass
-class QanaConfig(ScorerConfig):
+class QanaConfig(MLPScorerConfig):
     """QANA options: ``h`` hidden units per query network, ``activation``, ``init``, ``impl``."""
 
     scorer_name = "qana"
@@ -47,7 +48,7 @@ class QanaQueryParts(NamedTuple):
     b: torch.Tensor  # (batch, heads, q_len, h)
     c: torch.Tensor  # (batch, heads, q_len, 1)
 
-    def query_block(self, start: int, end: int) -> "QanaQueryParts":
+    def query_block(self, start: int, end: int) -> QanaQueryParts:
         """The slices of queries ``start:end``."""
         return QanaQueryParts(
             self.U[:, :, :, start:end], self.V[:, :, start:end], self.b[:, :, start:end], self.c[:, :, start:end]
@@ -61,6 +62,7 @@ class QanaScorer(Scorer):
 
     def __init__(self, config: QanaConfig, geometry: AttentionGeometry):
         super().__init__(config, geometry)
+        self.act = ACTIVATIONS[config.activation]
         h, d = config.h, geometry.head_dim
         # Per head: h*D_K rows for U, then h for V, h for b, 1 for c.
         self.rows_per_head = h * d + 2 * h + 1
