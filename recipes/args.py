@@ -165,6 +165,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="A checkpoint folder, or 'latest' for the newest complete one in --output_dir.",
     )
+    add(
+        "--attention_map_layer",
+        type=str,
+        default=None,
+        help=(
+            "Patched runs draw attention_maps.png after training: this attention layer's heads, patched beside "
+            "unpatched (default: the first patched layer; 'none' draws no maps)."
+        ),
+    )
+    add(
+        "--attention_map_tokens",
+        type=int,
+        default=32,
+        help="Text tasks: the attention maps and the scorer history's probe read this many tokens of the first "
+        "evaluation example.",
+    )
     add("--with_tracking", action="store_true", help="Log to experiment trackers (TensorBoard by default).")
     add("--report_to", type=str, default="tensorboard", help="Tracker(s) for --with_tracking, e.g. tensorboard.")
     add("--push_to_hub", action="store_true", help="Upload the output folder to the Hub at the end.")
@@ -308,7 +324,23 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     ):
         if getattr(args, name) < 1:
             raise RecipeError(f"--{name} must be at least 1, got {getattr(args, name)}.")
-    for name in ("max_train_steps", "eval_steps", "block_size", "stride", "max_train_samples", "max_eval_samples"):
+    if args.attention_map_layer is not None:
+        value = str(args.attention_map_layer).strip().lower()
+        try:
+            args.attention_map_layer = "none" if value == "none" else int(value)
+        except ValueError as error:
+            raise RecipeError(
+                f"--attention_map_layer must be a layer index or 'none', got {args.attention_map_layer!r}."
+            ) from error
+    for name in (
+        "max_train_steps",
+        "eval_steps",
+        "attention_map_tokens",
+        "block_size",
+        "stride",
+        "max_train_samples",
+        "max_eval_samples",
+    ):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise RecipeError(f"--{name} must be at least 1, got {value}.")

@@ -40,6 +40,7 @@ class TrainingProgress:
     train_loss: list[list[float]] = field(default_factory=list)  # [step, mean loss since the last log]
     evaluations: list[dict[str, float]] = field(default_factory=list)  # {"step": ..., metric: value, ...}
     pending_loss: list[float] = field(default_factory=list)  # [sum, micro-batches] of losses not yet logged
+    scorer_history: list[dict[str, Any]] = field(default_factory=list)  # {"step": ..., "layers": [...]}, patched runs
     runtime_s: float = 0.0  # training time so far, across resumes
     settings: dict[str, Any] = field(default_factory=dict)  # what must match on resume
 

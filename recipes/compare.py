@@ -6,8 +6,9 @@
 
 takes the flags of ``finetune.py`` and runs it twice: once unpatched (``--scorer none``, patch flags dropped)
 into ``<output_dir>/baseline``, once as given into ``<output_dir>/<scorer>``. Then it writes
-``<output_dir>/comparison.md`` (a markdown table: metrics, parameters added, change against the baseline) and
-``<output_dir>/comparison.png`` (both evaluation curves) and prints the table.
+``<output_dir>/comparison.md`` (a markdown table: metrics, parameters added, change against the baseline, then the
+patched run's scorer history and attention maps) and ``<output_dir>/comparison.png`` (both evaluation curves) and
+prints the table.
 
 With no arguments it runs the offline demo ``recipes/configs/demo_offline.yaml`` (also what
 ``finetune.py`` does with no arguments).
@@ -84,7 +85,11 @@ def compare(args: argparse.Namespace) -> list[dict[str, Any]]:
             f"Same data, seed ({args.seed}) and budget ({results[0]['results']['train_steps']} steps, total batch "
             f"{results[0]['results']['total_train_batch_size']}); model {results[0]['results']['model_source']}.\n\n"
         )
-        (root / report.COMPARISON_TABLE).write_text(header + table)
+        patched_dir = Path(patched.output_dir).resolve().relative_to(root.resolve())
+        pictures = report.scorer_section(results[1]["results"].get("plots"), prefix=f"{patched_dir.as_posix()}/")
+        (root / report.COMPARISON_TABLE).write_text(
+            header + table + f"\n![evaluation curves]({report.COMPARISON_PLOT})\n" + pictures
+        )
         report.plot_comparison(
             results,
             task.primary_metric,

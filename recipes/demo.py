@@ -15,9 +15,9 @@ import argparse
 import copy
 import tempfile
 import time
+from pydoc_data.topics import topics
 
 import torch
-from pydoc_data.topics import topics
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_neural_attn
@@ -86,15 +86,19 @@ def main() -> None:
         new = hf_neural_attn.scorer_parameters(model)
         with torch.no_grad():
             drift = (model(held_out).logits - base_logits).abs().max().item()
-        print(f"{scorer}: patched {len(model.config.hf_neural_attn['layers'])} layers, "
-              f"+{sum(p.numel() for p in new.values())} parameters, max |logit change| at init = {drift:.1e}")
+        print(
+            f"{scorer}: patched {len(model.config.hf_neural_attn['layers'])} layers, "
+            f"+{sum(p.numel() for p in new.values())} parameters, max |logit change| at init = {drift:.1e}"
+        )
         for name, parameter in model.named_parameters():
             parameter.requires_grad_(name in new)
         losses = train(model, list(new.values()), batches, args.patch_steps, lr=args.patch_lr)
         patched_loss = eval_loss(model, held_out)
         first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-        print(f"  trained only the new parameters for {args.patch_steps} steps: train loss (10-step mean) "
-              f"{first:.4f} -> {last:.4f}, held-out {base_loss:.4f} -> {patched_loss:.4f}")
+        print(
+            f"  trained only the new parameters for {args.patch_steps} steps: train loss (10-step mean) "
+            f"{first:.4f} -> {last:.4f}, held-out {base_loss:.4f} -> {patched_loss:.4f}"
+        )
         with tempfile.TemporaryDirectory() as folder:
             model.save_pretrained(folder)
             reloaded = hf_neural_attn.from_pretrained(folder)

@@ -9,7 +9,9 @@
 The flags follow the Hugging Face ``*_no_trainer.py`` example scripts; ``docs/recipes.md`` has the full guide.
 A run writes to ``--output_dir``: the model (loadable with ``hf_neural_attn.from_pretrained``), its tokenizer or
 image processor, ``all_results.json``, ``training_history.json``, a model card ``README.md`` and
-``training_curves.png``; ``--checkpointing_steps`` adds resumable ``step_N`` / ``epoch_N`` checkpoints.
+``training_curves.png``; a patched run adds ``scorer_history.json``, ``scorer_history.png`` and
+``attention_maps.png`` (see ``recipes/scorer_plots.py``); ``--checkpointing_steps`` adds resumable ``step_N`` /
+``epoch_N`` checkpoints.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recipes import checkpointing, hub, modeling, report
+from recipes import checkpointing, hub, modeling, report, scorer_plots
 from recipes.args import RecipeError, parse_args
 from recipes.tasks import Task, get_task
 
@@ -279,6 +281,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             checkpointing.prune_checkpoints(args.output_dir, args.checkpoints_total_limit)
         accelerator.wait_for_everyone()
 
+    # Patched runs: the scorers' gates and norms at step 0 and every logging step, on one probe input.
+    track_scorers = bundle.patch is not None and scorer_plots.supported(accelerator)
+    if bundle.patch is not None and not track_scorers:
+        logger.info("Sharded parameters (%s): no scorer history or attention maps.", accelerator.distributed_type)
+    probe, probe_described = scorer_plots.probe_inputs(data, task, args) if track_scorers else (None, "")
+    if track_scorers and progress.completed_steps == 0 and not progress.scorer_history:
+        scorer_plots.record(progress, accelerator.unwrap_model(model), probe)
+
     step_checkpoints = int(args.checkpointing_steps) if (args.checkpointing_steps or "").isdigit() else None
     bar = tqdm(
         total=max_train_steps,
@@ -331,6 +341,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{learning_rate:.2e}")
                 if args.with_tracking:
                     accelerator.log({"train/loss": mean_loss, "train/learning_rate": learning_rate}, step=step)
+                if track_scorers:
+                    scorer_plots.record(progress, accelerator.unwrap_model(model), probe)
             if args.eval_steps and step % args.eval_steps == 0:
                 evaluate_now()
             if step_checkpoints and step % step_checkpoints == 0:
@@ -362,6 +374,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         save_function=accelerator.save,
         state_dict=state_dict,
     )
+    plots: dict[str, Any] = {}
+    if track_scorers and accelerator.is_main_process:
+        plots_started = time.time()
+        try:
+            plots = scorer_plots.draw(
+                unwrapped,
+                progress.scorer_history,
+                probe,
+                probe_described,
+                Path(args.output_dir),
+                args,
+                tokenizer=None if args.task == "image" else preprocessor,
+                title=f"{args.task}: {report.describe_patch(bundle.patch)}, step {progress.completed_steps}",
+            )
+        except Exception:  # the model is saved: a figure that fails to draw must not lose the run
+            logger.exception("Drawing the scorer plots failed")
+        logger.info("Scorer plots drawn in %.1f s", time.time() - plots_started)
     results = {
         **final,
         "primary_metric": task.primary_metric,
@@ -386,6 +415,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "from_scratch": bundle.from_scratch,
         "data": vars(data.info),
         "settings": settings,
+        "plots": plots,
     }
     if task.kind == "clm":
         results.update(block_size=task.block, stride=task.stride)
@@ -408,7 +438,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.push_to_hub and accelerator.is_main_process:
         report.push_to_hub(args.output_dir, args.hub_model_id, token=args.hub_token, private=args.hub_private_repo)
     accelerator.wait_for_everyone()
-    return {**results, "history": history}
+    return {**results, "history": history, "scorer_history": progress.scorer_history}
 
 
 if __name__ == "__main__":

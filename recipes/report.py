@@ -280,12 +280,40 @@ This model was {origin} {change}, with the `recipes/finetune.py` recipe.
 
 {training_rows}
 ![training curves]({PLOT_FILE})
-
+{scorer_section(results.get("plots"))}
 ## How to load
 
 {load}"""
     # Round-trip through ModelCard so the metadata is validated the way the Hub validates it.
     return str(ModelCard(content))
+
+
+def scorer_section(plots: dict[str, Any] | None, prefix: str = "", heading: str = "##") -> str:
+    """Markdown showing a patched run's scorer history and attention maps (empty when it drew none).
+
+    ``prefix``: the run folder relative to where the markdown lives (``"qana/"`` in a comparison report).
+    """
+    if not plots:
+        return ""
+    text = f"\n{heading} What the new scorers do\n\n"
+    if plots.get("scorer_history"):
+        text += (
+            f"![scorer gates and norms over training]({prefix}{plots['scorer_history']})\n\n"
+            "For each patched layer, at step 0 and every logging step: the gate α (mean over heads; the band spans "
+            "the heads), the norm of the new parameters (gate excluded), and how far the attention on a probe "
+            "input is from the unpatched model's (total-variation distance, 0 = the same maps; from the second "
+            "patched layer on it includes the earlier layers' changes). The numbers are in "
+            f"`{prefix}scorer_history.json`.\n\n"
+        )
+    if plots.get("attention_maps"):
+        text += (
+            f"![attention maps, patched vs unpatched]({prefix}{plots['attention_maps']})\n\n"
+            f"Attention layer {plots['attention_layer']}, every head, on {plots['attention_input']} (rows: "
+            "queries, columns: keys): the fine-tuned patched model (top), the same weights with plain dot-product "
+            "attention, i.e. the patch's scorers removed (middle), and the difference (bottom). Mean "
+            f"total-variation distance between the two maps' rows: {plots['attention_change']:.4f}.\n"
+        )
+    return text
 
 
 # ------------------------------------------------------------------------------------------------ Hub

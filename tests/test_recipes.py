@@ -26,7 +26,7 @@ from recipes_helpers import (
 )
 
 import hf_neural_attn
-from recipes import checkpointing, report, tasks
+from recipes import checkpointing, report, scorer_plots, tasks
 from recipes.args import GLUE_TASKS, RecipeError, parse_args
 from recipes.finetune import main as finetune_main
 from recipes.finetune import run
@@ -84,6 +84,22 @@ def clm_flags(assets, *extra: str) -> list[str]:
         *["--learning_rate", "1e-3", "--max_train_steps", "4"],
         *extra,
     ]
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """The pixel size of a PNG the run wrote (a truncated or non-PNG file fails)."""
+    from PIL import Image
+
+    assert path.is_file() and path.stat().st_size > 5_000, f"{path} missing or empty"
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        image.load()
+        return image.size
+
+
+def map_size(heads: int) -> tuple[int, int]:
+    """attention_maps.png: a column per head; rows patched, unpatched, difference (plotting's documented size)."""
+    return round(100 * (2.4 * heads + 1.2)), round(100 * (2.4 * 3 + 1.0))
 
 
 # ------------------------------------------------------------------------------------------- metrics
@@ -377,6 +393,34 @@ def test_clm_run_leaves_a_loadable_checkpoint_results_card_and_plot(assets, tmp_
         assert plot.format == "PNG" and plot.size[0] > 300
     assert list(out.glob("finetune/events.out.tfevents.*")), "TensorBoard tracking wrote no event file"
 
+    # The scorers' history: step 0 and every logging step, each patched layer's per-head gates and norms.
+    history = json.loads((out / scorer_plots.SCORER_HISTORY_FILE).read_text())["history"]
+    assert history == outcome["scorer_history"]
+    assert [entry["step"] for entry in history] == [0, 1, 2, 3, 4]
+    for entry in history:
+        assert [record["layer"] for record in entry["layers"]] == [0, 1]
+        assert all(len(record["gate"]) == 2 for record in entry["layers"])  # tiny GPT-2: 2 heads
+    for record in history[0]["layers"]:  # at init QANA is the unpatched model: gates 1, same attention
+        assert record["gate"] == [1.0, 1.0] and record["attention_change"] < 1e-6
+    assert any(record["attention_change"] > 1e-6 for record in history[-1]["layers"]), "training moved nothing"
+    # Step 4's numbers are those of the saved model.
+    from hf_neural_attn.plotting import scorer_statistics
+
+    saved = scorer_statistics(model)
+    for record, reloaded in zip(history[-1]["layers"], saved):
+        assert record["gate"] == pytest.approx(reloaded["gate"], abs=1e-7)
+        assert record["param_norm"] == pytest.approx(reloaded["param_norm"], rel=1e-6)
+    assert png_size(out / scorer_plots.SCORER_PLOT_FILE) == (round(100 * 4.2 * 3), 360)  # gate, norm, change
+    # The attention maps of the first patched layer on the first evaluation example's first 32 tokens.
+    assert png_size(out / scorer_plots.ATTENTION_PLOT_FILE) == map_size(heads=2)
+    plots = results["plots"]
+    assert plots["attention_layer"] == 0 and "first 32 tokens" in plots["attention_input"]
+    assert 0 < plots["attention_change"] < 1
+    # ... and the model card shows both.
+    assert f"![scorer gates and norms over training]({scorer_plots.SCORER_PLOT_FILE})" in card.text
+    assert f"![attention maps, patched vs unpatched]({scorer_plots.ATTENTION_PLOT_FILE})" in card.text
+    assert "Attention layer 0, every head, on the first 32 tokens" in card.text
+
 
 @pytest.mark.parametrize("task", GLUE_TASKS)
 def test_glue_task_end_to_end_with_official_metrics(task, assets, tmp_path):
@@ -488,6 +532,10 @@ def test_image_classification_end_to_end(assets, tmp_path):
     )
     results = read_results(out)
     assert 0.0 <= results["accuracy"] <= 1.0 and results["model_class"] == "ViTForImageClassification"
+    # The maps of a whole image: 4 heads, 16 patches and [CLS].
+    assert png_size(out / scorer_plots.ATTENTION_PLOT_FILE) == map_size(heads=4)
+    assert results["plots"]["attention_input"] == "the first `validation` example"
+    assert (out / scorer_plots.SCORER_PLOT_FILE).is_file()
     model = hf_neural_attn.from_pretrained(str(out)).eval()
     assert model.config.id2label == {0: "blue", 1: "green", 2: "red"}
     processor = AutoImageProcessor.from_pretrained(out)
@@ -529,7 +577,13 @@ def test_train_only_new_params_keeps_pretrained_weights(assets, tmp_path):
         out,
         *("--task", "sst2", "--model_name_or_path", str(assets["gpt2"]), *glue_file_args(files)),
         *["--scorer", "qana", "--train_only_new_params", "--max_train_steps", "3", "--learning_rate", "1e-2"],
+        *["--attention_map_layer", "-1", "--logging_steps", "1"],
     )
+    results = read_results(out)
+    assert results["plots"]["attention_layer"] == 1  # --attention_map_layer -1: the last layer
+    history = json.loads((out / scorer_plots.SCORER_HISTORY_FILE).read_text())["history"]
+    gates = {entry["step"]: entry["layers"][1]["gate"] for entry in history}
+    assert sorted(gates) == [0, 1, 2, 3] and gates[3] != gates[0], "the history shows the gates training"
     before = load_file(assets["gpt2"] / "model.safetensors")
     after = load_file(out / "model.safetensors")
     scorer = [name for name in after if ".attn_scorer." in name]
@@ -543,7 +597,6 @@ def test_train_only_new_params_keeps_pretrained_weights(assets, tmp_path):
     assert gates
     for name in gates:
         assert not torch.equal(after[name], torch.ones_like(after[name])), f"{name}: the scorer did not train"
-    results = read_results(out)
     assert results["parameters"]["trainable"] < results["parameters"]["total"]
 
 
@@ -639,6 +692,8 @@ def test_crash_while_saving_leaves_no_checkpoint_that_resume_would_pick(assets, 
     reference = finetune(tmp_path / "reference", *flags)
     assert resumed["perplexity"] == reference["perplexity"]
     assert resumed["history"] == reference["history"]
+    assert resumed["scorer_history"] == reference["scorer_history"]  # saved with the checkpoint, continued
+    assert [entry["step"] for entry in resumed["scorer_history"]] == [0, 6]
     assert not (out / ".step_4.partial").exists() and (out / "step_4").is_dir()
 
 
@@ -689,6 +744,11 @@ def test_compare_runs_baseline_and_patched_on_the_same_budget(assets, tmp_path, 
     assert start[0]["perplexity"] == pytest.approx(start[1]["perplexity"], rel=1e-5)
     assert baseline["results"]["train_steps"] == patched["results"]["train_steps"] == 4
     assert baseline["results"]["patch"] is None and patched["results"]["patch"]["scorer"] == "qana"
+    # The report shows the patched run's pictures, by paths that resolve from the report's folder.
+    for name in (scorer_plots.SCORER_PLOT_FILE, scorer_plots.ATTENTION_PLOT_FILE):
+        assert f"](qana/{name})" in table and png_size(out / "qana" / name)
+        assert not (out / "baseline" / name).exists()  # nothing to draw without a patch
+    assert f"![evaluation curves]({report.COMPARISON_PLOT})" in table
 
 
 def test_embedded_default_runs_offline_without_model_or_data_flags(tmp_path, capsys):
@@ -742,10 +802,15 @@ def test_a_patched_checkpoint_can_keep_training_only_its_new_parameters(assets, 
     first = tmp_path / "first"
     finetune(first, *clm_flags(assets, "--scorer", "neural", "--proj_dim", "2"))
     second = tmp_path / "second"
-    flags = clm_flags(assets, "--scorer", "none", "--train_only_new_params")
+    flags = clm_flags(assets, "--scorer", "none", "--train_only_new_params", "--attention_map_layer", "none")
     flags[flags.index("--model_name_or_path") + 1] = str(first)
     results = finetune(second, *flags)
     assert results["patch"]["scorer"] == "neural"
+    # A reloaded patch is tracked too; --attention_map_layer none skips only the maps.
+    assert (second / scorer_plots.SCORER_PLOT_FILE).is_file() and not (
+        second / scorer_plots.ATTENTION_PLOT_FILE
+    ).exists()
+    assert "attention_maps" not in results["plots"]
     before, after = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
     scorer_names = [name for name in after if ".attn_scorer." in name]
     assert scorer_names and any(not torch.equal(after[n], before[n]) for n in scorer_names)
