@@ -1,16 +1,22 @@
 """hf_neural_attn: nonlinear attention scorers (QANA, Neural Attention) for Hugging Face Transformers.
 
-    model = hf_neural_attn.patch_model(model, "qana", h=4)      # same outputs, new trainable scorer
-    model.save_pretrained("out")                                 # safetensors + patch record in config.json
-    model = hf_neural_attn.from_pretrained("out")                # rebuilt, patch re-applied
-    model = hf_neural_attn.unpatch_model(model)                  # the original model, bit for bit
+model = hf_neural_attn.patch_model(model, "qana", h=4)      # same outputs, new trainable scorer
+model.save_pretrained("out")                                 # safetensors + patch record in config.json
+model = hf_neural_attn.from_pretrained("out")                # rebuilt, patch re-applied
+model = hf_neural_attn.unpatch_model(model)                  # the original model, bit for bit
+
+hf_neural_attn.save_adapter(model, "adapter")                # scorer tensors + patch record + base model id
+model = hf_neural_attn.from_pretrained("adapter")            # base model loaded, patched, tensors filled in
+LoraConfig(..., modules_to_save=hf_neural_attn.peft_modules_to_save(model))   # scorers trained beside LoRA
 """
 
 __version__ = "0.1.0"
 
-from .checkpoint import from_pretrained  # noqa: E402
-from .patching import is_patched, patch_model, scorer_parameters, unpatch_model  # noqa: E402
-from .scorers import NeuralAttentionConfig, QanaConfig, ScorerConfig  # noqa: E402
+from .adapters import push_adapter_to_hub, save_adapter
+from .checkpoint import from_pretrained
+from .patching import is_patched, patch_model, scorer_parameters, unpatch_model
+from .peft_utils import peft_modules_to_save
+from .scorers import NeuralAttentionConfig, QanaConfig, ScorerConfig
 
 __all__ = [
     "NeuralAttentionConfig",
@@ -20,6 +26,9 @@ __all__ = [
     "from_pretrained",
     "is_patched",
     "patch_model",
+    "peft_modules_to_save",
+    "push_adapter_to_hub",
+    "save_adapter",
     "scorer_parameters",
     "unpatch_model",
 ]

@@ -1,7 +1,10 @@
 """Loading patched checkpoints.
 
-Saving needs nothing of ours: a patched model's ``save_pretrained`` / ``push_to_hub`` writes its
-safetensors (scorer weights included, under ``...attn_scorer...``) and its config, which carries the
+Adapter-only checkpoints (scorer tensors plus the base model's id) are written and read by
+:mod:`hf_neural_attn.adapters`; :func:`from_pretrained` hands such folders and repos over to it.
+
+Saving a full checkpoint needs nothing of ours: a patched model's ``save_pretrained`` / ``push_to_hub``
+writes its safetensors (scorer weights included, under ``...attn_scorer...``) and its config, which carries the
 patch record in ``hf_neural_attn``. Loading is :func:`from_pretrained`: transformers loads the base model
 (so ``dtype``, ``device_map``, ``revision``, ``token`` ... behave as usual), the recorded patch is applied
 again, and the scorer weights are read from the same safetensors files.
@@ -12,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import warnings
 from contextlib import contextmanager
 from typing import Any
@@ -33,22 +37,55 @@ _WEIGHTS_NAME = "model.safetensors"
 _WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 
 
-def from_pretrained(path_or_repo_id: str, **hf_kwargs: Any):
-    """Load a checkpoint written by a patched model's ``save_pretrained`` or ``push_to_hub``.
+def from_pretrained(
+    path_or_repo_id: str | os.PathLike,
+    *,
+    base_model_name_or_path: str | os.PathLike | None = None,
+    base_model_revision: str | None = None,
+    **hf_kwargs: Any,
+):
+    """Load a patched checkpoint: a full one (a patched model's ``save_pretrained`` / ``push_to_hub``) or an
+    adapter-only one (:func:`save_adapter` / :func:`push_adapter_to_hub`).
 
     Args:
-        path_or_repo_id: a local folder or a Hub repo id.
+        path_or_repo_id: a local folder or a Hub repo id. One holding ``hf_neural_attn_adapter.json`` is an
+            adapter-only checkpoint; anything else is read as a full checkpoint.
+        base_model_name_or_path: adapters only: load the base model from here instead of the recorded id
+            (e.g. the recorded local folder is on another machine). Its revision is then
+            ``base_model_revision``, not the recorded one.
+        base_model_revision: adapters only: the base model's revision, instead of the recorded one.
         **hf_kwargs: passed to the model class's ``from_pretrained`` (``dtype``, ``device_map``,
-            ``revision``, ``token``, ``local_files_only``, ...).
+            ``revision``, ``token``, ``local_files_only``, ...). For an adapter, ``revision`` and
+            ``subfolder`` locate the adapter; the other keywords go to the base model's ``from_pretrained``
+            (``token``, ``cache_dir``, ``local_files_only``, ... to both lookups).
 
     Returns:
-        The model, of the class recorded in ``config.architectures``, patched as it was when saved,
-        with its saved scorer weights: its outputs equal the saved model's.
+        The model, of the class recorded in ``config.architectures`` (or the adapter), patched as it was
+        when saved, with its saved scorer weights: its outputs equal the saved model's.
 
     Raises:
         ValueError: the folder is not a patched checkpoint (no ``hf_neural_attn`` record in its config),
-            the record is damaged, or the scorer weights are missing or do not fit.
+            the record is damaged, the scorer weights are missing or do not fit, or an adapter does not fit
+            its base model (other family, fewer layers, other shapes).
+        OSError: an adapter's base model cannot be loaded (the message says how to point at it).
     """
+    from .adapters import find_adapter_config, load_adapter_model
+
+    adapter_config_file = find_adapter_config(path_or_repo_id, hf_kwargs)
+    if adapter_config_file is not None:
+        return load_adapter_model(
+            path_or_repo_id,
+            adapter_config_file,
+            base_model_name_or_path=base_model_name_or_path,
+            base_model_revision=base_model_revision,
+            hf_kwargs=hf_kwargs,
+        )
+    if base_model_name_or_path is not None or base_model_revision is not None:
+        raise ValueError(
+            f"{path_or_repo_id} is not an adapter-only checkpoint (it has no hf_neural_attn_adapter.json), so "
+            "base_model_name_or_path / base_model_revision do not apply: a full checkpoint holds its base weights."
+        )
+    path_or_repo_id = str(path_or_repo_id)
     file_kwargs = {k: hf_kwargs[k] for k in _FILE_KWARGS if k in hf_kwargs}
     config = hf_kwargs.pop("config", None)
     # A copy: the record is removed from it below, and a config the caller passed must stay as it was.
@@ -105,9 +142,15 @@ def _read_record(config, source: str) -> dict[str, Any]:
             f"{source} is not a hf_neural_attn checkpoint: its config.json has no {RECORD_KEY!r} record. "
             "Load it with transformers and call hf_neural_attn.patch_model(model, ...) to patch it."
         )
+    return _check_record(record, source, "config.json")
+
+
+def _check_record(record: Any, source: str, filename: str, stacklevel: int = 4) -> dict[str, Any]:
+    """A patch record read from ``source``'s ``filename``, validated. ``stacklevel`` of a version warning
+    points at the user's call (the default suits from_pretrained -> _read_record -> here)."""
     if not isinstance(record, dict) or any(field not in record for field in _RECORD_FIELDS):
         raise ValueError(
-            f"The {RECORD_KEY!r} record in {source}/config.json is damaged: expected a mapping with "
+            f"The {RECORD_KEY!r} record in {source}/{filename} is damaged: expected a mapping with "
             f"{list(_RECORD_FIELDS)}, got {record!r}."
         )
     if record["scorer"] not in SCORERS:
@@ -119,7 +162,7 @@ def _read_record(config, source: str) -> dict[str, Any]:
         warnings.warn(
             f"{source} was saved by hf_neural_attn {record['version']}; this is {__version__}.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
     return record
 
@@ -158,7 +201,11 @@ def _quiet_transformers():
         logger.setLevel(level)
 
 
-def _report_base_loading(info: dict, scorer_names: set[str], source: str) -> None:
+def _report_base_loading(
+    info: dict, scorer_names: set[str], source: str, missing_hint: str = "", stacklevel: int = 3
+) -> None:
+    """Warn about base weights transformers could not match; ``missing_hint`` is added when some are missing.
+    ``stacklevel`` points the warning at the user's call (the default suits from_pretrained -> here)."""
     unexpected = sorted(set(info.get("unexpected_keys", ())) - scorer_names)
     missing = sorted(info.get("missing_keys", ()))
     mismatched = sorted(str(k) for k in info.get("mismatched_keys", ()))
@@ -168,7 +215,12 @@ def _report_base_loading(info: dict, scorer_names: set[str], source: str) -> Non
         if names
     ]
     if problems:
-        warnings.warn(f"Loading the base model from {source}: " + "; ".join(problems), UserWarning, stacklevel=3)
+        hint = f" {missing_hint}" if missing and missing_hint else ""
+        warnings.warn(
+            f"Loading the base model from {source}: " + "; ".join(problems) + "." + hint,
+            UserWarning,
+            stacklevel=stacklevel,
+        )
 
 
 def _names_on_disk(model, parameters: dict[str, torch.Tensor]) -> dict[str, list[str]]:

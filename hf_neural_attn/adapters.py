@@ -1,0 +1,444 @@
+"""Adapter-only checkpoints: the patch's own parameters plus a pointer to the base model.
+
+A full checkpoint (``model.save_pretrained``) repeats every base weight. When the base weights did not change
+(only the scorer was trained), :func:`save_adapter` writes just
+
+* ``hf_neural_attn_adapter.safetensors``: the scorer tensors (``...attn_scorer...``), under the names a full
+  checkpoint's safetensors would give them;
+* ``hf_neural_attn_adapter.json``: the base model's id (Hub repo id or local folder) and revision, the model
+  class, and the patch record (scorer, options, layers, family, original attention implementation);
+* ``README.md``: a short model card (only when the folder has none).
+
+:func:`hf_neural_attn.from_pretrained` recognises such a folder or Hub repo by its JSON file: it loads the base
+model with transformers, re-applies the recorded patch and fills in the tensors. :func:`push_adapter_to_hub`
+uploads the same files to a Hub repo.
+
+The file names differ from PEFT's (``adapter_config.json``, ``adapter_model.safetensors``) on purpose:
+transformers and PEFT treat a folder with those names as a PEFT adapter and would misread ours.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from transformers import AutoConfig, PreTrainedModel
+from transformers.utils import cached_file
+
+from . import __version__
+from .checkpoint import (
+    _FILE_KWARGS,
+    _check_record,
+    _names_on_disk,
+    _quiet_transformers,
+    _report_base_loading,
+    _unreadable_weights_are_errors,
+)
+from .families import find_attention
+from .patching import RECORD_KEY, is_patched, patch_model, scorer_parameters
+
+ADAPTER_CONFIG_NAME = "hf_neural_attn_adapter.json"
+ADAPTER_WEIGHTS_NAME = "hf_neural_attn_adapter.safetensors"
+ADAPTER_FORMAT_KEY = "hf_neural_attn_adapter"  # its value is the format version
+ADAPTER_FORMAT_VERSION = 1
+CARD_NAME = "README.md"
+
+# hf_kwargs that locate the adapter itself; every other keyword goes to the base model's from_pretrained
+# (the file-locating ones among them, such as token and cache_dir, to both).
+_ADAPTER_ONLY_KWARGS = ("revision", "subfolder")
+
+
+def save_adapter(
+    model: PreTrainedModel,
+    save_directory: str | os.PathLike,
+    *,
+    base_model_name_or_path: str | os.PathLike | None = None,
+    base_model_revision: str | None = None,
+) -> None:
+    """Write an adapter-only checkpoint of a patched model: its scorer tensors and the patch record.
+
+    Args:
+        model: a model patched by :func:`patch_model` whose base weights are those of the base model
+            (for example trained with only :func:`scorer_parameters` unfrozen).
+        save_directory: the folder to write (created if needed). It must not hold a full checkpoint.
+        base_model_name_or_path: the Hub repo id or local folder of the unpatched base weights. Default: the
+            name or path the model was loaded from (``model.config.name_or_path``); a local folder is
+            recorded as an absolute path.
+        base_model_revision: the base model's revision (branch, tag or commit) to load it at. transformers
+            does not record the revision a model was loaded at, so it is recorded only when given here.
+
+    Raises:
+        TypeError: ``model`` is a PEFT model or not a transformers model.
+        ValueError: ``model`` is not patched, its base model is unknown, or ``save_directory`` holds a full
+            checkpoint. Nothing is written then.
+    """
+    folder = Path(save_directory)
+    metadata, tensors = _adapter_contents(model, base_model_name_or_path, base_model_revision)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"save_directory {str(folder)!r} is a file; pass a folder.")
+    if (folder / "config.json").exists():
+        raise ValueError(
+            f"{str(folder)!r} holds a full model checkpoint (config.json); hf_neural_attn.from_pretrained would no "
+            "longer know which of the two to load. Save the adapter to a folder of its own."
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    card = None if (folder / CARD_NAME).exists() else _model_card(metadata, repo_id=None)
+    # Each file is written beside its final name and renamed into place, so a failed write leaves no half file.
+    _write_atomically(folder / ADAPTER_WEIGHTS_NAME, lambda path: save_file(tensors, path, metadata={"format": "pt"}))
+    _write_atomically(folder / ADAPTER_CONFIG_NAME, lambda path: Path(path).write_text(json.dumps(metadata, indent=2)))
+    if card is not None:
+        _write_atomically(folder / CARD_NAME, lambda path: Path(path).write_text(card))
+
+
+def push_adapter_to_hub(
+    model: PreTrainedModel,
+    repo_id: str,
+    *,
+    base_model_name_or_path: str | os.PathLike | None = None,
+    base_model_revision: str | None = None,
+    token: str | bool | None = None,
+    private: bool | None = None,
+    commit_message: str = "Upload hf_neural_attn adapter",
+    revision: str | None = None,
+):
+    """Upload an adapter-only checkpoint of ``model`` (what :func:`save_adapter` writes) to a Hub model repo.
+
+    The repo is created if it does not exist. ``token``, ``private``, ``commit_message`` and ``revision`` (the
+    branch to commit to) mean what they mean in ``huggingface_hub.HfApi``. Everything is checked and written
+    to a temporary folder before the Hub is contacted. Warns when the recorded base model is a local folder,
+    which nobody else can load.
+
+    Returns:
+        the ``CommitInfo`` of the upload.
+    """
+    from huggingface_hub import HfApi
+
+    with tempfile.TemporaryDirectory() as folder:
+        save_adapter(
+            model, folder, base_model_name_or_path=base_model_name_or_path, base_model_revision=base_model_revision
+        )
+        metadata = json.loads((Path(folder) / ADAPTER_CONFIG_NAME).read_text())
+        base = metadata["base_model_name_or_path"]
+        if os.path.isabs(base):
+            warnings.warn(
+                f"The adapter pushed to {repo_id} records its base model as the local folder {base!r}, which "
+                "only this machine can load. Pass base_model_name_or_path='<hub repo id>' to record the base "
+                "model's Hub id (others can also override it at load time).",
+                UserWarning,
+                stacklevel=2,
+            )
+        # The card in the repo shows the repo's own id in its loading example.
+        (Path(folder) / CARD_NAME).write_text(_model_card(metadata, repo_id=repo_id))
+        api = HfApi(token=token)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
+        return api.upload_folder(
+            repo_id=repo_id,
+            folder_path=folder,
+            repo_type="model",
+            commit_message=commit_message,
+            revision=revision,
+        )
+
+
+def find_adapter_config(path_or_repo_id: str | os.PathLike, hf_kwargs: dict[str, Any]) -> str | None:
+    """The local path of ``path_or_repo_id``'s adapter JSON (downloaded if it is on the Hub), or None when it
+    has none or it cannot be looked up; the caller then treats ``path_or_repo_id`` as a full checkpoint, whose
+    loading reports an unreachable or unknown repo in transformers' own words."""
+    lookup = {key: hf_kwargs[key] for key in _FILE_KWARGS if key in hf_kwargs}
+    try:
+        return cached_file(
+            path_or_repo_id,
+            ADAPTER_CONFIG_NAME,
+            **lookup,
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+            _raise_exceptions_for_gated_repo=False,
+        )
+    except OSError:
+        return None
+
+
+def load_adapter_model(
+    path_or_repo_id: str | os.PathLike,
+    adapter_config_file: str,
+    *,
+    base_model_name_or_path: str | os.PathLike | None,
+    base_model_revision: str | None,
+    hf_kwargs: dict[str, Any],
+) -> PreTrainedModel:
+    """The body of :func:`hf_neural_attn.from_pretrained` for an adapter folder or repo."""
+    source = str(path_or_repo_id)
+    metadata = _read_adapter_config(adapter_config_file, source)
+    record = metadata["patch"]
+    if base_model_name_or_path is not None:
+        base, revision = str(base_model_name_or_path), base_model_revision
+    else:
+        base, revision = metadata["base_model_name_or_path"], base_model_revision or metadata["base_model_revision"]
+    model_class = getattr(transformers, metadata["architectures"][0], None)
+    if model_class is None:
+        raise ValueError(
+            f"The adapter {source} was saved from a {metadata['architectures'][0]}, which this version of "
+            f"transformers ({transformers.__version__}) does not have."
+        )
+
+    adapter_lookup = {key: hf_kwargs[key] for key in _FILE_KWARGS if key in hf_kwargs}
+    # Read the tensors before loading the base model, so a broken adapter fails fast.
+    weights_file = cached_file(path_or_repo_id, ADAPTER_WEIGHTS_NAME, **adapter_lookup)
+    with _unreadable_weights_are_errors(source), safe_open(weights_file, framework="pt") as weights:
+        saved = {name: weights.get_tensor(name) for name in weights.keys()}  # noqa: SIM118 (safe_open is not a dict)
+
+    base_kwargs = {key: value for key, value in hf_kwargs.items() if key not in _ADAPTER_ONLY_KWARGS}
+    if revision is not None:
+        base_kwargs["revision"] = revision
+    if record.get("base_attn_implementation") in ("eager", "sdpa"):
+        base_kwargs.setdefault("attn_implementation", record["base_attn_implementation"])
+    with _base_model_errors(source, base, revision):
+        if os.path.isabs(base) and not os.path.isdir(base):
+            raise FileNotFoundError("that folder does not exist on this machine.")
+        config = base_kwargs.pop("config", None)
+        if config is not None:
+            config = copy.deepcopy(config)  # the patch must not change the caller's object
+        else:
+            lookup = {k: base_kwargs[k] for k in (*_FILE_KWARGS, "trust_remote_code") if k in base_kwargs}
+            config = AutoConfig.from_pretrained(base, **lookup)
+        # Checked before the model is built: the adapter's class on another model type's config would build a
+        # model of that class's default size (billions of parameters for LlamaForCausalLM).
+        if metadata.get("model_type") not in (None, config.model_type):
+            raise ValueError(
+                f"The adapter {source} was saved from a {metadata['model_type']!r} model "
+                f"({metadata['architectures'][0]}), but the base model {base!r} is a {config.model_type!r} model; "
+                "check base_model_name_or_path."
+            )
+        if getattr(config, RECORD_KEY, None) is not None:
+            # The base is itself a patched full checkpoint, to load unpatched: its record describes another patch.
+            delattr(config, RECORD_KEY)
+        with _unreadable_weights_are_errors(base), _quiet_transformers():
+            model, loading_info = model_class.from_pretrained(
+                base, config=config, output_loading_info=True, **base_kwargs
+            )
+
+    _check_base_fits(model, record, base, source)
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # The fresh init is overwritten below: keep the caller's RNG stream and skip init warnings.
+        warnings.simplefilter("ignore", UserWarning)
+        patch_model(model, record["scorer"], layers=record["layers"], **record["options"])
+    expected = scorer_parameters(model)
+    disk_names = _names_on_disk(model, expected)
+    all_scorer_names = {name for names in disk_names.values() for name in names}
+    # The base folder may be a patched full checkpoint: its scorer weights are not the base model's concern.
+    _report_base_loading(
+        loading_info,
+        all_scorer_names,
+        base,
+        missing_hint="The missing weights were initialised at random and are not in the adapter, so outputs differ "
+        "from the saved model's; save the full model (model.save_pretrained) when more than the scorers was trained.",
+        stacklevel=4,  # user -> from_pretrained -> load_adapter_model -> _report_base_loading
+    )
+
+    tensors, used = {}, set()
+    for name, candidates in disk_names.items():
+        found = next((candidate for candidate in candidates if candidate in saved), None)
+        if found is not None:
+            tensors[name] = saved[found]
+            used.add(found)
+    missing, unused = sorted(set(expected) - set(tensors)), sorted(set(saved) - used)
+    if missing or unused:
+        raise ValueError(
+            f"The adapter {source} does not fit the base model {base!r}: "
+            + "; ".join(
+                f"{label} {len(names)} scorer tensor(s), e.g. {names[:3]}"
+                for label, names in (("the patched base model has no place for", unused), ("it lacks", missing))
+                if names
+            )
+            + ". The adapter was saved from another base model or is incomplete; check base_model_name_or_path."
+        )
+    mismatched = [
+        f"{name}: adapter {tuple(tensors[name].shape)}, base model {tuple(parameter.shape)}"
+        for name, parameter in expected.items()
+        if tensors[name].shape != parameter.shape
+    ]
+    if mismatched:
+        raise ValueError(
+            f"The adapter {source} does not fit the base model {base!r}: {len(mismatched)} scorer tensor(s) have "
+            f"other shapes, e.g. {mismatched[:2]}. It was saved for a base model of another size (hidden size, "
+            "heads); check base_model_name_or_path."
+        )
+    with torch.no_grad():
+        for name, parameter in expected.items():
+            parameter.copy_(tensors[name])
+    return model
+
+
+# ---------------------------------------------------------------------------------------------- internals
+
+
+def _adapter_contents(
+    model: nn.Module, base_model_name_or_path, base_model_revision
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """What :func:`save_adapter` writes: the JSON metadata and the tensors. Checks everything first."""
+    if hasattr(model, "peft_config") and not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            "save_adapter takes the patched transformers model, not a PEFT model. For LoRA plus scorers use the "
+            "PEFT model's own save_pretrained; for a model with LoRA merged in (merge_and_unload) save the full "
+            "model with model.save_pretrained, since its base weights changed."
+        )
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"save_adapter expects a transformers PreTrainedModel, got {type(model).__name__}.")
+    if not is_patched(model):
+        raise ValueError(
+            "This model is not patched by hf_neural_attn, so it has no adapter to save. "
+            "Patch it with hf_neural_attn.patch_model, or save it with model.save_pretrained."
+        )
+    architecture = type(model).__name__
+    if getattr(transformers, architecture, None) is not type(model):
+        raise ValueError(
+            f"{architecture} is not a model class of transformers, so an adapter could not name the class to "
+            "rebuild. Save the full model with model.save_pretrained instead."
+        )
+    base = _base_model_id(model, base_model_name_or_path)
+    if base_model_revision is not None and not isinstance(base_model_revision, str):
+        raise TypeError(f"base_model_revision must be a string, got {type(base_model_revision).__name__}.")
+    parameters = scorer_parameters(model)
+    disk_name = {name: candidates[0] for name, candidates in _names_on_disk(model, parameters).items()}
+    tensors = {disk_name[name]: parameter.detach().to("cpu").contiguous() for name, parameter in parameters.items()}
+    metadata = {
+        ADAPTER_FORMAT_KEY: ADAPTER_FORMAT_VERSION,
+        "base_model_name_or_path": base,
+        "base_model_revision": base_model_revision,
+        "architectures": [architecture],
+        "model_type": getattr(model.config, "model_type", None),
+        "patch": copy.deepcopy(getattr(model.config, RECORD_KEY)),
+        "num_parameters": sum(tensor.numel() for tensor in tensors.values()),
+    }
+    return metadata, tensors
+
+
+def _base_model_id(model: PreTrainedModel, given) -> str:
+    if given is None:
+        base = getattr(model.config, "name_or_path", "") or ""
+        if not base:
+            raise ValueError(
+                "The base model of this model is unknown: it was not loaded with from_pretrained, so "
+                "model.config.name_or_path is empty. Pass base_model_name_or_path= (the Hub repo id or local "
+                "folder holding its unpatched weights)."
+            )
+    elif isinstance(given, (str, os.PathLike)) and str(given):
+        base = str(given)
+    else:
+        raise ValueError(f"base_model_name_or_path must be a Hub repo id or a folder, got {given!r}.")
+    # transformers loads a local folder before a Hub repo of the same name; record which one it was.
+    return str(Path(base).resolve()) if os.path.isdir(base) else base
+
+
+def _read_adapter_config(path: str, source: str) -> dict[str, Any]:
+    try:
+        metadata = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{source}/{ADAPTER_CONFIG_NAME} cannot be read as JSON ({error}).") from error
+    fields = (ADAPTER_FORMAT_KEY, "base_model_name_or_path", "architectures", "patch")
+    if not isinstance(metadata, dict) or any(field not in metadata for field in fields):
+        raise ValueError(
+            f"{source}/{ADAPTER_CONFIG_NAME} is damaged: expected a mapping with {list(fields)}, got {metadata!r}."
+        )
+    if metadata[ADAPTER_FORMAT_KEY] != ADAPTER_FORMAT_VERSION:
+        raise ValueError(
+            f"{source} is an adapter of format {metadata[ADAPTER_FORMAT_KEY]!r}; this version of hf_neural_attn "
+            f"({__version__}) reads format {ADAPTER_FORMAT_VERSION}."
+        )
+    architectures = metadata["architectures"]
+    if not (isinstance(architectures, list) and architectures and isinstance(architectures[0], str)):
+        raise ValueError(
+            f"{source}/{ADAPTER_CONFIG_NAME}: architectures must name the model class, got {architectures!r}."
+        )
+    metadata.setdefault("base_model_revision", None)
+    # user -> from_pretrained -> load_adapter_model -> here -> _check_record
+    metadata["patch"] = _check_record(metadata["patch"], source, ADAPTER_CONFIG_NAME, stacklevel=5)
+    return metadata
+
+
+def _check_base_fits(model: nn.Module, record: dict[str, Any], base: str, source: str) -> None:
+    """The base model is of the recorded family and has the recorded layers (shapes are checked later)."""
+    try:
+        family, attention_modules, _ = find_attention(model)
+    except TypeError as error:
+        raise ValueError(f"The adapter {source} cannot apply to the base model {base!r}: {error}") from error
+    if record.get("family") not in (None, family.name):
+        raise ValueError(
+            f"The adapter {source} was saved from a {record['family']!r} model, but the base model {base!r} is a "
+            f"{family.name!r} model; check base_model_name_or_path."
+        )
+    layers = record["layers"]
+    if not isinstance(layers, list) or any(
+        not isinstance(i, int) or not 0 <= i < len(attention_modules) for i in layers
+    ):
+        raise ValueError(
+            f"The adapter {source} patches attention layers {layers}, but the base model {base!r} has "
+            f"{len(attention_modules)}; it was saved from another base model (check base_model_name_or_path)."
+        )
+
+
+@contextmanager
+def _base_model_errors(source: str, base: str, revision: str | None):
+    """Say which adapter needed the base model that transformers could not find or read."""
+    try:
+        yield
+    except OSError as error:
+        raise OSError(
+            f"The adapter {source} needs its base model {base!r}"
+            f"{f' at revision {revision!r}' if revision else ''}, which could not be loaded: {error}\n"
+            "If the base model lives elsewhere (another machine's folder, a Hub copy), pass "
+            "base_model_name_or_path= (and base_model_revision=) to hf_neural_attn.from_pretrained."
+        ) from error
+
+
+def _write_atomically(path: Path, write) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        write(str(temporary))
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def _model_card(metadata: dict[str, Any], repo_id: str | None) -> str:
+    from huggingface_hub import ModelCard, ModelCardData
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    base, record = metadata["base_model_name_or_path"], metadata["patch"]
+    card_data = ModelCardData(library_name="hf_neural_attn", tags=["hf_neural_attn", record["scorer"]])
+    try:
+        if not os.path.isabs(base):
+            validate_repo_id(base)
+            card_data.base_model = base  # the Hub links the adapter to its base model
+    except HFValidationError:
+        pass
+    where = repo_id or "path/to/this/folder"
+    revision = f" at revision `{metadata['base_model_revision']}`" if metadata["base_model_revision"] else ""
+    content = f"""---
+{card_data.to_yaml()}
+---
+
+# hf_neural_attn adapter: `{record["scorer"]}` on `{base}`
+
+An adapter-only checkpoint of `hf_neural_attn`: the {metadata["num_parameters"]:,} parameters
+of the `{record["scorer"]}` attention scorer (options `{json.dumps(record["options"])}`) on attention layers
+{record["layers"]} of `{base}`{revision} ({metadata["architectures"][0]}). It holds no base-model weights.
+
+```python
+import hf_neural_attn
+
+model = hf_neural_attn.from_pretrained("{where}")  # loads the base model, patches it, loads these tensors
+```
+"""
+    return str(ModelCard(content))

@@ -1,0 +1,310 @@
+"""Adapter-only checkpoints: save_adapter / push_adapter_to_hub write the scorer tensors, the patch record and the
+base model's id; hf_neural_attn.from_pretrained(adapter) loads the base model, patches it and fills the tensors.
+
+Everything runs offline: base models are saved to local folders, and the Hub is a local cache folder laid out the
+way huggingface_hub lays out downloads, read through the ordinary (offline) Hub code path."""
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+from typing import ClassVar
+
+import pytest
+import torch
+from conftest import FACTORIES, logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
+from safetensors.torch import load_file, save_file
+
+import hf_neural_attn
+from hf_neural_attn.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
+
+ADAPTER_FILES = {ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, "README.md"}
+
+
+def save_base(folder: Path, family: str = "llama", **overrides) -> Path:
+    FACTORIES[family](**overrides).save_pretrained(folder)
+    return folder
+
+
+def load_patched(base: Path, family: str = "llama", scorer: str = "qana", **options):
+    """The base model as a user would have it: loaded from its folder, patched, trained (here: perturbed)."""
+    model = type(FACTORIES[family]()).from_pretrained(base).eval()
+    hf_neural_attn.patch_model(model, scorer, **options)
+    perturb_scorers(model)
+    return model
+
+
+def test_adapter_round_trip_reproduces_outputs(tmp_path, family, scorer_name):
+    base = save_base(tmp_path / "base", family)
+    model = load_patched(base, family, scorer_name)
+    adapter = tmp_path / "adapter"
+    hf_neural_attn.save_adapter(model, adapter)
+
+    # Only the adapter's three small files: the tensors, the JSON, the card; no base weight.
+    assert {path.name for path in adapter.iterdir()} == ADAPTER_FILES
+    saved = load_file(adapter / ADAPTER_WEIGHTS_NAME)
+    scorer_params = hf_neural_attn.scorer_parameters(model)
+    assert len(saved) == len(scorer_params)
+    assert sorted(t.numel() for t in saved.values()) == sorted(p.numel() for p in scorer_params.values())
+    assert all(".attn_scorer." in name for name in saved)
+    weights_bytes = (adapter / ADAPTER_WEIGHTS_NAME).stat().st_size
+    assert weights_bytes < 4 * sum(p.numel() for p in scorer_params.values()) + 4096  # fp32 tensors + header
+    assert weights_bytes < (base / "model.safetensors").stat().st_size
+    metadata = json.loads((adapter / ADAPTER_CONFIG_NAME).read_text())
+    assert metadata["base_model_name_or_path"] == str(base.resolve())
+    assert metadata["architectures"] == [type(model).__name__]
+    assert metadata["patch"] == model.config.hf_neural_attn
+
+    inputs = model_inputs(family)
+    expected = logits(model, inputs)
+    state = torch.random.get_rng_state()
+    loaded = hf_neural_attn.from_pretrained(adapter)
+    assert torch.equal(torch.random.get_rng_state(), state), "loading must not consume the caller's RNG"
+    assert type(loaded) is type(model) and hf_neural_attn.is_patched(loaded)
+    assert loaded.config.hf_neural_attn == model.config.hf_neural_attn
+    torch.testing.assert_close(logits(loaded.eval(), inputs), expected, rtol=0, atol=1e-6)
+    # The tensors are the adapter's, not a fresh init: the perturbed scorers move the logits by 1e-4 (Neural
+    # Attention's residual path) to 7e-2 (QANA) from the base model's, far beyond the 1e-6 tolerance above.
+    base_model = type(model).from_pretrained(base).eval()
+    assert (logits(loaded, inputs) - logits(base_model, inputs)).abs().max() > 1e-5
+    hf_neural_attn.unpatch_model(loaded)
+    torch.testing.assert_close(logits(loaded, inputs), logits(base_model, inputs), rtol=0, atol=1e-6)
+
+
+def test_options_layers_and_attention_implementation_survive(tmp_path):
+    base = save_base(tmp_path / "base", attn_implementation="eager")
+    model = type(tiny_llama()).from_pretrained(base, attn_implementation="eager").eval()
+    hf_neural_attn.patch_model(model, "neural", h=3, proj_dim=2, layers=[-1])
+    perturb_scorers(model)
+    hf_neural_attn.save_adapter(model, tmp_path / "adapter")
+    loaded = hf_neural_attn.from_pretrained(tmp_path / "adapter")
+    assert loaded.config.hf_neural_attn == model.config.hf_neural_attn
+    assert loaded.config.hf_neural_attn["layers"] == [1]
+    inputs = model_inputs("llama")
+    assert torch.equal(logits(loaded, inputs), logits(model, inputs))
+    hf_neural_attn.unpatch_model(loaded)
+    assert loaded.config._attn_implementation == "eager"
+
+
+def test_hf_kwargs_reach_the_base_model(tmp_path):
+    model = load_patched(save_base(tmp_path / "base"))
+    hf_neural_attn.save_adapter(model, tmp_path / "adapter")
+    loaded = hf_neural_attn.from_pretrained(tmp_path / "adapter", dtype=torch.bfloat16)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    inputs = model_inputs("llama")
+    # bf16 keeps ~3 significant digits (same bound as the full-checkpoint test).
+    torch.testing.assert_close(logits(loaded, inputs), logits(model.to(torch.bfloat16), inputs), rtol=0, atol=1e-2)
+
+
+def test_weights_the_base_checkpoint_lacks_are_named(tmp_path):
+    from transformers import LlamaForSequenceClassification
+
+    base = save_base(tmp_path / "base")  # a causal LM: no classification head in the checkpoint
+    model = LlamaForSequenceClassification.from_pretrained(base, num_labels=3)
+    hf_neural_attn.patch_model(model, "qana")
+    perturb_scorers(model)
+    hf_neural_attn.save_adapter(model, tmp_path / "adapter")
+    config = type(model.config).from_pretrained(base, num_labels=3)
+    with pytest.warns(UserWarning, match=r"missing: \['score.weight'\].*not in the adapter.*save the full model"):
+        loaded = hf_neural_attn.from_pretrained(tmp_path / "adapter", config=config)
+    assert not hasattr(config, "hf_neural_attn") and config._attn_implementation is None  # caller's config as it was
+    saved = hf_neural_attn.scorer_parameters(model)
+    assert all(torch.equal(p, saved[n]) for n, p in hf_neural_attn.scorer_parameters(loaded).items())
+
+
+def test_unknown_base_model_needs_the_argument(tmp_path):
+    model = tiny_llama()  # built from a config: model.config.name_or_path is empty
+    base = tmp_path / "base"
+    model.save_pretrained(base)
+    hf_neural_attn.patch_model(model, "qana")
+    perturb_scorers(model)
+    with pytest.raises(ValueError, match="base model of this model is unknown.*base_model_name_or_path="):
+        hf_neural_attn.save_adapter(model, tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()
+    hf_neural_attn.save_adapter(model, tmp_path / "adapter", base_model_name_or_path=base, base_model_revision="v1")
+    metadata = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG_NAME).read_text())
+    assert metadata["base_model_name_or_path"] == str(base.resolve())
+    assert metadata["base_model_revision"] == "v1"  # recorded as given (a local folder ignores it on load)
+    inputs = model_inputs("llama")
+    torch.testing.assert_close(
+        logits(hf_neural_attn.from_pretrained(tmp_path / "adapter"), inputs), logits(model, inputs), rtol=0, atol=1e-6
+    )
+
+
+def test_moved_base_model_is_found_with_an_override(tmp_path):
+    base = save_base(tmp_path / "base")
+    model = load_patched(base)
+    hf_neural_attn.save_adapter(model, tmp_path / "adapter")
+    moved = tmp_path / "elsewhere"
+    base.rename(moved)
+    with pytest.raises(
+        OSError, match="(?s)needs its base model.*does not exist on this machine.*base_model_name_or_path="
+    ):
+        hf_neural_attn.from_pretrained(tmp_path / "adapter")
+    loaded = hf_neural_attn.from_pretrained(tmp_path / "adapter", base_model_name_or_path=moved)
+    inputs = model_inputs("llama")
+    torch.testing.assert_close(logits(loaded, inputs), logits(model, inputs), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "wrong_base,message",
+    [
+        (lambda folder: save_base(folder, hidden_size=48), "other shapes"),
+        (lambda folder: save_base(folder, num_hidden_layers=1), "patches attention layers \\[0, 1\\].* has 1"),
+        (lambda folder: save_base(folder, "gpt2"), "'llama' model.* 'gpt2' model"),
+    ],
+    ids=["wider", "fewer-layers", "other-family"],
+)
+def test_wrong_base_model_is_refused(tmp_path, wrong_base, message):
+    model = load_patched(save_base(tmp_path / "base"))
+    hf_neural_attn.save_adapter(model, tmp_path / "adapter")
+    with pytest.raises(ValueError, match=message):
+        hf_neural_attn.from_pretrained(tmp_path / "adapter", base_model_name_or_path=wrong_base(tmp_path / "wrong"))
+
+
+def edit_json(folder: Path, change) -> None:
+    path = folder / ADAPTER_CONFIG_NAME
+    metadata = json.loads(path.read_text())
+    change(metadata)
+    path.write_text(json.dumps(metadata))
+
+
+def drop_first_tensor(folder: Path) -> None:
+    tensors = load_file(folder / ADAPTER_WEIGHTS_NAME)
+    tensors.pop(min(tensors))
+    save_file(tensors, folder / ADAPTER_WEIGHTS_NAME)
+
+
+def add_tensor(folder: Path) -> None:
+    tensors = load_file(folder / ADAPTER_WEIGHTS_NAME)
+    tensors["model.layers.7.self_attn.attn_scorer.gate"] = torch.zeros(4)
+    save_file(tensors, folder / ADAPTER_WEIGHTS_NAME)
+
+
+def truncate_weights(folder: Path) -> None:
+    path = folder / ADAPTER_WEIGHTS_NAME
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (lambda f: edit_json(f, lambda m: m.update(hf_neural_attn_adapter=2)), "format 2"),
+        (lambda f: edit_json(f, lambda m: m.pop("patch")), "damaged"),
+        (lambda f: edit_json(f, lambda m: m["patch"].update(scorer="cosine")), "does not have"),
+        (lambda f: edit_json(f, lambda m: m["patch"]["options"].update(h=2)), "other shapes"),
+        (lambda f: edit_json(f, lambda m: m.update(architectures=["NoSuchForCausalLM"])), "NoSuchForCausalLM"),
+        (lambda f: (f / ADAPTER_CONFIG_NAME).write_text("{not json"), "cannot be read as JSON"),
+        (drop_first_tensor, "it lacks 1 scorer tensor"),
+        (add_tensor, "no place for 1 scorer tensor"),
+        (truncate_weights, "truncated or corrupt"),
+    ],
+    ids=["format", "no-patch", "scorer", "options", "class", "json", "missing", "extra", "truncated"],
+)
+def test_damaged_adapter_is_refused(tmp_path, damage, message):
+    model = load_patched(save_base(tmp_path / "base"))
+    hf_neural_attn.save_adapter(model, tmp_path / "adapter")
+    damage(tmp_path / "adapter")
+    with pytest.raises(ValueError, match=message):
+        hf_neural_attn.from_pretrained(tmp_path / "adapter")
+
+
+def test_save_adapter_refuses_what_it_cannot_save(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    base = save_base(tmp_path / "base")
+    plain = type(tiny_llama()).from_pretrained(base)
+    with pytest.raises(ValueError, match="not patched"):
+        hf_neural_attn.save_adapter(plain, tmp_path / "a")
+    model = load_patched(base)
+    # A folder holding a full checkpoint is refused, and left as it was.
+    with pytest.raises(ValueError, match="full model checkpoint"):
+        hf_neural_attn.save_adapter(model, base)
+    assert not (base / ADAPTER_CONFIG_NAME).exists()
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(TypeError, match="not a PEFT model"):
+        hf_neural_attn.save_adapter(peft_model, tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+
+
+def test_base_override_is_refused_for_a_full_checkpoint(tmp_path):
+    model = tiny_gpt2()
+    hf_neural_attn.patch_model(model, "qana")
+    model.save_pretrained(tmp_path / "full")
+    with pytest.raises(ValueError, match="not an adapter-only checkpoint"):
+        hf_neural_attn.from_pretrained(tmp_path / "full", base_model_name_or_path=tmp_path / "full")
+
+
+# ------------------------------------------------------------------------------------------------ the Hub
+
+
+def put_in_hub_cache(cache: Path, repo_id: str, files_from: Path, commit: str) -> None:
+    """Lay ``files_from`` out as huggingface_hub's cache keeps a downloaded repo (snapshot + refs/main)."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(files_from, repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+
+
+class RecordingHfApi:
+    """Stands in for huggingface_hub.HfApi: records the calls, and 'uploads' into the local Hub cache."""
+
+    calls: ClassVar[list] = []  # each test sets its own list and cache folder (monkeypatch)
+    cache: ClassVar[Path]
+
+    def __init__(self, token=None):
+        self.calls.append(("init", token))
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs))
+        return SimpleNamespace(repo_id=repo_id)
+
+    def upload_folder(self, repo_id, folder_path, **kwargs):
+        files = sorted(path.name for path in Path(folder_path).iterdir())
+        self.calls.append(("upload_folder", repo_id, files, kwargs))
+        put_in_hub_cache(self.cache, repo_id, Path(folder_path), commit="b" * 40)
+        return SimpleNamespace(commit_url=f"local://{repo_id}")
+
+
+def test_push_and_load_an_adapter_repo_through_the_hub_cache(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    cache = tmp_path / "hub-cache"
+    put_in_hub_cache(cache, "someone/tiny-base", save_base(tmp_path / "base"), commit="a" * 40)
+    # The base model comes from the Hub (here: its cache), so the adapter records its Hub id.
+    model = type(tiny_llama()).from_pretrained("someone/tiny-base", cache_dir=cache).eval()
+    hf_neural_attn.patch_model(model, "qana", layers=[0])
+    perturb_scorers(model)
+
+    monkeypatch.setattr(RecordingHfApi, "calls", [])
+    monkeypatch.setattr(RecordingHfApi, "cache", cache, raising=False)
+    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingHfApi)
+    hf_neural_attn.push_adapter_to_hub(model, "someone/tiny-qana-adapter", token="hf_test", private=True)
+
+    init, create, upload = RecordingHfApi.calls
+    assert init == ("init", "hf_test")
+    assert create[:2] == ("create_repo", "someone/tiny-qana-adapter") and create[2]["private"] is True
+    assert upload[:3] == ("upload_folder", "someone/tiny-qana-adapter", sorted(ADAPTER_FILES))
+    pushed = cache / "models--someone--tiny-qana-adapter" / "snapshots" / ("b" * 40)
+    metadata = json.loads((pushed / ADAPTER_CONFIG_NAME).read_text())
+    assert metadata["base_model_name_or_path"] == "someone/tiny-base"
+    card = (pushed / "README.md").read_text()
+    assert "base_model: someone/tiny-base" in card
+    assert 'hf_neural_attn.from_pretrained("someone/tiny-qana-adapter")' in card
+
+    # Loading by repo id: the adapter and its base model both resolve through the Hub cache.
+    loaded = hf_neural_attn.from_pretrained("someone/tiny-qana-adapter", cache_dir=cache)
+    inputs = model_inputs("llama")
+    torch.testing.assert_close(logits(loaded, inputs), logits(model, inputs), rtol=0, atol=1e-6)
+
+
+def test_pushing_an_adapter_of_a_local_base_warns(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    model = load_patched(save_base(tmp_path / "base"))
+    monkeypatch.setattr(RecordingHfApi, "calls", [])
+    monkeypatch.setattr(RecordingHfApi, "cache", tmp_path / "hub-cache", raising=False)
+    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingHfApi)
+    with pytest.warns(UserWarning, match="local folder .* only this machine"):
+        hf_neural_attn.push_adapter_to_hub(model, "someone/local-base-adapter")
+    assert [call[0] for call in RecordingHfApi.calls] == ["init", "create_repo", "upload_folder"]
