@@ -16,7 +16,9 @@ from typing import Any
 
 GLUE_TASKS = ("cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli")
 TASKS = ("clm", *GLUE_TASKS, "image")
-SCORERS = ("none", "qana", "neural")
+# The library's scorers (tests check this matches hf_neural_attn.scorers.SCORERS; importing it here would load torch
+# for every --help).
+SCORERS = ("none", "qana", "neural", "additive", "general", "nsea", "hea")
 SCHEDULERS = (
     "linear",
     "cosine",
@@ -194,8 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--h", type=int, default=None, help="Hidden width of the scoring MLP (default 4).")
     add("--layers", type=str, default=None, help='Layers to patch: "all" (default), or indices like "0" or "0,1".')
     add("--proj_dim", type=int, default=None, help="neural: down-projection width d' (default: none).")
-    add("--mode", type=str, default=None, choices=("residual", "replace"), help="neural: residual or replace.")
+    add(
+        "--mode",
+        type=str,
+        default=None,
+        choices=("residual", "replace"),
+        help="neural, additive: residual (default) or replace; nsea, hea: must be replace (training from scratch).",
+    )
     add("--depth", type=int, default=None, help="neural: hidden layers of the scoring MLP.")
+    add("--terms", type=int, default=None, help="nsea, hea: series terms kept after the identity (default 2).")
     add("--activation", type=str, default=None, help="Scoring MLP nonlinearity (gelu, relu, silu, tanh, sigmoid).")
     add("--scorer_init", type=str, default=None, choices=("default", "zero"), help="Init of the new parameters.")
     add("--impl", type=str, default=None, help="Attention implementation of the scorer (default: reference).")
@@ -363,7 +372,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
 
     scorer_flags = {
         name: getattr(args, name)
-        for name in ("h", "proj_dim", "mode", "depth", "activation", "scorer_init", "impl")
+        for name in ("h", "proj_dim", "mode", "depth", "terms", "activation", "scorer_init", "impl")
         if getattr(args, name) is not None
     }
     if args.scorer == "none":
@@ -426,6 +435,6 @@ def parse_layers(value: Any) -> list[int] | None:
 
 def scorer_options(args: argparse.Namespace) -> dict[str, Any]:
     """The options for ``hf_neural_attn.patch_model`` that were given (the rest keep the library's defaults)."""
-    names = {"h": "h", "proj_dim": "proj_dim", "mode": "mode", "depth": "depth", "activation": "activation"}
+    names = {name: name for name in ("h", "proj_dim", "mode", "depth", "terms", "activation")}
     names.update({"scorer_init": "init", "impl": "impl"})
     return {option: getattr(args, flag) for flag, option in names.items() if getattr(args, flag) is not None}

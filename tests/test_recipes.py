@@ -306,6 +306,12 @@ def bad_input_cases(assets, tmp_path):
             "built from scratch",
         ),
         "image task with text files": (["--task", "image", "--train_file", str(assets["train_txt"])], "not files"),
+        "nsea on a causal model": (
+            ["--task", "clm", "--model_name_or_path", str(assets["gpt2"]), "--train_file", str(assets["train_txt"])]
+            + ["--scorer", "nsea", "--mode", "replace"],
+            "nsea cannot serve GPT2Attention, a causal",
+        ),
+        "nsea without mode replace": (["--task", "clm", "--scorer", "nsea"], "mode='replace'"),
     }
 
 
@@ -550,6 +556,28 @@ def test_image_classification_end_to_end(assets, tmp_path):
                 correct += int(model(pixel_values=pixels).logits.argmax(-1).item() == label)
             total += 1
     assert results["accuracy"] == pytest.approx(correct / total)
+
+
+def test_recipe_scorer_choices_are_the_library_registry():
+    from recipes.args import SCORERS
+
+    assert set(SCORERS) == {"none", *hf_neural_attn.scorers.SCORERS}
+
+
+def test_image_from_scratch_with_nsea(assets, tmp_path):
+    """The exponentiation-based scorers are for training from scratch: a ViT built from a config, NSEA everywhere."""
+    out = tmp_path / "vit-nsea"
+    finetune(
+        out,
+        *("--task", "image", "--model_type", "vit", "--train_dir", str(assets["images_train"])),
+        *("--config_overrides", "image_size=16,patch_size=8,hidden_size=32,num_hidden_layers=2,num_attention_heads=4"),
+        *["--scorer", "nsea", "--mode", "replace", "--terms", "3", "--max_train_steps", "2"],
+    )
+    results = read_results(out)
+    assert results["patch"]["scorer"] == "nsea" and results["patch"]["options"]["terms"] == 3
+    assert 0.0 <= results["accuracy"] <= 1.0
+    reloaded = hf_neural_attn.from_pretrained(str(out))
+    assert reloaded.config.hf_neural_attn["options"] == {"impl": "reference", "terms": 3, "mode": "replace"}
 
 
 def test_image_from_scratch_with_the_neural_attention_paper_patch(assets, tmp_path):
