@@ -1,4 +1,5 @@
-"""hf_neural_attn: nonlinear attention scorers (QANA, Neural Attention) for Hugging Face Transformers.
+"""hf_neural_attn: nonlinear attention scorers (QANA, Neural Attention, additive, general, NSEA, HEA) for
+Hugging Face Transformers.
 
 model = hf_neural_attn.patch_model(model, "qana", h=4)      # same outputs, new trainable scorer
 model.save_pretrained("out")                                 # safetensors + patch record in config.json
@@ -16,10 +17,22 @@ from .adapters import push_adapter_to_hub, save_adapter
 from .checkpoint import from_pretrained
 from .patching import is_patched, patch_model, scorer_parameters, unpatch_model
 from .peft_utils import peft_modules_to_save
-from .scorers import NeuralAttentionConfig, QanaConfig, ScorerConfig
+from .scorers import (
+    AdditiveConfig,
+    GeneralConfig,
+    HeaConfig,
+    NeuralAttentionConfig,
+    NseaConfig,
+    QanaConfig,
+    ScorerConfig,
+)
 
 __all__ = [
+    "AdditiveConfig",
+    "GeneralConfig",
+    "HeaConfig",
     "NeuralAttentionConfig",
+    "NseaConfig",
     "QanaConfig",
     "ScorerConfig",
     "__version__",
