@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from typing import Callable, ClassVar
+from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -79,9 +80,7 @@ def _forward_parameters(module_class: type[nn.Module]) -> list[str]:
     return [name for name in inspect.signature(module_class.forward).parameters if name != "self"]
 
 
-def linear_query_geometry(
-    query_proj: nn.Linear, num_heads: int, num_kv_heads: int, head_dim: int
-) -> AttentionGeometry:
+def linear_query_geometry(query_proj: nn.Linear, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionGeometry:
     """Geometry of an attention module whose queries come from a separate ``nn.Linear``."""
     weight = query_proj.weight
     return AttentionGeometry(

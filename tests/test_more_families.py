@@ -1,0 +1,321 @@
+"""Phi-3 and the decoders served by the standard-attention adapter (explicit entries and the generic fallback),
+and the models it refuses. Tiny configs, built offline.
+
+Tolerances as in test_llama_like_families: the patched init equals the original to rounding (bounded at 1e-5),
+two fp32 computations of the same logits by different routes (cache, shifted RoPE angles, padding) to 1e-4.
+"""
+
+import copy
+import sys
+import types
+
+import pytest
+import torch
+import transformers as tf
+from conftest import TINY_DECODER as COMMON
+from conftest import VOCAB, perturb_scorers
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.olmo.modeling_olmo import OlmoAttention, apply_rotary_pos_emb, eager_attention_forward
+
+import hf_neural_attn
+from hf_neural_attn.families import FAMILIES, UnsupportedAttentionError
+from hf_neural_attn.patching import FALLBACK_ATTR
+
+HEAD_DIM = {"head_dim": 8}  # configs whose default head_dim is not hidden_size / heads
+
+MODELS = {
+    # Explicit entries (the family name is recorded).
+    # Fused qkv_proj, and RoPE on half of each head.
+    "phi3": (
+        tf.Phi3ForCausalLM,
+        tf.Phi3Config(
+            **COMMON, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+        ),
+    ),
+    "olmo": (tf.OlmoForCausalLM, tf.OlmoConfig(**COMMON, clip_qkv=0.5)),  # clamps q, k, v
+    "olmo2": (tf.Olmo2ForCausalLM, tf.Olmo2Config(**COMMON)),  # q_norm over the whole projection
+    "granite": (tf.GraniteForCausalLM, tf.GraniteConfig(**COMMON, attention_multiplier=0.3)),  # its own scaling
+    "mixtral": (
+        tf.MixtralForCausalLM,
+        tf.MixtralConfig(**COMMON, sliding_window=6, num_local_experts=2, num_experts_per_tok=1),
+    ),
+    "qwen3_moe": (
+        tf.Qwen3MoeForCausalLM,
+        tf.Qwen3MoeConfig(**COMMON, **HEAD_DIM, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32),
+    ),
+    # Per-head q/k norms, query_pre_attn_scalar, a sliding layer with local RoPE beside a global one.
+    "gemma3": (
+        tf.Gemma3ForCausalLM,
+        tf.Gemma3TextConfig(
+            **COMMON, **HEAD_DIM, sliding_window=6, layer_types=["sliding_attention", "full_attention"]
+        ),
+    ),
+    "stablelm": (tf.StableLmForCausalLM, tf.StableLmConfig(**COMMON, qk_layernorm=True)),  # partial rotary 0.25
+    "cohere": (tf.CohereForCausalLM, tf.CohereConfig(**COMMON, use_qk_norm=True)),  # interleaved RoPE
+    "smollm3": (tf.SmolLM3ForCausalLM, tf.SmolLM3Config(**COMMON, no_rope_layers=[1, 0])),  # layer 1 is NoPE
+    # No entry on purpose: these run the generic fallback (recorded as "standard").
+    "starcoder2": (tf.Starcoder2ForCausalLM, tf.Starcoder2Config(**COMMON, sliding_window=6)),  # biases
+    "glm": (tf.GlmForCausalLM, tf.GlmConfig(**COMMON)),  # partial, interleaved RoPE
+    "gemma2_no_softcap": (
+        tf.Gemma2ForCausalLM,
+        tf.Gemma2Config(**COMMON, **HEAD_DIM, sliding_window=6, attn_logit_softcapping=None),
+    ),
+}
+GENERIC = {"starcoder2", "glm", "gemma2_no_softcap"}
+EXPLICIT = [name for name in MODELS if name not in GENERIC]
+CASES = [pytest.param(name, id=name) for name in MODELS]
+
+
+def build(name, config_overrides=None):
+    model_class, config = MODELS[name]
+    config = copy.deepcopy(config)
+    for key, value in (config_overrides or {}).items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    return model_class(config).eval()
+
+
+def patch(model, name, scorer, **options):
+    """Patch; the generic path must say it is generic, an explicit entry must not warn."""
+    if name in GENERIC:
+        with pytest.warns(UserWarning, match="no tested hf_neural_attn family.*generic standard-attention path"):
+            hf_neural_attn.patch_model(model, scorer, **options)
+    else:
+        hf_neural_attn.patch_model(model, scorer, **options)
+    return model
+
+
+def tokens(batch, seq, seed=3):
+    return torch.randint(2, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def test_registry_has_an_entry_for_every_explicit_model_and_none_for_the_generic_ones():
+    assert set(EXPLICIT) <= set(FAMILIES)
+    assert not GENERIC & set(FAMILIES)
+    assert list(FAMILIES)[-1] == "standard"  # the fallback is tried last
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_both_scorers_preserve_then_move_logits_and_unpatch_restores(name):
+    model = build(name)
+    ids = tokens(2, 12)
+    original = model(ids).logits
+    implementation = model.config._attn_implementation
+    for scorer_name in ("qana", "neural"):
+        patch(model, name, scorer_name)
+        assert model.config.hf_neural_attn["family"] == ("standard" if name in GENERIC else name)
+        torch.testing.assert_close(model(ids).logits, original, rtol=0, atol=1e-5)
+        perturb_scorers(model, std=1.0)
+        # The init agrees to ~1e-7; a live scorer moves logits by far more than the bound.
+        assert (model(ids).logits - original).abs().max() > 100 * 1e-5
+        hf_neural_attn.unpatch_model(model)
+        assert model.config._attn_implementation == implementation
+        assert not hf_neural_attn.scorer_parameters(model)
+        assert torch.equal(model(ids).logits, original)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_qana_positions_left_padding_and_kv_cache(name):
+    """QANA is the scorer that reads hidden states and RoPE through the family; Neural Attention's part of the
+    plumbing (geometry only) is covered by the preservation test above."""
+    model = build(name)
+    prompt = tokens(2, 5)
+    settings = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    unpatched_generation = model.generate(prompt, **settings)
+    patch(model, name, "qana")
+    # At init the patched model generates what the original does (greedy, with the KV cache).
+    assert torch.equal(model.generate(prompt, **settings), unpatched_generation)
+
+    perturb_scorers(model, std=0.5)
+    # Shifting every position leaves RoPE scores unchanged only if QANA's rows turn exactly like the model's
+    # query (partial rotary, interleaved, local and global RoPE, NoPE layers).
+    ids = tokens(2, 12)
+    positions = torch.arange(12).expand(2, -1)
+    base = model(ids, position_ids=positions).logits
+    torch.testing.assert_close(model(ids, position_ids=positions + 13).logits, base, rtol=0, atol=1e-4)
+
+    long, short = tokens(1, 9, seed=4), tokens(1, 6, seed=5)
+    ids = torch.zeros(2, 9, dtype=torch.long)
+    ids[0], ids[1, 3:] = long[0], short[0]
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    batched = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    torch.testing.assert_close(batched[0], model(long).logits[0], rtol=0, atol=1e-4)
+    torch.testing.assert_close(batched[1, 3:], model(short).logits[0], rtol=0, atol=1e-4)
+
+    # With a live scorer: logits from the KV cache equal those of the full sequence.
+    ids = tokens(2, 10)
+    full = model(ids).logits
+    prefix = model(ids[:, :7], use_cache=True)
+    step = model(ids[:, 7:9], past_key_values=prefix.past_key_values, use_cache=True)
+    torch.testing.assert_close(prefix.logits, full[:, :7], rtol=0, atol=1e-4)
+    torch.testing.assert_close(step.logits, full[:, 7:9], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_checkpoint_round_trip(name, tmp_path):
+    model = patch(build(name), name, "qana", layers=[1])
+    perturb_scorers(model, std=0.5)
+    model.save_pretrained(tmp_path / name)
+    loaded = hf_neural_attn.from_pretrained(tmp_path / name)
+    ids = tokens(2, 8)
+    assert type(loaded) is type(model)
+    assert loaded.config.hf_neural_attn["family"] == model.config.hf_neural_attn["family"]
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", [name for name in EXPLICIT if name != "phi3"])  # Phi-3 has no q_proj
+def test_generic_fallback_alone_serves_every_explicit_model_the_same_way(name, monkeypatch):
+    """The explicit entries are only names: with an entry removed, the fallback patches the model identically."""
+    ids = tokens(2, 12)
+    explicit = build(name)
+    hf_neural_attn.patch_model(explicit, "qana")
+    perturb_scorers(explicit, std=1.0)
+
+    monkeypatch.delitem(FAMILIES, name)
+    generic = build(name)
+    original = generic(ids).logits
+    with pytest.warns(UserWarning, match="generic standard-attention path"):
+        hf_neural_attn.patch_model(generic, "qana")
+    assert generic.config.hf_neural_attn["family"] == "standard"
+    torch.testing.assert_close(generic(ids).logits, original, rtol=0, atol=1e-5)
+    perturb_scorers(generic, std=1.0)
+    torch.testing.assert_close(generic(ids).logits, explicit(ids).logits, rtol=0, atol=1e-6)
+
+
+def test_phi3_scorer_reads_the_query_rows_of_the_fused_projection_and_rotary_is_partial():
+    model = build("phi3")
+    attention = model.model.layers[0].self_attn
+    rows = model.config.num_attention_heads * attention.head_dim
+    with torch.no_grad():
+        attention.qkv_proj.weight[rows:] *= 50  # key and value rows far larger: a std over them would show
+    assert model.model.rotary_emb.inv_freq.numel() * 2 == attention.head_dim // 2
+    hf_neural_attn.patch_model(model, "qana", h=2)
+    geometry = attention.attn_scorer.geometry
+    assert geometry.query_weight_std == pytest.approx(float(attention.qkv_proj.weight[:rows].detach().std()), rel=1e-6)
+    assert (geometry.hidden_size, geometry.num_heads, geometry.num_kv_heads, geometry.head_dim) == (32, 4, 2, 8)
+    assert geometry.query_bias is False
+
+
+# --- refusals --------------------------------------------------------------------------------------------------
+
+
+def assert_refused(model, match):
+    ids = tokens(1, 6)
+    before = model(ids).logits
+    implementation = model.config._attn_implementation
+    with pytest.raises(UnsupportedAttentionError, match=match):
+        hf_neural_attn.patch_model(model, "qana")
+    assert isinstance(UnsupportedAttentionError("x"), TypeError)
+    assert not hasattr(model.config, "hf_neural_attn")
+    assert model.config._attn_implementation == implementation
+    assert not any(hasattr(module, FALLBACK_ATTR) for module in model.modules())
+    assert torch.equal(model(ids).logits, before)
+
+
+def test_gemma2_attention_soft_capping_is_refused():
+    model = build("gemma2_no_softcap", {"attn_logit_softcapping": 50.0})
+    assert_refused(model, r"Gemma2Attention .*logit soft-capping \(softcap=50.0\)")
+
+
+def test_gpt_oss_attention_sinks_are_refused():
+    config = tf.GptOssConfig(**COMMON, **HEAD_DIM, num_local_experts=2, num_experts_per_tok=1)
+    torch.manual_seed(0)
+    assert_refused(tf.GptOssForCausalLM(config).eval(), r"GptOssAttention .*attention sinks")
+
+
+def test_qwen3_next_gated_query_projection_is_refused():
+    config = tf.Qwen3NextConfig(**COMMON, **HEAD_DIM, layer_types=["full_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = tf.Qwen3NextForCausalLM(config).eval()
+    assert_refused(model, r"Qwen3NextAttention .*64 output rows but its attention scores 4 heads x 8")
+
+
+def test_two_kinds_of_attention_are_refused_by_the_generic_path():
+    model = build("starcoder2")
+
+    class OtherStarcoder2Attention(type(model.model.layers[1].self_attn)):
+        pass
+
+    model.model.layers[1].self_attn.__class__ = OtherStarcoder2Attention
+    assert_refused(model, r"several attention classes.*OtherStarcoder2Attention.*Starcoder2Attention")
+
+
+# Attention modules that look standard but are not: the probe must refuse each, naming what it found.
+# They live in a modeling namespace of their own, as a model's classes would.
+odd_modeling = types.ModuleType("odd_modeling")
+odd_modeling.apply_rotary_pos_emb = apply_rotary_pos_emb
+
+
+def tempered_eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    return eager_attention_forward(module, query, key, value, attention_mask, scaling=1.5 * scaling, dropout=dropout)
+
+
+odd_modeling.eager_attention_forward = tempered_eager_attention
+
+
+class OddAttention(OlmoAttention):
+    query_scale = 1.0
+    angle_factor = 1  # RoPE at a multiple of each position
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(shape).transpose(1, 2) * self.query_scale
+        key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        if self.angle_factor == 2:
+            cos, sin = cos * cos - sin * sin, 2 * sin * cos
+        query, key = odd_modeling.apply_rotary_pos_emb(query, key, cos, sin)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, odd_modeling.eager_attention_forward
+        )
+        output, weights = attention(self, query, key, value, attention_mask, scaling=self.scaling, **kwargs)
+        return self.o_proj(output.reshape(*hidden_states.shape[:-1], -1)), weights
+
+
+class DoubleAngleAttention(OddAttention):
+    angle_factor = 2
+
+
+class ScaledQueryAttention(OddAttention):
+    query_scale = 2.0
+
+
+class TemperedAttention(OddAttention):
+    pass
+
+
+@pytest.mark.parametrize(
+    "attention_class, match",
+    [
+        (DoubleAngleAttention, r"DoubleAngleAttention .*rotates its query differently"),
+        (ScaledQueryAttention, r"ScaledQueryAttention .*query is not its query projection"),
+        (TemperedAttention, r"TemperedAttention .*not softmax\(scaling \* q k\^T\) v"),
+    ],
+)
+def test_probe_refuses_modules_that_only_look_standard(attention_class, match, monkeypatch):
+    monkeypatch.setitem(sys.modules, "odd_modeling", odd_modeling)
+    monkeypatch.setattr(attention_class, "__module__", "odd_modeling")
+    model = build("olmo", {"clip_qkv": None})
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = attention_class
+    monkeypatch.delitem(FAMILIES, "olmo")
+    assert_refused(model, match)
+
+
+def test_the_odd_attention_itself_passes_the_probe(monkeypatch):
+    """The refusals above come from each module's one difference, not from the test's module as such."""
+    monkeypatch.setitem(sys.modules, "odd_modeling", odd_modeling)
+    monkeypatch.setattr(odd_modeling, "eager_attention_forward", eager_attention_forward)
+    monkeypatch.setattr(OddAttention, "__module__", "odd_modeling")
+    model = build("olmo", {"clip_qkv": None})
+    ids = tokens(2, 8)
+    original = model(ids).logits
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = OddAttention
+    torch.testing.assert_close(model(ids).logits, original, rtol=0, atol=1e-6)
+    monkeypatch.delitem(FAMILIES, "olmo")
+    with pytest.warns(UserWarning, match="OddAttention has no tested hf_neural_attn family"):
+        hf_neural_attn.patch_model(model, "qana")
+    torch.testing.assert_close(model(ids).logits, original, rtol=0, atol=1e-5)
