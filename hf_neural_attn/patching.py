@@ -59,7 +59,7 @@ def patch_model(
     """Replace the attention scoring of ``model`` in place and return it.
 
     Args:
-        model: a Llama, GPT-2 or ViT model (any head) from transformers.
+        model: a transformers model (any head) of a supported family, see ``docs/families.md``.
         scorer: a name from ``hf_neural_attn.scorers.SCORERS`` (``"qana"``, ``"neural"``, ``"additive"``,
             ``"general"``, ``"nsea"``, ``"hea"``), or a ready config object (:class:`QanaConfig`, ...).
         h: hidden width of the scoring MLP (default 4).
