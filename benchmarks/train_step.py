@@ -2,12 +2,16 @@
 
     python benchmarks/train_step.py                       # CPU defaults: 4 layers x 256 wide x 4 heads
     python benchmarks/train_step.py --seq 256 512 1024 2048 --scorers qana neural --impls reference chunked
+    python benchmarks/train_step.py --device cuda --dtype bf16 --preset gpt2-small \
+        --seq 1024 2048 4096 8192 --impls triton chunked auto     # GPU: GPT-2 small, 12 x 768 x 12 heads
 
 One forward + backward of a GPT-2-shaped model on random tokens, batch 1, every layer patched. Each
 configuration runs in its own process so peak memory (resident set size on CPU, the allocator's peak
 on CUDA) belongs to it alone. Reports the median step time, peak memory, and both as ratios to the
 unpatched model (transformers' SDPA) at the same sequence length; writes a markdown table and, with
-matplotlib installed, a plot of how each grows with n.
+matplotlib installed, a plot of how each grows with n. ``--dtype bf16``/``fp16`` runs the step under
+autocast (fp32 weights, half-precision matmuls), as mixed-precision training does. ``impl=auto`` rows
+also say which path it chose. ``--dry_run`` prints the child commands without running them.
 """
 
 from __future__ import annotations
@@ -43,7 +47,18 @@ def measure(args) -> dict:
         hf_neural_attn.patch_model(model, args.scorer, h=args.h, impl=args.impl, **options)
     model.train()
     ids = torch.randint(0, 512, (1, args.seq), device=device)
-    dtype = torch.bfloat16 if args.bf16 else None
+    dtype = getattr(torch, AUTOCAST_DTYPES[args.dtype]) if AUTOCAST_DTYPES[args.dtype] else None
+    resolved = args.impl
+    if args.scorer != "none" and args.impl == "auto":
+        from hf_neural_attn.ops import resolve_impl
+        from hf_neural_attn.scorers import Scorer
+
+        scorer = next(module for module in model.modules() if isinstance(module, Scorer))
+        head_dim = args.width // args.heads
+        resolved = resolve_impl(
+            "auto", scorer, device=device, dtype=dtype or torch.float32, q_len=args.seq, kv_len=args.seq,
+            head_dim=head_dim, is_causal=True,
+        )  # fmt: skip
 
     def step():
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
@@ -66,41 +81,100 @@ def measure(args) -> dict:
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    return {"time_s": statistics.median(times), "peak_bytes": peak}
+    return {"time_s": statistics.median(times), "peak_bytes": peak, "resolved_impl": resolved}
 
 
-def main() -> None:
+AUTOCAST_DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+IMPLS = ("reference", "chunked", "triton", "auto")
+# Model shapes: (layers, width, heads). cpu-small is the shape of the issue's CPU targets, gpt2-small the
+# GPU targets' GPT-2 small.
+PRESETS = {"cpu-small": (4, 256, 4), "gpt2-small": (12, 768, 12)}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024, 2048])
-    parser.add_argument("--scorers", nargs="+", default=["qana", "neural"])
-    parser.add_argument("--impls", nargs="+", default=["reference", "chunked"])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument(
+        "--seq", type=int, nargs="+", default=None, help="default: 256 ... 2048 on CPU, 1024 ... 8192 on CUDA"
+    )
+    parser.add_argument("--scorers", nargs="+", default=["qana", "neural"], choices=["qana", "neural"])
+    parser.add_argument(
+        "--impls",
+        nargs="+",
+        default=None,
+        choices=IMPLS,
+        help="default: reference chunked on CPU, triton chunked on CUDA",
+    )
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="model shape; default cpu-small on CPU, gpt2-small on CUDA",
+    )
+    parser.add_argument("--layers", type=int, default=None, help="overrides the preset")
+    parser.add_argument("--width", type=int, default=None, help="overrides the preset")
+    parser.add_argument("--heads", type=int, default=None, help="overrides the preset")
     parser.add_argument("--h", type=int, default=4)
     parser.add_argument("--proj_dim", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps; default 3 on CPU, 10 on CUDA")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(AUTOCAST_DTYPES),
+        default="fp32",
+        help="bf16/fp16: the step runs under autocast in that dtype",
+    )
+    parser.add_argument("--bf16", action="store_true", help="same as --dtype bf16 (kept for old command lines)")
     parser.add_argument("--output_dir", default="benchmarks/results")
+    parser.add_argument("--dry_run", action="store_true", help="print the child commands, run nothing")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--scorer", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--impl", default="reference", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
+    cuda = args.device.startswith("cuda")
+    if not (cuda or args.device == "cpu"):
+        parser.error(f"--device {args.device!r}: use cpu, cuda or cuda:N")
+    if args.bf16:
+        if args.dtype not in ("fp32", "bf16"):
+            parser.error(f"--bf16 contradicts --dtype {args.dtype}")
+        args.dtype = "bf16"
+    layers, width, heads = PRESETS[args.preset or ("gpt2-small" if cuda else "cpu-small")]
+    args.layers = args.layers or layers
+    args.width = args.width or width
+    args.heads = args.heads or heads
+    if args.width % args.heads:
+        parser.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
+    args.seq = args.seq or ([1024, 2048, 4096, 8192] if cuda else [256, 512, 1024, 2048])
+    args.impls = args.impls or (["triton", "chunked"] if cuda else ["reference", "chunked"])
+    args.steps = args.steps or (10 if cuda else 3)
+    if not cuda and "triton" in args.impls and not args.child:
+        print("note: impl=triton runs on CUDA only; on CPU its rows will report the error", file=sys.stderr)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.child:
         args.seq = args.seq[0]
         print(json.dumps(measure(args)))
         return
+    if args.device.startswith("cuda") and not args.dry_run:
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit(f"--device {args.device}, but torch.cuda.is_available() is False (torch {torch.__version__}).")
 
     runs = [("none", "sdpa")] + [(scorer, impl) for scorer in args.scorers for impl in args.impls]
-    shared = [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "heads", "h", "proj_dim", "steps", "device")]
-    shared += ["--bf16"] * args.bf16
+    keys = ("layers", "width", "heads", "h", "proj_dim", "steps", "device", "dtype")
+    shared = [f"--{k}={getattr(args, k)}" for k in keys]
     results = []
     for seq in args.seq:
         for scorer, impl in runs:
             command = [sys.executable, __file__, "--child", f"--seq={seq}", f"--scorer={scorer}", f"--impl={impl}"]
-            finished = subprocess.run(command + shared, capture_output=True, text=True)
+            if args.dry_run:
+                print(" ".join(command + shared))
+                continue
+            finished = subprocess.run(command + shared, check=False, capture_output=True, text=True)
             if finished.returncode != 0:
                 error = finished.stderr.strip().splitlines()[-1] if finished.stderr.strip() else "failed"
                 print(f"n={seq} {scorer}/{impl}: {error}", file=sys.stderr)
@@ -108,38 +182,58 @@ def main() -> None:
                 continue
             result = json.loads(finished.stdout.strip().splitlines()[-1])
             results.append({"seq": seq, "scorer": scorer, "impl": impl, **result})
-            print(f"n={seq:5d} {scorer:>6}/{impl:<9} {result['time_s'] * 1e3:9.1f} ms  "
-                  f"{result['peak_bytes'] / 2**20:8.0f} MiB", flush=True)
+            print(
+                f"n={seq:5d} {scorer:>6}/{label(results[-1]):<14} {result['time_s'] * 1e3:9.1f} ms  "
+                f"{result['peak_bytes'] / 2**20:8.0f} MiB",
+                flush=True,
+            )
+    if args.dry_run:
+        return
 
     table = report(results, args)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "train_step.json").write_text(json.dumps(results, indent=2))
-    (out / "train_step.md").write_text(table)
-    plot(results, out / "train_step.png")
+    # One file set per device and dtype, so a GPU run does not overwrite the CPU tables.
+    stem = (
+        "train_step"
+        if args.device == "cpu" and args.dtype == "fp32"
+        else f"train_step_{args.device.split(':')[0]}_{args.dtype}"
+    )
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    (out / f"{stem}.md").write_text(table)
+    plot(results, out / f"{stem}.png")
     print("\n" + table)
+
+
+def label(result: dict) -> str:
+    """The impl, with the path ``auto`` chose."""
+    resolved = result.get("resolved_impl")
+    return f"auto -> {resolved}" if result["impl"] == "auto" and resolved else result["impl"]
 
 
 def report(results, args) -> str:
     baseline = {r["seq"]: r for r in results if r["scorer"] == "none" and "error" not in r}
     machine = describe_machine(args.device)
-    lines = [
+    precision = "fp32" if args.dtype == "fp32" else f"{args.dtype} autocast"
+    setup = (
         f"GPT-2 shape {args.layers} layers x {args.width} wide x {args.heads} heads, batch 1, all layers patched, "
-        f"h={args.h}, neural proj_dim={args.proj_dim}, {'bf16 autocast' if args.bf16 else 'fp32'}; "
-        f"median of {args.steps} steps; machine: {machine}.",
+        f"h={args.h}, neural proj_dim={args.proj_dim}, {precision}; median of {args.steps} steps; machine: {machine}."
+    )
+    lines = [
+        setup,
         "",
         "| n | scorer | impl | step ms | x unpatched | peak MiB | x unpatched |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['seq']} | {r['scorer']} | {r['impl']} | {r['error']} | | | |")
+            lines.append(f"| {r['seq']} | {r['scorer']} | {label(r)} | {r['error']} | | | |")
             continue
         base = baseline.get(r["seq"])
         time_ratio = f"{r['time_s'] / base['time_s']:.2f}" if base else "n/a"
         memory_ratio = f"{r['peak_bytes'] / base['peak_bytes']:.2f}" if base else "n/a"
         lines.append(
-            f"| {r['seq']} | {r['scorer']} | {r['impl']} | {r['time_s'] * 1e3:.1f} | {time_ratio} | "
+            f"| {r['seq']} | {r['scorer']} | {label(r)} | {r['time_s'] * 1e3:.1f} | {time_ratio} | "
             f"{r['peak_bytes'] / 2**20:.0f} | {memory_ratio} |"
         )
     return "\n".join(lines) + "\n"

@@ -9,16 +9,143 @@ softmax attention (``scorer.uses_softmax`` False: NSEA, HEA) compute their outpu
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
 from .chunked import chunked_attention
 from .reference import reference_attention
+from .triton_fused import TRITON_INSTALL_HINT, triton_attention, triton_unsupported_reason
+
+
+def resolve_impl(
+    impl: str,
+    scorer,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    q_len: int,
+    kv_len: int,
+    head_dim: int,
+    is_causal: bool,
+    attention_mask: torch.Tensor | None = None,
+    value_head_dim: int | None = None,
+    need_weights: bool = False,
+    dropout_active: bool = False,
+) -> str:
+    """The path (a key of ``IMPLEMENTATIONS`` other than ``"auto"``) that serves one call.
+
+    * Calls that need the probabilities or attention dropout go to ``"reference"``, the only path that
+      materialises them, whatever ``impl`` says.
+    * ``"auto"``: ``"triton"`` for CUDA tensors when triton is installed and the kernels support the scorer
+      and inputs (see :func:`~hf_neural_attn.ops.triton_fused.triton_unsupported_reason`), otherwise
+      ``"chunked"``. Off CUDA that is ``"chunked"`` at every length: in docs/benchmarks.md (2-core CPU,
+      batch 1) the reference path was faster below ~1024 tokens for QANA, but not for Neural Attention,
+      where chunked was as fast or faster at every length measured; those are single runs on a machine
+      whose run-to-run spread the same page shows to be large; and the reference path's n² * h memory
+      grows with the batch where the chunked path's does not. One rule with bounded memory is the safer
+      default.
+    * ``"triton"`` raises a clear error when the kernels cannot run (ImportError without triton,
+      ValueError otherwise) instead of silently falling back.
+
+    Only shapes, dtype and device are read, so the choice can be checked for any device (tests pass
+    ``device="cuda"`` on machines without one).
+    """
+    if need_weights or dropout_active:
+        return "reference"
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl={impl!r} is not supported; choose one of {sorted(IMPLEMENTATIONS)}.")
+    if impl not in ("auto", "triton"):
+        return impl
+    on_cuda = torch.device(device).type == "cuda"
+    if impl == "auto" and not on_cuda:
+        return "chunked"  # without importing triton, which is not free
+    reason = triton_unsupported_reason(
+        scorer,
+        device=device,
+        dtype=dtype,
+        q_len=q_len,
+        kv_len=kv_len,
+        head_dim=head_dim,
+        is_causal=is_causal,
+        attention_mask=attention_mask,
+        value_head_dim=value_head_dim,
+    )
+    if impl == "triton":
+        if reason == TRITON_INSTALL_HINT:
+            raise ImportError(reason)
+        if reason is not None:
+            raise ValueError(f"impl='triton' cannot run this call: {reason}.")
+        return "triton"
+    if reason is None:
+        return "triton"
+    if reason == TRITON_INSTALL_HINT:
+        _warn_once("impl='auto' on CUDA found no triton and uses the slower chunked path: pip install triton")
+    return "chunked"
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def auto_attention(
+    scorer,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    scaling: float,
+    dropout: float,
+    training: bool,
+    extras: Any,
+    is_causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The path :func:`resolve_impl` picks for ``impl="auto"``, same contract as the others. Keys and
+    values may have fewer heads than queries; they are repeated only for the paths that need it."""
+    impl = resolve_impl(
+        "auto",
+        scorer,
+        device=query.device,
+        dtype=query.dtype,
+        q_len=query.shape[-2],
+        kv_len=key.shape[-2],
+        head_dim=query.shape[-1],
+        is_causal=is_causal,
+        attention_mask=attention_mask,
+        value_head_dim=value.shape[-1],
+        dropout_active=training and dropout > 0,
+    )
+    if impl != "triton":
+        groups = query.shape[1] // key.shape[1]
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    return IMPLEMENTATIONS[impl](
+        scorer,
+        query,
+        key,
+        value,
+        attention_mask,
+        scaling=scaling,
+        dropout=dropout,
+        training=training,
+        extras=extras,
+        is_causal=is_causal,
+    )
+
 
 IMPLEMENTATIONS = {
     "reference": reference_attention,
     "chunked": chunked_attention,
+    # Fused kernels (CUDA, or CPU under TRITON_INTERPRET=1); keys and values keep their kv heads.
+    "triton": triton_attention,
+    # Triton where it can run, chunked elsewhere: see resolve_impl.
+    "auto": auto_attention,
 }
 
 
@@ -60,8 +187,8 @@ def scored_attention(
         and the attention probabilities (batch, heads, q_len, kv_len) when the path keeps them.
     """
     groups = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     if not scorer.uses_softmax:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
         # NSEA, HEA: the weights are not a softmax of logits, so none of the paths below applies.
         output, weights = scorer.attend(
             query,
@@ -74,9 +201,22 @@ def scored_attention(
             need_weights=need_weights,
         )
         return output.transpose(1, 2).contiguous(), weights
-    impl = scorer.config.impl
-    if need_weights or (training and dropout > 0):
-        impl = "reference"
+    impl = resolve_impl(
+        scorer.config.impl,
+        scorer,
+        device=query.device,
+        dtype=query.dtype,
+        q_len=query.shape[-2],
+        kv_len=key.shape[-2],
+        head_dim=query.shape[-1],
+        is_causal=is_causal,
+        attention_mask=attention_mask,
+        value_head_dim=value.shape[-1],
+        need_weights=need_weights,
+        dropout_active=training and dropout > 0,
+    )
+    if impl != "triton":  # the Triton kernels read kv head (head // groups) themselves
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     output, probs = IMPLEMENTATIONS[impl](
         scorer,
         query,

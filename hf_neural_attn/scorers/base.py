@@ -37,7 +37,9 @@ class ScorerConfig:
     Args:
         impl: how scores are turned into attention outputs: ``"reference"`` materialises the score matrix
             (simple, the test oracle); ``"chunked"`` processes blocks of queries and recomputes their
-            scores in backward, so memory grows with n instead of n². See :mod:`hf_neural_attn.ops`.
+            scores in backward, so memory grows with n instead of n²; ``"triton"`` runs fused kernels on
+            CUDA (QANA, Neural Attention with depth 1); ``"auto"`` picks Triton where it can run and
+            chunked elsewhere. See :mod:`hf_neural_attn.ops`.
     """
 
     scorer_name: ClassVar[str] = ""

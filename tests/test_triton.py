@@ -1,0 +1,375 @@
+"""The fused Triton kernels compute what the reference path computes, and ``impl`` picks the right path.
+
+The kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``) on tiny shapes with 4 x 4 tiles
+(8 x 4 in backward), so sequence lengths are not tile multiples, causal tiles get skipped, and
+grouped-query heads share a key tile. Speed and bf16 need a GPU and are not checked here (the interpreter's bf16 ``tl.dot`` is broken).
+
+Tolerances: fp32 outputs and gradients within ``atol=1e-5, rtol=1e-5`` of the reference path (the two
+sum the same terms in different orders; gradients of the larger parameters reach ~10, where fp32
+rounding alone is ~1e-6).
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FACTORIES, model_inputs, perturb_scorers
+from test_math import geometry, randomise
+
+import hf_neural_attn
+from hf_neural_attn import ops
+from hf_neural_attn.ops import resolve_impl, scored_attention, triton_fused
+from hf_neural_attn.ops.chunked import chunked_attention
+from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: pip install -e '.[dev]'")
+HIDDEN, D = 6, 6  # D = 6 is not a power of two: the kernels pad it to 8 and mask the padding
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    """Triton's CPU interpreter, with 4 x 4 tiles forward and 8 x 4 backward.
+
+    ``TRITON_INTERPRET=1`` must be set when a ``@triton.jit`` function is decorated. Our kernels are
+    imported lazily, so setting it here is early enough for them. But transformers imports
+    ``torch._dynamo``, which imports triton, before any test module runs, so triton.language's own jitted
+    helpers (``tl.zeros``, ``tl.sum``, ...) were decorated for compilation, and calling them from an
+    interpreted kernel raises. Those calls are routed to the interpreter here, as they would be had the
+    variable been set before Python started (running ``TRITON_INTERPRET=1 pytest`` needs no routing).
+    """
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_fused, "BLOCK_SIZES", (4, 4))
+    # Backward tiles differ from forward ones, as on a GPU: row statistics must not depend on the tiling.
+    monkeypatch.setattr(triton_fused, "BACKWARD_BLOCK_SIZES", (8, 4))
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    import hf_neural_attn.ops.triton_kernels as kernels
+
+    if not isinstance(kernels._forward_kernel, InterpretedFunction):
+        pytest.skip("the Triton kernels were imported without TRITON_INTERPRET=1 in this process")
+    if isinstance(tl.zeros, JITFunction):
+        interpreted = {}
+
+        def call_in_interpreter(self, *args, **kwargs):
+            if self.fn not in interpreted:
+                interpreted[self.fn] = InterpretedFunction(self.fn)
+            return interpreted[self.fn](*args, **kwargs)
+
+        monkeypatch.setattr(JITFunction, "__call__", call_in_interpreter)
+
+
+@pytest.fixture
+def triton_calls(monkeypatch):
+    """Counts calls that reach the Triton path, so a silent fallback cannot pass for a kernel result."""
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape)
+        return triton_fused.triton_attention(*args, **kwargs)
+
+    monkeypatch.setitem(ops.IMPLEMENTATIONS, "triton", spy)
+    return calls
+
+
+def make_scorer(name, heads, kv_heads, dtype=torch.float32, **options):
+    geo = geometry(hidden_size=HIDDEN, num_heads=heads, num_kv_heads=kv_heads, head_dim=D, dtype=torch.float32)
+    if name == "qana":
+        scorer = QanaScorer(QanaConfig(**options), geo)
+    else:
+        scorer = NeuralAttentionScorer(NeuralAttentionConfig(**options), geo)
+    randomise(scorer, std=0.5)
+    return scorer.to(dtype)
+
+
+def attention_case(heads, kv_heads, q_len, kv_len, mask_kind, dtype=torch.float32, seed=0):
+    """Inputs of one call. ``mask_kind``: "causal" (queries aligned to the end of the keys, as with a KV
+    cache), "left_padded" (causal, and the second sequence's first 3 keys padded: its first rows see no
+    key at all), "padding" (bidirectional, a (batch, 1, 1, kv_len) key-padding mask, -inf where padded),
+    or "none"."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype).requires_grad_()
+
+    batch = 2
+    hidden = randn(batch, q_len, HIDDEN)
+    query, key, value = (
+        randn(batch, heads, q_len, D),
+        randn(batch, kv_heads, kv_len, D),
+        randn(batch, kv_heads, kv_len, D),
+    )
+    allowed = torch.ones(batch, 1, q_len, kv_len, dtype=torch.bool)
+    mask = None
+    if mask_kind in ("causal", "left_padded"):
+        allowed = allowed & torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+        if mask_kind == "left_padded":
+            allowed[1, ..., :3] = False
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    elif mask_kind == "padding":
+        mask = torch.zeros(batch, 1, 1, kv_len, dtype=dtype)
+        mask[1, ..., -2:] = float("-inf")  # the reference clamps -inf to the dtype's minimum; so must the kernels
+    valid_rows = allowed.any(-1, keepdim=True)  # (batch, 1, q_len, 1)
+    return hidden, query, key, value, mask, valid_rows
+
+
+def run(scorer, impl, hidden, query, key, value, mask, valid_rows, causal):
+    """Output and the gradients of hidden states (QANA's query slices come from them), q, k, v and every
+    scorer parameter, for an upstream gradient that ignores rows with no allowed key (their output is
+    uniform over whichever keys a path visits)."""
+    scorer.config.impl = impl
+    tensors = [hidden, query, key, value, *scorer.parameters()]
+    for tensor in tensors:
+        tensor.grad = None
+    extras = scorer.query_extras(hidden, None) if scorer.name == "qana" else None
+    output, _ = scored_attention(scorer, query, key, value, mask, scaling=D**-0.5, extras=extras, is_causal=causal)
+    valid = valid_rows.transpose(1, 2)  # output is (batch, q_len, heads, head_dim)
+    weights = torch.linspace(-1, 1, output.numel()).view_as(output).to(output.dtype) * valid
+    (output * weights).sum().backward()
+    return output.detach() * valid, [t.grad for t in tensors]
+
+
+CASES = [
+    # scorer, options, (heads, kv_heads), q_len, kv_len, mask
+    ("qana", {"h": 4}, (2, 1), 7, 7, "causal"),
+    ("qana", {"h": 1, "activation": "relu"}, (2, 1), 5, 9, "left_padded"),
+    ("qana", {"h": 3, "activation": "tanh"}, (2, 2), 6, 6, "none"),
+    ("qana", {"h": 4, "activation": "silu"}, (2, 1), 6, 5, "padding"),
+    ("qana", {"h": 2, "activation": "sigmoid"}, (2, 1), 1, 6, "causal"),  # one decoding step against a cache
+    ("neural", {"h": 3, "proj_dim": 2}, (2, 1), 7, 7, "left_padded"),
+    ("neural", {"h": 4, "mode": "replace", "activation": "sigmoid"}, (2, 1), 5, 9, "causal"),
+    ("neural", {"h": 2, "activation": "silu"}, (2, 2), 6, 6, "none"),
+    ("neural", {"h": 4, "proj_dim": 3, "activation": "relu"}, (2, 1), 6, 5, "padding"),
+    ("neural", {"h": 1, "mode": "replace", "activation": "tanh"}, (2, 1), 5, 5, "left_padded"),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("name,options,heads,q_len,kv_len,mask_kind", CASES)
+def test_kernels_match_reference_in_fp32(interpreter, triton_calls, name, options, heads, q_len, kv_len, mask_kind):
+    scorer = make_scorer(name, *heads, **options)
+    case = attention_case(*heads, q_len, kv_len, mask_kind)
+    causal = mask_kind in ("causal", "left_padded")
+    ref_out, ref_grads = run(scorer, "reference", *case, causal)
+    out, grads = run(scorer, "triton", *case, causal)
+    assert len(triton_calls) == 1
+    torch.testing.assert_close(out, ref_out, **TOLERANCE)
+    assert len(grads) == len(ref_grads)
+    for index, (grad, ref_grad) in enumerate(zip(grads, ref_grads)):
+        assert (grad is None) == (ref_grad is None), index
+        if grad is not None:
+            assert ref_grad.abs().max() > 0, f"gradient {index} is zero: the case checks nothing"
+            torch.testing.assert_close(grad, ref_grad, **TOLERANCE, msg=lambda m, i=index: f"gradient {i}: {m}")
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["qana", "neural"])
+def test_kernels_in_fp16_stay_close_to_fp32_reference(interpreter, triton_calls, name):
+    """fp16 inputs and parameters, fp32 scores and accumulation, against the fp32 reference on the same
+    values before rounding. Errors seen: outputs ~1e-3, gradients <= 5e-3 on magnitudes up to 7."""
+    options = {"h": 4, "proj_dim": 2} if name == "neural" else {"h": 4}
+    ref_out, ref_grads = run(
+        make_scorer(name, 2, 1, **options), "reference", *attention_case(2, 1, 7, 7, "left_padded"), True
+    )
+    half = make_scorer(name, 2, 1, dtype=torch.float16, **options)  # the same parameters, rounded to fp16
+    case16 = attention_case(2, 1, 7, 7, "left_padded", dtype=torch.float16)  # the same inputs, rounded
+    out, grads = run(half, "triton", *case16, True)
+    assert len(triton_calls) == 1 and out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), ref_out, rtol=0, atol=5e-3)
+    for index, (grad, ref_grad) in enumerate(zip(grads, ref_grads)):
+        assert (grad is None) == (ref_grad is None), index
+        if grad is not None:
+            assert grad.dtype == torch.float16, index
+            torch.testing.assert_close(grad.float(), ref_grad, rtol=1e-2, atol=1e-2, msg=lambda m, i=index: f"{i}: {m}")
+
+
+@needs_triton
+@pytest.mark.parametrize("scorer_name", ["qana", "neural"])
+def test_patched_llama_matches_reference(interpreter, triton_calls, scorer_name):
+    """A whole model (2 layers, 4 query heads on 2 key/value heads): logits and every parameter's gradient."""
+    models = {impl: FACTORIES["llama"]() for impl in ("reference", "triton")}
+    inputs = model_inputs("llama", seq=6)
+    results = {}
+    for impl, model in models.items():
+        hf_neural_attn.patch_model(model, scorer_name, impl=impl)
+        perturb_scorers(model)
+        model.train()
+        out = model(**inputs, labels=inputs["input_ids"])
+        out.loss.backward()
+        results[impl] = out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+    assert len(triton_calls) == 2  # one per layer
+    (ref_logits, ref_grads), (logits, grads) = results["reference"], results["triton"]
+    torch.testing.assert_close(logits, ref_logits, **TOLERANCE)
+    for name, ref_grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref_grad, **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# --- choosing the path ----------------------------------------------------------------------------------
+
+
+def resolve(scorer, impl, device="cpu", dtype=torch.float32, q_len=8, kv_len=8, **kwargs):
+    return resolve_impl(
+        impl, scorer, device=device, dtype=dtype, q_len=q_len, kv_len=kv_len, head_dim=D, is_causal=True, **kwargs
+    )
+
+
+@pytest.mark.parametrize("name", ["qana", "neural"])
+def test_auto_picks_chunked_off_cuda_and_triton_on_cuda(monkeypatch, name):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    scorer = make_scorer(name, 2, 1)
+    assert resolve(scorer, "auto", device="cpu") == "chunked"
+    assert resolve(scorer, "auto", device="cpu", q_len=4096, kv_len=4096) == "chunked"
+    expected = "triton" if HAS_TRITON else "chunked"
+    assert resolve(scorer, "auto", device="cuda") == expected
+    assert resolve(scorer, "auto", device=torch.device("cuda", 1), dtype=torch.bfloat16) == expected
+    # Calls that need the probabilities or dropout go to the reference path, whatever impl says.
+    for impl in ("auto", "triton", "chunked"):
+        assert resolve(scorer, impl, device="cuda", need_weights=True) == "reference"
+        assert resolve(scorer, impl, device="cuda", dropout_active=True) == "reference"
+    assert resolve(scorer, "reference", device="cuda") == "reference"
+    assert resolve(scorer, "chunked", device="cuda") == "chunked"
+    with pytest.raises(ValueError, match="impl='fused' is not supported"):
+        resolve(scorer, "fused")
+
+
+def test_auto_runs_the_chunked_path_on_cpu(monkeypatch):
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args[2].shape)  # the keys it was given: repeated to the query heads
+        return chunked_attention(*args, **kwargs)
+
+    monkeypatch.setitem(ops.IMPLEMENTATIONS, "chunked", spy)
+    scorer = make_scorer("neural", 2, 1, impl="auto")
+    _, query, key, value, mask, _ = attention_case(2, 1, 5, 5, "causal")
+    output, probs = scored_attention(scorer, query, key, value, mask, scaling=D**-0.5, is_causal=True)
+    assert calls == [(2, 2, 5, D)] and output.shape == (2, 5, 2, D) and probs is None
+    # Calls that need the probabilities still get them, from the reference path.
+    _, probs = scored_attention(scorer, query, key, value, mask, scaling=D**-0.5, is_causal=True, need_weights=True)
+    assert len(calls) == 1 and probs.shape == (2, 2, 5, 5)
+
+
+@needs_triton
+def test_unsupported_configs_fall_back_under_auto_and_raise_under_triton(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    deep = make_scorer("neural", 2, 1, h=4, depth=2)
+    cases = [
+        (deep, {}, "depth=2"),
+        (make_scorer("qana", 2, 1, h=32), {}, "h=32"),
+        (make_scorer("qana", 2, 1), {"dtype": torch.float64}, "float64"),
+        (make_scorer("qana", 2, 1), {"q_len": 9, "kv_len": 8}, "at least as many keys"),
+        (make_scorer("qana", 2, 1), {"attention_mask": torch.zeros(1, 1, 8, 8, dtype=torch.bool)}, "additive float"),
+        (make_scorer("qana", 2, 1), {"value_head_dim": D + 2}, "one head_dim"),
+    ]
+    for scorer, overrides, message in cases:
+        assert resolve(scorer, "auto", device="cuda", **overrides) == "chunked"
+        with pytest.raises(ValueError, match=message):
+            resolve(scorer, "triton", device="cuda", **overrides)
+    # CPU tensors outside the interpreter: say that the kernels need CUDA.
+    with pytest.raises(ValueError, match="run on CUDA tensors"):
+        resolve(make_scorer("qana", 2, 1), "triton", device="cpu")
+
+
+@needs_triton
+def test_triton_error_reaches_the_caller_through_a_patched_model(interpreter):
+    model = FACTORIES["gpt2"]()
+    hf_neural_attn.patch_model(model, "neural", h=4, depth=2, impl="triton")
+    with pytest.raises(ValueError, match="depth=2.*impl='chunked'"):
+        model(**model_inputs("gpt2"))
+
+
+def test_without_triton_auto_falls_back_and_triton_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(triton_fused, "triton_available", lambda: False)
+    monkeypatch.setattr(ops, "_WARNED", set())
+    scorer = make_scorer("qana", 2, 1)
+    with pytest.warns(UserWarning, match="pip install triton"):
+        assert resolve(scorer, "auto", device="cuda") == "chunked"
+    with pytest.raises(ImportError, match="pip install triton"):
+        resolve(scorer, "triton", device="cuda")
+    hidden, query, key, value, mask, _ = attention_case(2, 1, 4, 4, "causal")
+    scorer.config.impl = "triton"
+    with pytest.raises(ImportError, match="pip install triton"):
+        scored_attention(scorer, query, key, value, mask, scaling=1.0, extras=scorer.query_extras(hidden, None))
+
+
+def test_package_imports_without_triton():
+    """In a fresh interpreter where ``import triton`` fails: the package imports, patches, runs on the
+    default path, and impl='triton' names the missing package."""
+    script = """
+import sys
+sys.modules["triton"] = None  # makes `import triton` raise ImportError
+import torch, hf_neural_attn
+from transformers import GPT2Config, GPT2LMHeadModel
+from hf_neural_attn.ops.triton_fused import triton_available
+assert not triton_available()
+config = GPT2Config(vocab_size=16, n_embd=8, n_layer=1, n_head=2, n_positions=8)
+ids = torch.tensor([[1, 2, 3]])
+for impl in ("auto", "reference", "triton"):
+    model = hf_neural_attn.patch_model(GPT2LMHeadModel(config).eval(), "qana", impl=impl)
+    try:
+        model(ids)
+        print(impl, "ran")
+    except ImportError as error:
+        print(impl, "ImportError", error)
+"""
+    finished = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120)
+    assert finished.returncode == 0, finished.stderr
+    lines = finished.stdout.strip().splitlines()
+    assert lines[:2] == ["auto ran", "reference ran"]
+    assert lines[2].startswith("triton ImportError") and "pip install triton" in lines[2]
+
+
+COMPILE_SCRIPT = """
+import importlib.util, inspect, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+spec = importlib.util.spec_from_file_location("kernels", sys.argv[1])  # not the package: no transformers
+kernels = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(kernels)
+INTS = {"H", "GROUPS", "M", "N", "D", "HID"}
+FP32 = {"ROW_MAX", "ROW_SUM", "DELTA", "DGATE_PARTIAL", "DWO_PARTIAL", "GATE", "WO", "QV", "QB", "QC", "MASK"}
+for kind, (block_m, block_n, warps) in ((0, (64, 32, 8)), (1, (64, 32, 8))):
+    for fn in (kernels._forward_kernel, kernels._backward_query_kernel, kernels._backward_key_kernel):
+        constexprs = dict(KIND=kind, ACT=0, HAS_MASK=True, IS_CAUSAL=True, BLOCK_M=block_m, BLOCK_N=block_n,
+                          BLOCK_D=64, HID_PAD=4, PRECISION="tf32")
+        signature = {}
+        for name in inspect.signature(fn.fn).parameters:
+            if name in constexprs:
+                signature[name] = "constexpr"
+            elif name in INTS or name.islower():
+                signature[name] = "fp32" if name == "scaling" else "i32"
+            else:
+                signature[name] = "*fp32" if name in FP32 else "*bf16"
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        assert compiled.asm["cubin"], fn.__name__
+        print(kind, fn.__name__, "compiled")
+"""
+
+
+@needs_triton
+def test_kernels_compile_for_a_gpu_without_one(tmp_path):
+    """The interpreter runs the kernels as Python; the GPU compiler is stricter (tile shapes, types,
+    constexpr branches). Compiling for sm_90 needs no GPU: Triton ships the compiler and ptxas."""
+    kernels_file = Path(triton_fused.__file__).with_name("triton_kernels.py")
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path)}
+    env.pop("TRITON_INTERPRET", None)
+    finished = subprocess.run(
+        [sys.executable, "-c", COMPILE_SCRIPT, str(kernels_file)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert finished.stdout.count("compiled") == 6
