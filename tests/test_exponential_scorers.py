@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from conftest import VOCAB, tiny_gpt2, tiny_llama
+from test_bert_family import COMMON as BERT_COMMON
 from test_math import F64
 from transformers import BertConfig, BertForMaskedLM
 
@@ -174,18 +175,8 @@ def test_gradcheck(name):
 
 
 def tiny_bert():
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
     torch.manual_seed(0)
-    return BertForMaskedLM(config).eval()
+    return BertForMaskedLM(BertConfig(**BERT_COMMON)).eval()
 
 
 @pytest.mark.parametrize("model_factory", [tiny_llama, tiny_gpt2])

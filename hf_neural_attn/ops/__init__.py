@@ -85,6 +85,26 @@ def resolve_impl(
     return "chunked"
 
 
+def _resolve_call(
+    impl, scorer, query, key, value, attention_mask, is_causal, dropout_active, need_weights=False
+) -> str:
+    """:func:`resolve_impl` for one call's tensors (keys and values with their kv heads, not repeated)."""
+    return resolve_impl(
+        impl,
+        scorer,
+        device=query.device,
+        dtype=query.dtype,
+        q_len=query.shape[-2],
+        kv_len=key.shape[-2],
+        head_dim=query.shape[-1],
+        is_causal=is_causal,
+        attention_mask=attention_mask,
+        value_head_dim=value.shape[-1],
+        need_weights=need_weights,
+        dropout_active=dropout_active,
+    )
+
+
 _WARNED: set[str] = set()
 
 
@@ -109,19 +129,7 @@ def auto_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The path :func:`resolve_impl` picks for ``impl="auto"``, same contract as the others. Keys and
     values may have fewer heads than queries; they are repeated only for the paths that need it."""
-    impl = resolve_impl(
-        "auto",
-        scorer,
-        device=query.device,
-        dtype=query.dtype,
-        q_len=query.shape[-2],
-        kv_len=key.shape[-2],
-        head_dim=query.shape[-1],
-        is_causal=is_causal,
-        attention_mask=attention_mask,
-        value_head_dim=value.shape[-1],
-        dropout_active=training and dropout > 0,
-    )
+    impl = _resolve_call("auto", scorer, query, key, value, attention_mask, is_causal, training and dropout > 0)
     if impl != "triton":
         groups = query.shape[1] // key.shape[1]
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
@@ -201,19 +209,8 @@ def scored_attention(
             need_weights=need_weights,
         )
         return output.transpose(1, 2).contiguous(), weights
-    impl = resolve_impl(
-        scorer.config.impl,
-        scorer,
-        device=query.device,
-        dtype=query.dtype,
-        q_len=query.shape[-2],
-        kv_len=key.shape[-2],
-        head_dim=query.shape[-1],
-        is_causal=is_causal,
-        attention_mask=attention_mask,
-        value_head_dim=value.shape[-1],
-        need_weights=need_weights,
-        dropout_active=training and dropout > 0,
+    impl = _resolve_call(
+        scorer.config.impl, scorer, query, key, value, attention_mask, is_causal, training and dropout > 0, need_weights
     )
     if impl != "triton":  # the Triton kernels read kv head (head // groups) themselves
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
