@@ -66,13 +66,15 @@ def test_circledast_identity_is_a_left_identity_only_when_rows_cover_columns():
     assert torch.equal(left[:, 4:], torch.zeros(4, 2, dtype=F64))
 
 
-def test_hadamard_algebra_has_the_all_ones_identity_not_I():
-    a, b, c = (random(4, 6, seed=s) for s in range(3))
-    torch.testing.assert_close((a * b) * c, a * (b * c))
-    ones, eye = torch.ones(4, 6, dtype=F64), torch.eye(4, 6, dtype=F64)
-    assert torch.equal(ones * a, a) and torch.equal(a * ones, a)
-    # The paper's I is not an identity for ⊙: it keeps only the diagonal, so HEA's series starts at ones.
+def test_the_papers_I_is_no_identity_for_the_hadamard_product():
+    """Why HEA's series starts at the all-ones matrix: with A^0 = I, every power I ⊙ A^k keeps only the
+    diagonal, so the series would attend to nothing but the diagonal."""
+    a, eye = random(4, 6), torch.eye(4, 6, dtype=F64)
     assert torch.equal(eye * a, torch.where(eye.bool(), a, 0.0)) and not torch.allclose(eye * a, a)
+    hea = scorer(HeaScorer, HeaConfig, heads=1, kv_heads=1, terms=3)
+    zeros = torch.zeros(1, 1, 3, 4, dtype=F64)
+    weights = hea.weights(zeros, zeros, None, 0.5)  # A = 0: only the A^0 term remains
+    assert torch.equal(weights, torch.ones(1, 1, 3, 3, dtype=F64))
 
 
 @pytest.mark.parametrize("terms", [1, 2, 3, 6])

@@ -34,7 +34,7 @@ def resolve_impl(
     need_weights: bool = False,
     dropout_active: bool = False,
 ) -> str:
-    """The path (a key of ``IMPLEMENTATIONS`` other than ``"auto"``) that serves one call.
+    """The path (a key of ``IMPLEMENTATIONS``) that serves one call.
 
     * Calls that need the probabilities or attention dropout go to ``"reference"``, the only path that
       materialises them, whatever ``impl`` says.
@@ -54,8 +54,8 @@ def resolve_impl(
     """
     if need_weights or dropout_active:
         return "reference"
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"impl={impl!r} is not supported; choose one of {sorted(IMPLEMENTATIONS)}.")
+    if impl not in IMPL_OPTIONS:
+        raise ValueError(f"impl={impl!r} is not supported; choose one of {sorted(IMPL_OPTIONS)}.")
     if impl not in ("auto", "triton"):
         return impl
     on_cuda = torch.device(device).type == "cuda"
@@ -114,47 +114,14 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-def auto_attention(
-    scorer,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    *,
-    scaling: float,
-    dropout: float,
-    training: bool,
-    extras: Any,
-    is_causal: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The path :func:`resolve_impl` picks for ``impl="auto"``, same contract as the others. Keys and
-    values may have fewer heads than queries; they are repeated only for the paths that need it."""
-    impl = _resolve_call("auto", scorer, query, key, value, attention_mask, is_causal, training and dropout > 0)
-    if impl != "triton":
-        groups = query.shape[1] // key.shape[1]
-        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    return IMPLEMENTATIONS[impl](
-        scorer,
-        query,
-        key,
-        value,
-        attention_mask,
-        scaling=scaling,
-        dropout=dropout,
-        training=training,
-        extras=extras,
-        is_causal=is_causal,
-    )
-
-
 IMPLEMENTATIONS = {
     "reference": reference_attention,
     "chunked": chunked_attention,
     # Fused kernels (CUDA, or CPU under TRITON_INTERPRET=1); keys and values keep their kv heads.
     "triton": triton_attention,
-    # Triton where it can run, chunked elsewhere: see resolve_impl.
-    "auto": auto_attention,
 }
+# What the ``impl`` option accepts: a path, or "auto", which resolve_impl turns into one per call.
+IMPL_OPTIONS = ("auto", *IMPLEMENTATIONS)
 
 
 def repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import IMPLEMENTATIONS
+from ..ops import IMPL_OPTIONS
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
@@ -50,7 +50,7 @@ class ScorerConfig:
         self.validate()
 
     def validate(self) -> None:
-        _check_choice("impl", self.impl, IMPLEMENTATIONS)
+        _check_choice("impl", self.impl, IMPL_OPTIONS)
 
     @classmethod
     def option_names(cls) -> list[str]:
