@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from .patching import SCORER_ATTR, is_patched
+from .attention import SCORER_ATTR
+from .patching import is_patched
 
 
 def peft_modules_to_save(model: nn.Module) -> list[str]:

@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from .families import find_attention
-from .patching import RECORD_KEY, SCORER_ATTR, is_patched, unpatch_model
+from .attention import SCORER_ATTR
+from .patching import RECORD_KEY, is_patched, unpatch_model
 
 # Layout of the attention-map figure, in inches at ``dpi``: the image is
 # (panel_size * heads + MAP_EXTRA_WIDTH) x (panel_size * rows + MAP_EXTRA_HEIGHT) inches.

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from conftest import FACTORIES, logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
+from helpers import FACTORIES, logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
 from safetensors.torch import load_file, save_file
 
 import hf_neural_attn

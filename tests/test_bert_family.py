@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import VOCAB, perturb_scorers
+from helpers import VOCAB, perturb_scorers
 from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
 
 import hf_neural_attn

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import FACTORIES, logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
+from helpers import FACTORIES, logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
 from huggingface_hub import ModelCard, ModelCardData
 from safetensors.torch import load_file, save_file
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import FACTORIES, logits, model_inputs, tiny_gpt2, tiny_llama
+from helpers import FACTORIES, logits, model_inputs, tiny_gpt2, tiny_llama
 from transformers import ResNetConfig, ResNetForImageClassification
 
 import hf_neural_attn

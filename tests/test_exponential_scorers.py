@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_gpt2, tiny_llama
+from helpers import VOCAB, tiny_gpt2, tiny_llama
 from test_bert_family import COMMON as BERT_COMMON
 from test_math import F64
 from transformers import BertConfig, BertForMaskedLM

@@ -2,7 +2,7 @@
 gives back the original model exactly."""
 
 import torch
-from conftest import FACTORIES, logits, model_inputs, perturb_scorers
+from helpers import FACTORIES, logits, model_inputs, perturb_scorers
 
 import hf_neural_attn
 

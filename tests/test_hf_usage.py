@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import FACTORIES, logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_vit
+from helpers import FACTORIES, logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_vit
 
 import hf_neural_attn
 

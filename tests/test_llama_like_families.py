@@ -4,8 +4,8 @@ import copy
 
 import pytest
 import torch
-from conftest import TINY_DECODER as COMMON
-from conftest import VOCAB, perturb_scorers
+from helpers import TINY_DECODER as COMMON
+from helpers import VOCAB, perturb_scorers
 from transformers import (
     GemmaConfig,
     GemmaForCausalLM,

@@ -12,14 +12,14 @@ import types
 import pytest
 import torch
 import transformers as tf
-from conftest import TINY_DECODER as COMMON
-from conftest import VOCAB, perturb_scorers
+from helpers import TINY_DECODER as COMMON
+from helpers import VOCAB, perturb_scorers
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.olmo.modeling_olmo import OlmoAttention, apply_rotary_pos_emb, eager_attention_forward
 
 import hf_neural_attn
 from hf_neural_attn.families import FAMILIES, UnsupportedAttentionError
-from hf_neural_attn.patching import FALLBACK_ATTR
+from hf_neural_attn.attention import FALLBACK_ATTR
 
 HEAD_DIM = {"head_dim": 8}  # configs whose default head_dim is not hidden_size / heads
 

@@ -3,7 +3,7 @@ formulas written out in float64, gradients, checkpoints."""
 
 import pytest
 import torch
-from conftest import FACTORIES, logits, model_inputs, perturb_scorers
+from helpers import FACTORIES, logits, model_inputs, perturb_scorers
 from test_math import F64, HEADS, D, causal_gradcheck, geometry, randomise
 
 import hf_neural_attn

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import FACTORIES, logits, model_inputs, perturb_scorers
+from helpers import FACTORIES, logits, model_inputs, perturb_scorers
 from test_math import F64, HEADS, HIDDEN, KV_HEADS, D, causal_gradcheck, geometry, randomise
 
 import hf_neural_attn

@@ -15,13 +15,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import VOCAB, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_vit
+from helpers import VOCAB, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_vit
 from PIL import Image
 
 import hf_neural_attn
 from hf_neural_attn import plotting
 
-HEADS = 4  # every tiny model of conftest has 4 query heads
+HEADS = 4  # every tiny model of helpers.py has 4 query heads
 
 
 def snapshot(model) -> dict:

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from conftest import FACTORIES, VOCAB, perturb_scorers
+from helpers import FACTORIES, VOCAB, perturb_scorers
 
 import hf_neural_attn
 from hf_neural_attn.families.llama import LlamaFamily
-from hf_neural_attn.patching import hf_neural_attention_forward
+from hf_neural_attn.attention import hf_neural_attention_forward
 
 CAUSAL = ["llama", "gpt2"]
 # Agreement between two fp32 computations of the same logits through different summation orders

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import FACTORIES, logits, model_inputs
+from helpers import FACTORIES, logits, model_inputs
 
 import hf_neural_attn
 

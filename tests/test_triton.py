@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FACTORIES, model_inputs, perturb_scorers
+from helpers import FACTORIES, model_inputs, perturb_scorers
 from test_math import geometry, randomise
 
 import hf_neural_attn
