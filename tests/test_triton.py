@@ -22,8 +22,10 @@ from test_math import geometry, randomise
 
 import hf_neural_attn
 from hf_neural_attn import ops
-from hf_neural_attn.ops import resolve_impl, scored_attention, triton_fused
+from hf_neural_attn.ops import resolve_impl, scored_attention
+from hf_neural_attn.ops import triton as ops_triton
 from hf_neural_attn.ops.chunked import chunked_attention
+from hf_neural_attn.ops.triton import fused
 from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -44,16 +46,16 @@ def interpreter(monkeypatch):
     variable been set before Python started (running ``TRITON_INTERPRET=1 pytest`` needs no routing).
     """
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(triton_fused, "BLOCK_SIZES", (4, 4))
+    monkeypatch.setattr(fused, "BLOCK_SIZES", (4, 4))
     # Backward tiles differ from forward ones, as on a GPU: row statistics must not depend on the tiling.
-    monkeypatch.setattr(triton_fused, "BACKWARD_BLOCK_SIZES", (8, 4))
+    monkeypatch.setattr(fused, "BACKWARD_BLOCK_SIZES", (8, 4))
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    import hf_neural_attn.ops.triton_kernels as kernels
+    import hf_neural_attn.ops.triton.common as kernels
 
-    if not isinstance(kernels._forward_kernel, InterpretedFunction):
+    if not isinstance(kernels.forward_kernel, InterpretedFunction):
         pytest.skip("the Triton kernels were imported without TRITON_INTERPRET=1 in this process")
     if isinstance(tl.zeros, JITFunction):
         interpreted = {}
@@ -73,7 +75,7 @@ def triton_calls(monkeypatch):
 
     def spy(*args, **kwargs):
         calls.append(args[1].shape)
-        return triton_fused.triton_attention(*args, **kwargs)
+        return ops_triton.triton_attention(*args, **kwargs)
 
     monkeypatch.setitem(ops.IMPLEMENTATIONS, "triton", spy)
     return calls
@@ -286,7 +288,7 @@ def test_triton_error_reaches_the_caller_through_a_patched_model(interpreter):
 
 
 def test_without_triton_auto_falls_back_and_triton_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(triton_fused, "triton_available", lambda: False)
+    monkeypatch.setattr(ops_triton, "triton_available", lambda: False)
     monkeypatch.setattr(ops, "_WARNED", set())
     scorer = make_scorer("qana", 2, 1)
     with pytest.warns(UserWarning, match="pip install triton"):
@@ -299,6 +301,54 @@ def test_without_triton_auto_falls_back_and_triton_says_how_to_install(monkeypat
         scored_attention(scorer, query, key, value, mask, scaling=1.0, extras=scorer.query_extras(hidden, None))
 
 
+def test_check_impl_names_what_triton_is_missing(monkeypatch):
+    """``check_impl`` (called at patch time) raises ValueError naming the missing piece: the package, a CUDA
+    device, or the interpreter; it accepts what can run and every other path."""
+    monkeypatch.setattr(ops_triton, "triton_available", lambda: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for impl in ("reference", "chunked", "auto"):
+        ops.check_impl(impl)
+        ops.check_impl(impl, torch.device("cpu"))
+    with pytest.raises(ValueError, match="needs a CUDA device.*TRITON_INTERPRET=1"):
+        ops.check_impl("triton")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        ops.check_impl("triton", torch.device("cuda"))
+    with pytest.raises(ValueError, match="on 'cpu'.*TRITON_INTERPRET=1.*not enabled"):
+        ops.check_impl("triton", torch.device("cpu"))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ops.check_impl("triton")
+    ops.check_impl("triton", torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="on 'cpu'"):
+        ops.check_impl("triton", torch.device("cpu"))  # CUDA exists, but these tensors are not on it
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ops.check_impl("triton")
+    ops.check_impl("triton", torch.device("cpu"))
+
+    monkeypatch.setattr(ops_triton, "triton_available", lambda: False)
+    with pytest.raises(ValueError, match="needs the triton package.*pip install triton"):
+        ops.check_impl("triton")
+    ops.check_impl("auto")  # falls back to the chunked path instead
+
+
+def test_kernel_layer_imports_no_scorer():
+    """ops/triton sees tensors only: scorers reach it through fused_unsupported_reason / fused_inputs."""
+    import ast
+
+    for path in Path(ops_triton.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            assert not any("scorers" in name for name in names), f"{path.name} imports {names}"
+
+
 def test_package_imports_without_triton():
     """In a fresh interpreter where ``import triton`` fails: the package imports, patches, runs on the
     default path, and impl='triton' names the missing package."""
@@ -307,7 +357,7 @@ import sys
 sys.modules["triton"] = None  # makes `import triton` raise ImportError
 import torch, hf_neural_attn
 from transformers import GPT2Config, GPT2LMHeadModel
-from hf_neural_attn.ops.triton_fused import triton_available
+from hf_neural_attn.ops.triton import triton_available
 assert not triton_available()
 config = GPT2Config(vocab_size=16, n_embd=8, n_layer=1, n_head=2, n_positions=8)
 ids = torch.tensor([[1, 2, 3]])
@@ -318,33 +368,47 @@ for impl in ("auto", "reference", "triton"):
         print(impl, "ran")
     except ImportError as error:
         print(impl, "ImportError", error)
+from hf_neural_attn.ops import check_impl
+try:
+    check_impl("triton")
+except ValueError as error:
+    print("check_impl ValueError", error)
 """
     finished = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120)
     assert finished.returncode == 0, finished.stderr
     lines = finished.stdout.strip().splitlines()
     assert lines[:2] == ["auto ran", "reference ran"]
     assert lines[2].startswith("triton ImportError") and "pip install triton" in lines[2]
+    assert lines[3].startswith("check_impl ValueError") and "pip install triton" in lines[3]
 
 
 COMPILE_SCRIPT = """
-import importlib.util, inspect, sys
+import importlib, importlib.util, inspect, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-spec = importlib.util.spec_from_file_location("kernels", sys.argv[1])  # not the package: no transformers
-kernels = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(kernels)
+# The kernel folder as a package of its own, not through hf_neural_attn: no transformers.
+spec = importlib.util.spec_from_file_location(
+    "fused_kernels", sys.argv[1] + "/__init__.py", submodule_search_locations=[sys.argv[1]]
+)
+package = importlib.util.module_from_spec(spec)
+sys.modules["fused_kernels"] = package
+spec.loader.exec_module(package)
+kernels = importlib.import_module("fused_kernels.common")
 INTS = {"H", "GROUPS", "M", "N", "D", "HID"}
+STRIDES = {"sq": 4, "sk": 4, "sv": 4, "sm": 4, "su": 5, "sx": 4, "sb": 4, "sc": 3, "sp": 4, "sr": 4}
 FP32 = {"ROW_MAX", "ROW_SUM", "DELTA", "DGATE_PARTIAL", "DWO_PARTIAL", "GATE", "WO", "QV", "QB", "QC", "MASK"}
 for kind, (block_m, block_n, warps) in ((0, (64, 32, 8)), (1, (64, 32, 8))):
-    for fn in (kernels._forward_kernel, kernels._backward_query_kernel, kernels._backward_key_kernel):
+    for fn in (kernels.forward_kernel, kernels.backward_query_kernel, kernels.backward_key_kernel):
         constexprs = dict(KIND=kind, ACT=0, HAS_MASK=True, IS_CAUSAL=True, BLOCK_M=block_m, BLOCK_N=block_n,
                           BLOCK_D=64, HID_PAD=4, PRECISION="tf32")
         signature = {}
         for name in inspect.signature(fn.fn).parameters:
             if name in constexprs:
                 signature[name] = "constexpr"
+            elif name in STRIDES:
+                signature[name] = ("i32",) * STRIDES[name]
             elif name in INTS or name.islower():
                 signature[name] = "fp32" if name == "scaling" else "i32"
             else:
@@ -360,11 +424,11 @@ for kind, (block_m, block_n, warps) in ((0, (64, 32, 8)), (1, (64, 32, 8))):
 def test_kernels_compile_for_a_gpu_without_one(tmp_path):
     """The interpreter runs the kernels as Python; the GPU compiler is stricter (tile shapes, types,
     constexpr branches). Compiling for sm_90 needs no GPU: Triton ships the compiler and ptxas."""
-    kernels_file = Path(triton_fused.__file__).with_name("triton_kernels.py")
+    kernels_folder = Path(ops_triton.__file__).parent
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path)}
     env.pop("TRITON_INTERPRET", None)
     finished = subprocess.run(
-        [sys.executable, "-c", COMPILE_SCRIPT, str(kernels_file)],
+        [sys.executable, "-c", COMPILE_SCRIPT, str(kernels_folder)],
         check=False,
         capture_output=True,
         text=True,

@@ -16,7 +16,16 @@ import torch
 
 from .chunked import chunked_attention
 from .reference import reference_attention
-from .triton_fused import TRITON_INSTALL_HINT, triton_attention, triton_unsupported_reason
+from .triton import TRITON_INSTALL_HINT, check_triton, triton_attention, triton_unsupported_reason
+
+
+def check_impl(impl: str, device: torch.device | None = None) -> None:
+    """Raise ``ValueError`` when ``impl`` cannot run here, naming what is missing: for ``"triton"`` the
+    triton package, or a CUDA device (``device`` None: any; else that one) unless Triton's CPU interpreter
+    is enabled (``TRITON_INTERPRET=1``). Other paths run anywhere. For ``patch_model``, so that a bad
+    ``impl`` fails at patch time rather than at the first forward."""
+    if impl == "triton":
+        check_triton(device)
 
 
 def resolve_impl(
@@ -39,7 +48,7 @@ def resolve_impl(
     * Calls that need the probabilities or attention dropout go to ``"reference"``, the only path that
       materialises them, whatever ``impl`` says.
     * ``"auto"``: ``"triton"`` for CUDA tensors when triton is installed and the kernels support the scorer
-      and inputs (see :func:`~hf_neural_attn.ops.triton_fused.triton_unsupported_reason`), otherwise
+      and inputs (see :func:`~hf_neural_attn.ops.triton.triton_unsupported_reason`), otherwise
       ``"chunked"``. Off CUDA that is ``"chunked"`` at every length: in docs/benchmarks.md (2-core CPU,
       batch 1) the reference path was faster below ~1024 tokens for QANA, but not for Neural Attention,
       where chunked was as fast or faster at every length measured; those are single runs on a machine

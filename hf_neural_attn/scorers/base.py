@@ -212,3 +212,14 @@ class Scorer(nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.config.to_dict().items())
+
+    def fused_unsupported_reason(self) -> str | None:
+        """Why this scorer's configuration cannot run on the fused Triton kernels (``impl="triton"``), or
+        None if it can; scorers with a fused form override this and :meth:`fused_inputs`."""
+        return f"scorer {self.name!r} has no Triton kernel (only 'qana' and 'neural' do); use impl='chunked'"
+
+    def fused_inputs(self, query: torch.Tensor, key: torch.Tensor, extras: Any):
+        """What the fused kernels need for one call: a :class:`hf_neural_attn.ops.triton.FusedInputs` of
+        plain tensors and static values. ``key`` has its kv heads (not repeated for grouped-query
+        attention). Called only when :meth:`fused_unsupported_reason` returned None."""
+        raise NotImplementedError(f"scorer {self.name!r} has no fused form")

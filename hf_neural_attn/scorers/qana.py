@@ -122,3 +122,17 @@ class QanaScorer(Scorer):
         hidden = torch.einsum("bnlqd,bnkd->bnqkl", extras.U, key) + extras.b.unsqueeze(-2)
         mlp = torch.einsum("bnqkl,bnql->bnqk", self.act(hidden), extras.V) + extras.c
         return dot + self.gate.view(1, -1, 1, 1) * mlp
+
+    def fused_unsupported_reason(self) -> str | None:
+        from ..ops.triton import mlp_unsupported_reason
+
+        return mlp_unsupported_reason(self.config.activation, self.config.h)
+
+    def fused_inputs(self, query, key, extras: QanaQueryParts):
+        """The query-network term: the query slices U, V, b, c and the gate (the kernels read the keys)."""
+        from ..ops.triton import FusedInputs
+
+        if extras is None:
+            raise ValueError("QANA needs its query slices (extras): call scorer.query_extras first.")
+        U, V, b, c = extras
+        return FusedInputs("qana", (U, V, b, c, self.gate), self.config.activation, U.shape[2])

@@ -1,20 +1,17 @@
-"""Fused Triton attention for QANA and Neural Attention (depth 1): the ``impl="triton"`` path.
+"""The torch side of the fused kernels: what they accept, one ``torch.autograd.Function``, the launches.
 
-This module imports without triton. It checks whether the fused kernels can serve a call
-(:func:`triton_unsupported_reason`, which ``impl="auto"`` uses to fall back to the chunked path), and
-wraps the kernels of :mod:`hf_neural_attn.ops.triton_kernels` in one ``torch.autograd.Function``, which
-imports them only when it runs.
+This module imports without triton; it imports the kernels of :mod:`.common` only when one is about to
+run. It sees tensors and a few static values (:class:`FusedInputs`), never a scorer.
 
-What the kernels take and return:
+What the kernels take and return, by score term (``FusedInputs.term``):
 
-* QANA: q, k, v, the query slices U (batch, heads, h, q_len, head_dim), V, b (batch, heads, q_len, h),
-  c (batch, heads, q_len, 1) and the gate (heads,). Backward returns the gradients of all of them; torch
-  autograd carries those of U, V, b, c back to ``query_extension``.
-* Neural Attention: q, k, v, and the first layer split into its query and key halves, computed here by
-  torch once per query and once per key: P = pair_query(q') (batch, heads, q_len, h) and
-  R = pair_key(k') (batch, kv_heads, kv_len, h), from the keys *before* they are repeated for
-  grouped-query attention. Plus the output weights w (h,) and the gate. Deeper MLPs (``depth > 1``) act
-  on each pair's h-wide vector and are not fused: those configs use the chunked path.
+* ``"qana"`` (query network): the query slices U (batch, heads, h, q_len, head_dim), V, b
+  (batch, heads, q_len, h), c (batch, heads, q_len, 1) and the gate (heads,). Backward returns the
+  gradients of all of them; torch autograd carries those of U, V, b, c back to whatever produced them.
+* ``"neural"`` (pair MLP): the first layer split into its query and key halves, P (batch, heads, q_len, h)
+  and R (batch, kv_heads, kv_len, h) (from the keys *before* they are repeated for grouped-query
+  attention), the output weights w (h,) and the gate (heads,), or None for the replace form
+  ``scaling * mlp``.
 
 Keys and values may have fewer heads than queries (grouped-query attention): head ``i`` reads key/value
 head ``i // groups``, nothing is repeated.
@@ -29,11 +26,8 @@ either path.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -50,28 +44,40 @@ MAX_HEAD_DIM = 256
 BLOCK_SIZES: tuple[int, int] | None = None
 BACKWARD_BLOCK_SIZES: tuple[int, int] | None = None
 
-TRITON_INSTALL_HINT = "impl='triton' needs the triton package, which is not installed: pip install triton"
+# The kernels' KIND codes (see :mod:`.common`).
+QANA, NEURAL_RESIDUAL, NEURAL_REPLACE = 0, 1, 2
+TERMS = ("qana", "neural")
 
 
-@functools.lru_cache(maxsize=1)
-def triton_available() -> bool:
-    """Whether ``import triton`` works (cached: importing it is not free)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+@dataclass(frozen=True)
+class FusedInputs:
+    """What a scorer hands the fused kernels for one call.
+
+    Attributes:
+        term: the score term the kernels add to (or, for ``"neural"`` without a gate, use instead of) the
+            scaled dot product: ``"qana"`` or ``"neural"``; see the module doc for its tensors.
+        tensors: the term's tensors, in the order the module doc lists them.
+        activation: the hidden layer's nonlinearity, one of ``SUPPORTED_ACTIVATIONS``.
+        hidden: the number of hidden units h.
+    """
+
+    term: str
+    tensors: tuple[torch.Tensor | None, ...]
+    activation: str
+    hidden: int
 
 
-def triton_interpreting() -> bool:
-    """Whether ``TRITON_INTERPRET`` asks Triton to run kernels in its CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")
+def mlp_unsupported_reason(activation: str, hidden: int) -> str | None:
+    """Why a hidden layer of ``hidden`` units with ``activation`` cannot be fused, or None."""
+    if activation not in SUPPORTED_ACTIVATIONS:
+        return f"activation={activation!r} has no Triton kernel (supported: {list(SUPPORTED_ACTIVATIONS)})"
+    if hidden > MAX_HIDDEN:
+        return f"h={hidden} hidden units do not fit one tile (at most {MAX_HIDDEN}); use impl='chunked'"
+    return None
 
 
-def triton_unsupported_reason(
-    scorer,
+def inputs_unsupported_reason(
     *,
-    device: torch.device | str,
     dtype: torch.dtype,
     q_len: int,
     kv_len: int,
@@ -80,31 +86,7 @@ def triton_unsupported_reason(
     attention_mask: torch.Tensor | None = None,
     value_head_dim: int | None = None,
 ) -> str | None:
-    """Why the fused kernels cannot serve this call, or None if they can.
-
-    The checks need only shapes, dtypes and the device, so ``impl="auto"`` can decide before any work.
-    """
-    if not triton_available():
-        return TRITON_INSTALL_HINT
-    device = torch.device(device)
-    if device.type != "cuda" and not triton_interpreting():
-        return (
-            f"the Triton kernels run on CUDA tensors, these are on {device.type!r}; use impl='auto' or "
-            "impl='chunked' (or set TRITON_INTERPRET=1 to run them, slowly, in Triton's CPU interpreter)"
-        )
-    name = getattr(scorer, "name", type(scorer).__name__)
-    if name not in ("qana", "neural"):
-        return f"scorer {name!r} has no Triton kernel (only 'qana' and 'neural' do); use impl='chunked'"
-    config = scorer.config
-    if name == "neural" and config.depth != 1:
-        return (
-            f"the Neural Attention kernel fuses one hidden layer, this scorer has depth={config.depth}; "
-            "use impl='chunked'"
-        )
-    if config.activation not in SUPPORTED_ACTIVATIONS:
-        return f"activation={config.activation!r} has no Triton kernel (supported: {list(SUPPORTED_ACTIVATIONS)})"
-    if config.h > MAX_HIDDEN:
-        return f"h={config.h} hidden units do not fit one tile (at most {MAX_HIDDEN}); use impl='chunked'"
+    """Why the kernels cannot serve a call with these shapes and mask, or None (shapes and dtypes only)."""
     if dtype not in SUPPORTED_DTYPES:
         return f"dtype {dtype} is not supported by the Triton kernels (float32, bfloat16, float16 are)"
     if head_dim > MAX_HEAD_DIM:
@@ -126,20 +108,17 @@ def triton_unsupported_reason(
     return None
 
 
-def triton_attention(
-    scorer,
+def fused_attention(
+    inputs: FusedInputs,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     *,
     scaling: float,
-    dropout: float,
-    training: bool,
-    extras: Any,
     is_causal: bool = False,
-) -> tuple[torch.Tensor, None]:
-    """softmax(scorer.scores(q, k) + mask) @ v with fused kernels.
+) -> torch.Tensor:
+    """softmax(scores + mask) @ v, the scores given by ``inputs``' term, with the fused kernels.
 
     Args:
         query: (batch, heads, q_len, head_dim).
@@ -150,66 +129,34 @@ def triton_attention(
             the tiles it hides entirely and mask after the diagonal themselves.
 
     Returns:
-        output (batch, heads, q_len, head_dim) and None (no probabilities are materialised).
-
-    Raises:
-        ImportError: triton is not installed.
-        ValueError: the kernels cannot serve this scorer or these inputs (the message says why).
+        output (batch, heads, q_len, head_dim). The caller has checked the call with
+        :func:`inputs_unsupported_reason` and :func:`mlp_unsupported_reason`.
     """
-    if training and dropout > 0:
-        raise ValueError("The Triton path applies no attention dropout; use the reference path for it.")
-    _, heads, q_len, head_dim = query.shape
-    kv_heads, kv_len = key.shape[1], key.shape[2]
-    reason = triton_unsupported_reason(
-        scorer,
-        device=query.device,
-        dtype=query.dtype,
-        q_len=q_len,
-        kv_len=kv_len,
-        head_dim=head_dim,
-        is_causal=is_causal,
-        attention_mask=attention_mask,
-        value_head_dim=value.shape[-1],
-    )
-    if reason is not None:
-        if reason == TRITON_INSTALL_HINT:
-            raise ImportError(reason)
-        raise ValueError(f"impl='triton' cannot run this call: {reason}.")
+    heads, kv_heads = query.shape[1], key.shape[1]
     if heads % kv_heads != 0 or value.shape[1] != kv_heads:
         raise ValueError(
             f"query heads ({heads}) must be a multiple of the key/value heads ({kv_heads}, {value.shape[1]})."
         )
+    if inputs.term not in TERMS:
+        raise ValueError(f"the fused kernels have no score term {inputs.term!r} (they have {list(TERMS)})")
     dtype = query.dtype
     # Under autocast everything arrives in the autocast dtype already; otherwise align on the query's.
     key, value = key.to(dtype), value.to(dtype)
-    if scorer.name == "qana":
-        if extras is None:
-            raise ValueError("QANA needs its query slices (extras): call scorer.query_extras first.")
-        U, V, b, c = extras
-        kind, hidden = 0, U.shape[2]
-        tensors = (U.to(dtype), V, b, c, scorer.gate)
+    if inputs.term == "qana":
+        U, V, b, c, gate = inputs.tensors
+        kind = QANA
+        tensors = (U.to(dtype), V, b, c, gate)
     else:
-        hidden = scorer.config.h
-        P, R = _neural_pair_inputs(scorer, query, key)
-        kind = 1 if scorer.gate is not None else 2
-        tensors = (P.to(dtype), R.to(dtype), scorer.output.weight[0], scorer.gate)
-    meta = _Meta(kind, scorer.config.activation, float(scaling), bool(is_causal), hidden)
-    output = _FusedAttention.apply(meta, attention_mask, query, key, value, *tensors)
-    return output, None
-
-
-def _neural_pair_inputs(scorer, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first layer's query half P (batch, heads, q_len, h) and key half R (batch, kv_heads, kv_len, h),
-    b_h included in R. ``key`` is not repeated for grouped-query attention, so R costs kv_heads, not
-    heads, projections."""
-    if scorer.query_down is not None:
-        query, key = scorer.query_down(query), scorer.key_down(key)
-    return scorer.pair_query(query), scorer.pair_key(key)
+        P, R, w, gate = inputs.tensors
+        kind = NEURAL_RESIDUAL if gate is not None else NEURAL_REPLACE
+        tensors = (P.to(dtype), R.to(dtype), w, gate)
+    meta = _Meta(kind, inputs.activation, float(scaling), bool(is_causal), inputs.hidden)
+    return _FusedAttention.apply(meta, attention_mask, query, key, value, *tensors)
 
 
 @dataclass(frozen=True)
 class _Meta:
-    kind: int  # 0 QANA, 1 Neural Attention residual, 2 Neural Attention replace
+    kind: int  # QANA, NEURAL_RESIDUAL or NEURAL_REPLACE
     activation: str
     scaling: float
     is_causal: bool
@@ -247,10 +194,10 @@ def _launch_args(meta: _Meta, mask, q, k, v, tensors, backward: bool):
     """Pointer and stride arguments shared by the three kernels, in their order, plus the constexprs."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    if meta.kind == 0:
+    if meta.kind == QANA:
         U, QV, QB, QC, gate = tensors
         P = R = None
-        w = QV  # any tensor: the QANA kernels never read w
+        w = QV  # any tensor: the query-network kernels never read w
     else:
         P, R, w, gate = tensors
         U = QV = QB = QC = None
@@ -259,9 +206,10 @@ def _launch_args(meta: _Meta, mask, q, k, v, tensors, backward: bool):
     dummy = q
     pointers = [q, k, v, mask, U, QV, QB, QC, P, R, w, gate]
     pointers = [dummy if t is None else t for t in pointers]
+    # One tuple per tensor: sq, sk, sv, sm, su, sx, sb, sc, sp, sr in the kernels.
     strides = (
-        *_strides(q, 4), *_strides(k, 4), *_strides(v, 4), *_strides(mask, 4), *_strides(U, 5),
-        *_strides(QV, 4), *_strides(QB, 4), *_strides(QC, 3), *_strides(P, 4), *_strides(R, 4),
+        _strides(q, 4), _strides(k, 4), _strides(v, 4), _strides(mask, 4), _strides(U, 5),
+        _strides(QV, 4), _strides(QB, 4), _strides(QC, 3), _strides(P, 4), _strides(R, 4),
     )  # fmt: skip
     sizes = (heads, heads // kv_heads, q_len, kv_len, head_dim, meta.hidden, meta.scaling)
     interpreting = q.device.type != "cuda"
@@ -269,7 +217,7 @@ def _launch_args(meta: _Meta, mask, q, k, v, tensors, backward: bool):
     block_m, block_n, num_warps = _block_sizes(hid_pad, q.device, backward)
     block_d = _next_power_of_2(head_dim) if interpreting else max(16, _next_power_of_2(head_dim))
     fp32_products = q.dtype == torch.float32 and (interpreting or not torch.backends.cuda.matmul.allow_tf32)
-    from .triton_kernels import ACTIVATION_CODES
+    from .utils import ACTIVATION_CODES
 
     constexprs = {
         "KIND": meta.kind,
@@ -288,7 +236,7 @@ def _launch_args(meta: _Meta, mask, q, k, v, tensors, backward: bool):
 class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, meta: _Meta, mask, q, k, v, *tensors):
-        from .triton_kernels import _forward_kernel
+        from .common import forward_kernel
 
         pointers, strides, sizes, constexprs, num_warps = _launch_args(meta, mask, q, k, v, tensors, False)
         batch, heads, q_len, head_dim = q.shape
@@ -297,7 +245,7 @@ class _FusedAttention(torch.autograd.Function):
         row_sum = torch.empty_like(row_max)
         grid = (math.ceil(q_len / constexprs["BLOCK_M"]), batch * heads)
         with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-            _forward_kernel[grid](
+            forward_kernel[grid](
                 *pointers, out, row_max, row_sum, *strides, *sizes, **constexprs, num_warps=num_warps, num_stages=2
             )
         ctx.meta = meta
@@ -306,7 +254,7 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from .triton_kernels import _backward_key_kernel, _backward_query_kernel
+        from .common import backward_key_kernel, backward_query_kernel
 
         meta: _Meta = ctx.meta
         mask, q, k, v, out, row_max, row_sum, *tensors = ctx.saved_tensors
@@ -328,33 +276,33 @@ class _FusedAttention(torch.autograd.Function):
         dw_partial = torch.zeros(
             batch * heads * query_blocks, constexprs["HID_PAD"], dtype=torch.float32, device=device
         )
-        if meta.kind == 0:
+        if meta.kind == QANA:
             U, QV, QB, QC, gate = tensors
             dU = torch.empty(batch, heads, hidden, q_len, head_dim, dtype=U.dtype, device=device)
             dQV = torch.empty(batch, heads, q_len, hidden, dtype=QV.dtype, device=device)
             dQB = torch.empty(batch, heads, q_len, hidden, dtype=QB.dtype, device=device)
             dQC = torch.empty(batch, heads, q_len, 1, dtype=QC.dtype, device=device)
-            dP = dR = q  # unused by the QANA kernels
+            dP = dR = q  # unused by the query-network kernels
         else:
             P, R, w, gate = tensors
             dP = torch.empty(batch, heads, q_len, hidden, dtype=P.dtype, device=device)
             dR = torch.empty(batch, kv_heads, kv_len, hidden, dtype=R.dtype, device=device)
-            dU = dQV = dQB = dQC = q  # unused by the Neural Attention kernels
+            dU = dQV = dQB = dQC = q  # unused by the pair-MLP kernels
 
         launch = dict(**constexprs, num_warps=num_warps, num_stages=2)
         with torch.cuda.device(device) if q.is_cuda else contextlib.nullcontext():
-            _backward_query_kernel[(query_blocks, batch * heads)](
+            backward_query_kernel[(query_blocks, batch * heads)](
                 *pointers, *stats, dq, dU, dQV, dQB, dQC, dP, dgate_partial, dw_partial, *strides, *sizes, **launch
             )
-            _backward_key_kernel[(math.ceil(kv_len / block_n), batch * kv_heads)](
+            backward_key_kernel[(math.ceil(kv_len / block_n), batch * kv_heads)](
                 *pointers, *stats, dk, dv, dR, *strides, *sizes, **launch
             )
         # Per-program partial sums, reduced here in a fixed order: deterministic, unlike atomics.
         dgate = None if gate is None else dgate_partial.view(batch, heads, query_blocks).sum((0, 2)).to(gate.dtype)
-        if meta.kind == 0:
+        if meta.kind == QANA:
             grads = (dU, dQV, dQB, dQC, dgate)
         else:
             dw = dw_partial[:, :hidden].sum(0).to(w.dtype)
             grads = (dP, dR, dw, dgate)
-        dq = None if meta.kind == 2 else dq
+        dq = None if meta.kind == NEURAL_REPLACE else dq
         return None, None, dq, dk, dv, *grads
