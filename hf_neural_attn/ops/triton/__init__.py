@@ -93,22 +93,13 @@ def check_triton(device: torch.device | str | None = None) -> None:
         raise ValueError(f"impl='triton' needs a CUDA device, and torch sees none ({hint}); use impl='auto'")
 
 
-def triton_unsupported_reason(
-    scorer,
-    *,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    q_len: int,
-    kv_len: int,
-    head_dim: int,
-    is_causal: bool,
-    attention_mask: torch.Tensor | None = None,
-    value_head_dim: int | None = None,
-) -> str | None:
+def triton_unsupported_reason(scorer, *, device: torch.device | str, **call: Any) -> str | None:
     """Why the fused kernels cannot serve this call, or None if they can.
 
-    The checks need only shapes, dtypes, the device and the scorer's configuration, so ``impl="auto"`` can
-    decide before any work.
+    ``call``: the call's shapes, dtype and mask, the keywords of :func:`.fused.inputs_unsupported_reason`
+    (``dtype``, ``q_len``, ``kv_len``, ``head_dim``, ``is_causal``, ``attention_mask``,
+    ``value_head_dim``). The checks need only those, the device and the scorer's configuration, so
+    ``impl="auto"`` can decide before any work.
     """
     if not triton_available():
         return TRITON_INSTALL_HINT
@@ -118,15 +109,7 @@ def triton_unsupported_reason(
             f"the Triton kernels run on CUDA tensors, these are on {device.type!r}; use impl='auto' or "
             "impl='chunked' (or set TRITON_INTERPRET=1 to run them, slowly, in Triton's CPU interpreter)"
         )
-    return scorer.fused_unsupported_reason() or inputs_unsupported_reason(
-        dtype=dtype,
-        q_len=q_len,
-        kv_len=kv_len,
-        head_dim=head_dim,
-        is_causal=is_causal,
-        attention_mask=attention_mask,
-        value_head_dim=value_head_dim,
-    )
+    return scorer.fused_unsupported_reason() or inputs_unsupported_reason(**call)
 
 
 def triton_attention(
