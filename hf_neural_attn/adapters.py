@@ -30,23 +30,30 @@ from typing import Any
 
 import torch
 import transformers
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
-from transformers import AutoConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.utils import cached_file
 
 from . import __version__
-from .checkpoint import (
-    _FILE_KWARGS,
-    _check_record,
-    _names_on_disk,
-    _quiet_transformers,
-    _report_base_loading,
-    _unreadable_weights_are_errors,
+from .checkpoint_io import (
+    FILE_KWARGS,
+    base_checksum_names,
+    base_checksums,
+    changed_base_tensors,
+    check_model_fits_record,
+    check_record,
+    load_config,
+    load_patched_model,
+    names_on_disk,
+    read_tensors,
+    report_base_loading,
+    scorer_config,
+    unreadable_weights_are_errors,
 )
-from .families import find_attention
-from .patching import RECORD_KEY, is_patched, patch_model, scorer_parameters
+from .patched_config import base_config, read_record
+from .patching import is_patched, scorer_parameters
 
 ADAPTER_CONFIG_NAME = "hf_neural_attn_adapter.json"
 ADAPTER_WEIGHTS_NAME = "hf_neural_attn_adapter.safetensors"
@@ -155,7 +162,7 @@ def find_adapter_config(path_or_repo_id: str | os.PathLike, hf_kwargs: dict[str,
     """The local path of ``path_or_repo_id``'s adapter JSON (downloaded if it is on the Hub), or None when it
     has none or it cannot be looked up; the caller then treats ``path_or_repo_id`` as a full checkpoint, whose
     loading reports an unreachable or unknown repo in transformers' own words."""
-    lookup = {key: hf_kwargs[key] for key in _FILE_KWARGS if key in hf_kwargs}
+    lookup = {key: hf_kwargs[key] for key in FILE_KWARGS if key in hf_kwargs}
     try:
         return cached_file(
             path_or_repo_id,
@@ -173,45 +180,49 @@ def load_adapter_model(
     path_or_repo_id: str | os.PathLike,
     adapter_config_file: str,
     *,
+    model_class=None,
     base_model_name_or_path: str | os.PathLike | None,
     base_model_revision: str | None,
+    impl: str | None = None,
     hf_kwargs: dict[str, Any],
-) -> PreTrainedModel:
-    """The body of :func:`hf_neural_attn.from_pretrained` for an adapter folder or repo."""
+):
+    """The body of :func:`hf_neural_attn.from_pretrained` for an adapter folder or repo (see its arguments)."""
     source = str(path_or_repo_id)
     metadata = _read_adapter_config(adapter_config_file, source)
     record = metadata["patch"]
+    scorer = scorer_config(record, source, ADAPTER_CONFIG_NAME, impl)
     if base_model_name_or_path is not None:
         base, revision = str(base_model_name_or_path), base_model_revision
     else:
         base, revision = metadata["base_model_name_or_path"], base_model_revision or metadata["base_model_revision"]
-    model_class = getattr(transformers, metadata["architectures"][0], None)
+    if model_class is None:
+        model_class = getattr(transformers, metadata["architectures"][0], None)
     if model_class is None:
         raise ValueError(
             f"The adapter {source} was saved from a {metadata['architectures'][0]}, which this version of "
-            f"transformers ({transformers.__version__}) does not have."
+            f"transformers ({transformers.__version__}) does not have; pass model_class=."
         )
 
-    adapter_lookup = {key: hf_kwargs[key] for key in _FILE_KWARGS if key in hf_kwargs}
+    adapter_lookup = {key: hf_kwargs[key] for key in FILE_KWARGS if key in hf_kwargs}
     # Read the tensors before loading the base model, so a broken adapter fails fast.
     weights_file = cached_file(path_or_repo_id, ADAPTER_WEIGHTS_NAME, **adapter_lookup)
-    with _unreadable_weights_are_errors(source), safe_open(weights_file, framework="pt") as weights:
+    with unreadable_weights_are_errors(source), safe_open(weights_file, framework="pt") as weights:
         saved = {name: weights.get_tensor(name) for name in weights.keys()}  # noqa: SIM118 (safe_open is not a dict)
 
     base_kwargs = {key: value for key, value in hf_kwargs.items() if key not in _ADAPTER_ONLY_KWARGS}
     if revision is not None:
         base_kwargs["revision"] = revision
-    if record.get("base_attn_implementation") in ("eager", "sdpa"):
-        base_kwargs.setdefault("attn_implementation", record["base_attn_implementation"])
+    describe = f"The adapter {source}"
+
+    def check_base(model) -> None:
+        check_model_fits_record(model, record, f"{describe} (base model {base!r})")
+
     with _base_model_errors(source, base, revision):
         if os.path.isabs(base) and not os.path.isdir(base):
             raise FileNotFoundError("that folder does not exist on this machine.")
-        config = base_kwargs.pop("config", None)
-        if config is not None:
-            config = copy.deepcopy(config)  # the patch must not change the caller's object
-        else:
-            lookup = {k: base_kwargs[k] for k in (*_FILE_KWARGS, "trust_remote_code") if k in base_kwargs}
-            config = AutoConfig.from_pretrained(base, **lookup)
+        config, loading_kwargs = load_config(base, base_kwargs)
+        # The base may itself be a patched full checkpoint, to load unpatched: its record describes another patch.
+        config = base_config(config)
         # Checked before the model is built: the adapter's class on another model type's config would build a
         # model of that class's default size (billions of parameters for LlamaForCausalLM).
         if metadata.get("model_type") not in (None, config.model_type):
@@ -220,64 +231,39 @@ def load_adapter_model(
                 f"({metadata['architectures'][0]}), but the base model {base!r} is a {config.model_type!r} model; "
                 "check base_model_name_or_path."
             )
-        if getattr(config, RECORD_KEY, None) is not None:
-            # The base is itself a patched full checkpoint, to load unpatched: its record describes another patch.
-            delattr(config, RECORD_KEY)
-        with _unreadable_weights_are_errors(base), _quiet_transformers():
-            model, loading_info = model_class.from_pretrained(
-                base, config=config, output_loading_info=True, **base_kwargs
-            )
-
-    _check_base_fits(model, record, base, source)
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        # The fresh init is overwritten below: keep the caller's RNG stream and skip init warnings.
-        warnings.simplefilter("ignore", UserWarning)
-        patch_model(model, record["scorer"], layers=record["layers"], **record["options"])
-    expected = scorer_parameters(model)
-    disk_names = _names_on_disk(model, expected)
-    all_scorer_names = {name for names in disk_names.values() for name in names}
-    # The base folder may be a patched full checkpoint: its scorer weights are not the base model's concern.
-    _report_base_loading(
-        loading_info,
-        all_scorer_names,
+        model, info = load_patched_model(
+            model_class,
+            base,
+            config,
+            record,
+            scorer,
+            loading_kwargs,
+            lambda names: saved,
+            describe=describe,
+            hint="The adapter was saved from another base model (another size, heads or layers) or is "
+            "incomplete; check base_model_name_or_path.",
+            exact=True,
+            check_base=check_base,
+        )
+    # After the structural checks (family, layers, shapes), which say more; weights the base checkpoint lacks
+    # are reported below as missing, with their own hint.
+    recorded = {k: v for k, v in (metadata["base_checksums"] or {}).items() if k not in set(info["missing_keys"])}
+    changed = changed_base_tensors(model, recorded)
+    if changed:
+        raise ValueError(
+            f"{describe} was saved on base weights other than those of {base!r}"
+            f"{f' at revision {revision!r}' if revision else ''}: {len(changed)} checked base tensor(s) "
+            f"differ, e.g. {changed[:3]}. It would not reproduce the saved model. Load the base it was saved "
+            "on (base_model_name_or_path= / base_model_revision=), or save the full model instead."
+        )
+    report_base_loading(
+        info,
         base,
         missing_hint="The missing weights were initialised at random and are not in the adapter, so outputs differ "
         "from the saved model's; save the full model (model.save_pretrained) when more than the scorers was trained.",
-        stacklevel=4,  # user -> from_pretrained -> load_adapter_model -> _report_base_loading
+        stacklevel=4,  # user -> from_pretrained -> load_adapter_model -> report_base_loading
     )
-
-    tensors, used = {}, set()
-    for name, candidates in disk_names.items():
-        found = next((candidate for candidate in candidates if candidate in saved), None)
-        if found is not None:
-            tensors[name] = saved[found]
-            used.add(found)
-    missing, unused = sorted(set(expected) - set(tensors)), sorted(set(saved) - used)
-    if missing or unused:
-        raise ValueError(
-            f"The adapter {source} does not fit the base model {base!r}: "
-            + "; ".join(
-                f"{label} {len(names)} scorer tensor(s), e.g. {names[:3]}"
-                for label, names in (("the patched base model has no place for", unused), ("it lacks", missing))
-                if names
-            )
-            + ". The adapter was saved from another base model or is incomplete; check base_model_name_or_path."
-        )
-    mismatched = [
-        f"{name}: adapter {tuple(tensors[name].shape)}, base model {tuple(parameter.shape)}"
-        for name, parameter in expected.items()
-        if tensors[name].shape != parameter.shape
-    ]
-    if mismatched:
-        raise ValueError(
-            f"The adapter {source} does not fit the base model {base!r}: {len(mismatched)} scorer tensor(s) have "
-            f"other shapes, e.g. {mismatched[:2]}. It was saved for a base model of another size (hidden size, "
-            "heads); check base_model_name_or_path."
-        )
-    with torch.no_grad():
-        for name, parameter in expected.items():
-            parameter.copy_(tensors[name])
-    return model
+    return (model, info) if hf_kwargs.get("output_loading_info", False) else model
 
 
 # ---------------------------------------------------------------------------------------------- internals
@@ -309,19 +295,53 @@ def _adapter_contents(
     base = _base_model_id(model, base_model_name_or_path)
     if base_model_revision is not None and not isinstance(base_model_revision, str):
         raise TypeError(f"base_model_revision must be a string, got {type(base_model_revision).__name__}.")
+    _warn_if_base_was_trained(model, base, base_model_revision)
     parameters = scorer_parameters(model)
-    disk_name = {name: candidates[0] for name, candidates in _names_on_disk(model, parameters).items()}
+    disk_name = {name: candidates[0] for name, candidates in names_on_disk(model, parameters).items()}
     tensors = {disk_name[name]: parameter.detach().to("cpu").contiguous() for name, parameter in parameters.items()}
     metadata = {
         ADAPTER_FORMAT_KEY: ADAPTER_FORMAT_VERSION,
         "base_model_name_or_path": base,
         "base_model_revision": base_model_revision,
         "architectures": [architecture],
-        "model_type": getattr(model.config, "model_type", None),
-        "patch": copy.deepcopy(getattr(model.config, RECORD_KEY)),
+        "model_type": getattr(base_config(model.config), "model_type", None),
+        "patch": copy.deepcopy(read_record(model.config)),
         "num_parameters": sum(tensor.numel() for tensor in tensors.values()),
+        # What the adapter needs its base to be: loading checks the base against these (see checkpoint_io).
+        "base_checksums": base_checksums(model),
     }
     return metadata, tensors
+
+
+def _warn_if_base_was_trained(model: PreTrainedModel, base: str, revision: str | None) -> None:
+    """Warn when the checked base tensors of ``model`` differ from those at ``base`` (read only when it is a
+    local folder or already in the Hub cache: saving never downloads), since the adapter then cannot reproduce
+    the model."""
+    parameters = dict(model.named_parameters())
+    names = [name for name in base_checksum_names(model) if name in parameters]
+    on_disk = names_on_disk(model, {name: parameters[name] for name in names})
+    lookup = {"local_files_only": True, **({"revision": revision} if revision else {})}
+    try:
+        files = read_tensors(base, {n for candidates in on_disk.values() for n in candidates}, lookup)
+    except (OSError, ValueError, SafetensorError):
+        return  # the base's files are not here to compare with; loading still checks the recorded checksums
+    changed = []
+    for name, candidates in on_disk.items():
+        found = next((files[c] for c in candidates if c in files), None)
+        parameter = parameters[name]
+        if found is not None and (
+            found.shape != parameter.shape or not torch.equal(found.to(parameter.dtype), parameter.detach().cpu())
+        ):
+            changed.append(name)
+    if changed:
+        warnings.warn(
+            f"The base weights of this model differ from those of its base model {base!r} ({len(changed)} checked "
+            f"tensor(s), e.g. {changed[:3]}): more than the scorers was trained, so an adapter cannot reproduce "
+            "it, and hf_neural_attn.from_pretrained will refuse it on that base. Save the full model with "
+            "model.save_pretrained instead.",
+            UserWarning,
+            stacklevel=4,  # user -> save_adapter -> _adapter_contents -> here
+        )
 
 
 def _base_model_id(model: PreTrainedModel, given) -> str:
@@ -362,30 +382,18 @@ def _read_adapter_config(path: str, source: str) -> dict[str, Any]:
             f"{source}/{ADAPTER_CONFIG_NAME}: architectures must name the model class, got {architectures!r}."
         )
     metadata.setdefault("base_model_revision", None)
-    # user -> from_pretrained -> load_adapter_model -> here -> _check_record
-    metadata["patch"] = _check_record(metadata["patch"], source, ADAPTER_CONFIG_NAME, stacklevel=5)
-    return metadata
-
-
-def _check_base_fits(model: nn.Module, record: dict[str, Any], base: str, source: str) -> None:
-    """The base model is of the recorded family and has the recorded layers (shapes are checked later)."""
-    try:
-        family, attention_modules, _ = find_attention(model)
-    except TypeError as error:
-        raise ValueError(f"The adapter {source} cannot apply to the base model {base!r}: {error}") from error
-    if record.get("family") not in (None, family.name):
-        raise ValueError(
-            f"The adapter {source} was saved from a {record['family']!r} model, but the base model {base!r} is a "
-            f"{family.name!r} model; check base_model_name_or_path."
-        )
-    layers = record["layers"]
-    if not isinstance(layers, list) or any(
-        not isinstance(i, int) or not 0 <= i < len(attention_modules) for i in layers
+    checksums = metadata.setdefault("base_checksums", None)  # absent in adapters saved before it was recorded
+    if checksums is not None and not (
+        isinstance(checksums, dict)
+        and all(isinstance(entry, dict) and {"dtype", "sha256"} <= set(entry) for entry in checksums.values())
     ):
         raise ValueError(
-            f"The adapter {source} patches attention layers {layers}, but the base model {base!r} has "
-            f"{len(attention_modules)}; it was saved from another base model (check base_model_name_or_path)."
+            f"{source}/{ADAPTER_CONFIG_NAME} is damaged: base_checksums must map base tensor names to "
+            f"{{'dtype': ..., 'sha256': ...}}, got {checksums!r}."
         )
+    # user -> from_pretrained -> load_adapter_model -> here -> check_record
+    metadata["patch"] = check_record(metadata["patch"], source, ADAPTER_CONFIG_NAME, stacklevel=5)
+    return metadata
 
 
 @contextmanager
@@ -421,6 +429,7 @@ def _model_card(metadata: dict[str, Any], repo_id: str | None) -> str:
         if not os.path.isabs(base):
             validate_repo_id(base)
             card_data.base_model = base  # the Hub links the adapter to its base model
+            card_data.base_model_relation = "adapter"  # ... as an adapter, not a fine-tune of it
     except HFValidationError:
         pass
     where = repo_id or "path/to/this/folder"

@@ -97,14 +97,14 @@ def test_hf_kwargs_reach_the_base_model(tmp_path):
 
 
 def test_weights_the_base_checkpoint_lacks_are_named(tmp_path):
-    from transformers import LlamaForSequenceClassification
+    from transformers import LlamaConfig, LlamaForSequenceClassification
 
     base = save_base(tmp_path / "base")  # a causal LM: no classification head in the checkpoint
     model = LlamaForSequenceClassification.from_pretrained(base, num_labels=3)
     hf_neural_attn.patch_model(model, "qana")
     perturb_scorers(model)
     hf_neural_attn.save_adapter(model, tmp_path / "adapter")
-    config = type(model.config).from_pretrained(base, num_labels=3)
+    config = LlamaConfig.from_pretrained(base, num_labels=3)
     with pytest.warns(UserWarning, match=r"missing: \['score.weight'\].*not in the adapter.*save the full model"):
         loaded = hf_neural_attn.from_pretrained(tmp_path / "adapter", config=config)
     assert not hasattr(config, "hf_neural_attn") and config._attn_implementation is None  # caller's config as it was
@@ -289,7 +289,8 @@ def test_push_and_load_an_adapter_repo_through_the_hub_cache(tmp_path, monkeypat
     metadata = json.loads((pushed / ADAPTER_CONFIG_NAME).read_text())
     assert metadata["base_model_name_or_path"] == "someone/tiny-base"
     card = (pushed / "README.md").read_text()
-    assert "base_model: someone/tiny-base" in card
+    assert "base_model: someone/tiny-base" in card and "base_model_relation: adapter" in card
+    assert "library_name: hf_neural_attn" in card
     assert 'hf_neural_attn.from_pretrained("someone/tiny-qana-adapter")' in card
 
     # Loading by repo id: the adapter and its base model both resolve through the Hub cache.

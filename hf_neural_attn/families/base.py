@@ -80,8 +80,11 @@ def _forward_parameters(module_class: type[nn.Module]) -> list[str]:
     return [name for name in inspect.signature(module_class.forward).parameters if name != "self"]
 
 
-def linear_query_geometry(query_proj: nn.Linear, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionGeometry:
-    """Geometry of an attention module whose queries come from a separate ``nn.Linear``."""
+def linear_query_geometry(
+    query_proj: nn.Linear, num_heads: int, num_kv_heads: int, head_dim: int, *, module: nn.Module | None = None
+) -> AttentionGeometry:
+    """Geometry of an attention module whose queries come from a separate ``nn.Linear``. ``module``, the
+    attention module, lends its config to :func:`query_weight_std` when the weights are on meta."""
     weight = query_proj.weight
     return AttentionGeometry(
         hidden_size=query_proj.in_features,
@@ -89,7 +92,47 @@ def linear_query_geometry(query_proj: nn.Linear, num_heads: int, num_kv_heads: i
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         query_bias=query_proj.bias is not None,
-        query_weight_std=float(weight.detach().float().std()),
+        query_weight_std=query_weight_std(query_proj if module is None else module, weight),
         dtype=weight.dtype,
         device=weight.device,
     )
+
+
+# transformers' own fallback when a config names no initializer_range (PreTrainedModel._init_weights).
+_DEFAULT_INITIALIZER_RANGE = 0.02
+
+
+def query_weight_std(module: nn.Module, weight: torch.Tensor) -> float:
+    """The standard deviation of the query weights ``weight`` (any shape) of ``module`` (the attention module,
+    or the projection holding them), the scale new query-side scorer parameters are drawn at.
+
+    Weights on the meta device have no values. When the model was *built* on meta (``with
+    torch.device("meta")``, accelerate's ``init_empty_weights()``, transformers' loading), this returns the
+    std transformers' init draws W_Q at, the config's ``initializer_range`` (0.02 when the config names none);
+    the scorer's parameters are then created on meta as well and drawn when the model is materialised
+    (``Scorer._apply``). The init stays function-preserving either way: the std only sets the scale of the
+    mirrored pairs, which cancel at any scale.
+
+    Raises:
+        ValueError: the weights are on meta because accelerate offloaded them (its hooks sit on the module or its
+            submodules). Offloaded models are not supported: accelerate loads a module's own tensors only while
+            that module is called, and the attention functions read the scorers' parameters without calling
+            the scorer modules.
+    """
+    if not weight.is_meta:
+        return float(weight.detach().float().std())
+    if any(hasattr(part, "_hf_hook") for part in module.modules()):
+        raise ValueError(
+            f"Cannot patch {type(module).__name__}: its weights are offloaded by accelerate (a device_map with "
+            '"cpu"/"disk" entries next to an accelerator, or "disk" entries; offload_folder; cpu_offload; '
+            "disk_offload), and hf_neural_attn does not support offloaded models: the module holds meta tensors that "
+            "accelerate's hooks fill only while a submodule is called, which the scorers' parameters are not. Load "
+            "the model without offloading (every device_map entry an accelerator, or all \"cpu\"), then patch it. "
+            "The model was not changed."
+        )
+    # Attention modules of transformers models keep their config; a bare projection has none (default std).
+    config = getattr(module, "config", None)
+    std = getattr(config, "initializer_range", None)
+    if std is None and config is not None and hasattr(config, "get_text_config"):
+        std = getattr(config.get_text_config(), "initializer_range", None)
+    return float(std or _DEFAULT_INITIALIZER_RANGE)

@@ -20,7 +20,7 @@ class BertFamily(ModelFamily):
 
     def geometry(self, module):
         heads = module.num_attention_heads
-        return linear_query_geometry(module.query, heads, heads, module.attention_head_size)
+        return linear_query_geometry(module.query, heads, heads, module.attention_head_size, module=module)
 
 
 class RobertaFamily(BertFamily):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 
 from ..scorers import AttentionGeometry
-from .base import ModelFamily
+from .base import ModelFamily, query_weight_std
 
 
 class GPT2Family(ModelFamily):
@@ -33,7 +33,7 @@ class GPT2Family(ModelFamily):
             num_kv_heads=module.num_heads,
             head_dim=module.head_dim,
             query_bias=True,
-            query_weight_std=float(query_weight.detach().float().std()),
+            query_weight_std=query_weight_std(module, query_weight),
             dtype=query_weight.dtype,
             device=query_weight.device,
         )

@@ -17,7 +17,7 @@ class LlamaFamily(ModelFamily):
     def geometry(self, module):
         config = module.config
         return linear_query_geometry(
-            module.q_proj, config.num_attention_heads, config.num_key_value_heads, module.head_dim
+            module.q_proj, config.num_attention_heads, config.num_key_value_heads, module.head_dim, module=module
         )
 
     def rotary(self, module, args, kwargs):

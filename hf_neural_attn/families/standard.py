@@ -41,7 +41,7 @@ from torch import nn
 from transformers import AttentionInterface, PretrainedConfig
 
 from ..scorers import AttentionGeometry
-from .base import ModelFamily, call_argument
+from .base import ModelFamily, call_argument, query_weight_std
 
 PROBE_IMPLEMENTATION = "hf_neural_attn_probe"
 PROBE_TOKENS = 5
@@ -128,7 +128,7 @@ class StandardAttentionFamily(ModelFamily):
             num_kv_heads=kv_heads,
             head_dim=self.head_dim(module),
             query_bias=bias is not None,
-            query_weight_std=float(weight.detach().float().std()),
+            query_weight_std=query_weight_std(module, weight),
             dtype=weight.dtype,
             device=weight.device,
         )

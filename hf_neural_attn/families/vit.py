@@ -13,4 +13,4 @@ class ViTFamily(ModelFamily):
 
     def geometry(self, module):
         heads = module.num_attention_heads
-        return linear_query_geometry(module.q_proj, heads, heads, module.head_dim)
+        return linear_query_geometry(module.q_proj, heads, heads, module.head_dim, module=module)

@@ -37,7 +37,7 @@ class GeneralScorer(Scorer):
                 geometry.num_heads, geometry.head_dim, geometry.head_dim, dtype=geometry.dtype, device=geometry.device
             )
         )
-        self.reset_parameters()
+        self.init_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -99,7 +99,7 @@ class NeuralAttentionScorer(Scorer):
             self.gate = nn.Parameter(torch.empty(geometry.num_heads, **factory))
         else:
             self.register_parameter("gate", None)
-        self.reset_parameters()
+        self.init_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

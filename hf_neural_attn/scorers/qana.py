@@ -74,7 +74,7 @@ class QanaScorer(Scorer):
             device=geometry.device,
         )
         self.gate = nn.Parameter(torch.empty(geometry.num_heads, dtype=geometry.dtype, device=geometry.device))
-        self.reset_parameters()
+        self.init_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

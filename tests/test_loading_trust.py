@@ -1,0 +1,255 @@
+"""Loading never silently gives a different model: from the user's side, build a tiny model from a config, patch,
+save, load, and compare logits, files and errors.
+
+* the compute path (``impl``) is a run-time choice: a checkpoint saved with ``impl="triton"`` loads and runs
+  without CUDA, and ``impl=`` overrides it on load;
+* an adapter records checksums of its base weights: saving one after training the base warns, and loading one
+  on other base weights raises;
+* every damaged field of a patch record is a ``ValueError`` naming the file and the field;
+* ``from_pretrained`` takes what transformers' ``from_pretrained`` takes (config overrides, ``output_loading_info``,
+  ``ignore_mismatched_sizes``, ``dtype``, ``device_map``, ``revision``, ``model_class``);
+* the adapter's model card says how to load it.
+"""
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
+from transformers import LlamaConfig, LlamaForSequenceClassification, LlamaModel
+
+import hf_neural_attn
+from hf_neural_attn.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback on a machine without CUDA")
+
+
+def saved_full(folder: Path, factory=tiny_llama, scorer="qana", **options):
+    model = factory()
+    hf_neural_attn.patch_model(model, scorer, **options)
+    perturb_scorers(model)
+    model.save_pretrained(folder)
+    return model
+
+
+def saved_adapter(tmp_path: Path, factory=tiny_llama, scorer="qana", **options):
+    """A base saved to a folder, loaded from it, patched, its scorers 'trained', saved as an adapter."""
+    base = tmp_path / "base"
+    factory().save_pretrained(base)
+    model = type(factory()).from_pretrained(base).eval()
+    hf_neural_attn.patch_model(model, scorer, **options)
+    perturb_scorers(model)
+    hf_neural_attn.save_adapter(model, tmp_path / "adapter")
+    return model, base, tmp_path / "adapter"
+
+
+def edit_json(path: Path, change) -> None:
+    content = json.loads(path.read_text())
+    change(content)
+    path.write_text(json.dumps(content))
+
+
+# ------------------------------------------------------------------------------------ the compute path (5)
+
+
+@needs_no_cuda
+@pytest.mark.parametrize("kind", ["full", "adapter"])
+def test_a_triton_checkpoint_loads_and_runs_without_cuda(tmp_path, kind):
+    if kind == "full":
+        model = saved_full(tmp_path / "full")
+        folder, record_file, record_of = tmp_path / "full", tmp_path / "full" / "config.json", "hf_neural_attn"
+    else:
+        model, _, folder = saved_adapter(tmp_path)
+        record_file, record_of = folder / ADAPTER_CONFIG_NAME, "patch"
+    # As if saved on a GPU machine with impl="triton" (patching with it needs no GPU; running does).
+    edit_json(record_file, lambda c: c[record_of]["options"].update(impl="triton"))
+    inputs = model_inputs("llama")
+    with pytest.warns(UserWarning, match="impl='triton'.*lacks CUDA.*impl='auto'") as caught:
+        loaded = hf_neural_attn.from_pretrained(folder)
+    assert len([w for w in caught if "impl='triton'" in str(w.message)]) == 1
+    assert loaded.config.hf_neural_attn["options"]["impl"] == "auto"  # the record says what runs
+    # Same scores on another path: equal to float32 rounding, not bit for bit.
+    torch.testing.assert_close(logits(loaded, inputs), logits(model, inputs), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["full", "adapter"])
+def test_impl_can_be_chosen_on_load(tmp_path, kind):
+    if kind == "full":
+        model, folder = saved_full(tmp_path / "full"), tmp_path / "full"
+    else:
+        model, _, folder = saved_adapter(tmp_path)
+    inputs = model_inputs("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an explicit choice is not worth a warning
+        loaded = hf_neural_attn.from_pretrained(folder, impl="chunked")
+    assert loaded.config.hf_neural_attn["options"]["impl"] == "chunked"
+    torch.testing.assert_close(logits(loaded, inputs), logits(model, inputs), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="impl='fast' is not a compute path"):
+        hf_neural_attn.from_pretrained(folder, impl="fast")
+
+
+# --------------------------------------------------------------------------------- adapter base checksums (7)
+
+
+def test_adapter_records_base_checksums_and_refuses_a_changed_base(tmp_path):
+    model, base, adapter = saved_adapter(tmp_path)
+    checksums = json.loads((adapter / ADAPTER_CONFIG_NAME).read_text())["base_checksums"]
+    # The first and last tensor of each kind, so any trained module type, and the top and bottom layers, are seen.
+    assert {"model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"} <= set(checksums)
+    assert "model.embed_tokens.weight" in checksums and not any("attn_scorer" in name for name in checksums)
+
+    # The base folder is overwritten by a fine-tuned version (same shapes, no revision pinned).
+    tuned = type(model).from_pretrained(base)
+    with torch.no_grad():
+        tuned.model.layers[0].self_attn.q_proj.weight.add_(1e-3)
+    tuned.save_pretrained(base)
+    with pytest.raises(ValueError, match=r"saved on base weights other than.*q_proj.*would not reproduce"):
+        hf_neural_attn.from_pretrained(adapter)
+
+
+def test_saving_an_adapter_after_training_the_base_warns(tmp_path):
+    base = tmp_path / "base"
+    tiny_llama().save_pretrained(base)
+    model = type(tiny_llama()).from_pretrained(base).eval()
+    hf_neural_attn.patch_model(model, "qana")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an untouched base saves without a word
+        hf_neural_attn.save_adapter(model, tmp_path / "clean")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(1.01)  # the base was trained too
+    with pytest.warns(UserWarning, match=r"base weights of this model differ.*down_proj.*save_pretrained"):
+        hf_neural_attn.save_adapter(model, tmp_path / "trained")
+    # What it warned about: that adapter does not load on the untouched base.
+    with pytest.raises(ValueError, match="saved on base weights other than"):
+        hf_neural_attn.from_pretrained(tmp_path / "trained")
+
+
+def test_base_checksums_allow_a_lower_precision_load(tmp_path):
+    _, _, adapter = saved_adapter(tmp_path)
+    loaded = hf_neural_attn.from_pretrained(adapter, dtype=torch.bfloat16)  # no false alarm from the cast
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+
+
+# --------------------------------------------------------------------------------------- damaged records (8)
+
+DAMAGE = {
+    "options": [1, 2],
+    "layers": "all",
+    "scorer": 3,
+    "version": 1,
+    "family": 5,
+    "base_attn_implementation": ["sdpa"],
+}
+
+
+@pytest.mark.parametrize("field", list(DAMAGE))
+@pytest.mark.parametrize("kind", ["full", "adapter"])
+def test_every_damaged_record_field_is_a_value_error_naming_file_and_field(tmp_path, kind, field):
+    if kind == "full":
+        saved_full(tmp_path / "full")
+        folder, record_file, record_of = tmp_path / "full", "config.json", "hf_neural_attn"
+    else:
+        _, _, folder = saved_adapter(tmp_path)
+        record_file, record_of = ADAPTER_CONFIG_NAME, "patch"
+    edit_json(folder / record_file, lambda c: c[record_of].update({field: DAMAGE[field]}))
+    with pytest.raises(ValueError, match=rf"{record_file}.* damaged: field '{field}'"):
+        hf_neural_attn.from_pretrained(folder)
+
+
+@pytest.mark.parametrize(
+    "options,named",
+    [({"h": "x"}, "h must be a positive integer"), ({"impl": 7}, "impl")],
+)
+def test_bad_option_values_are_damage_of_the_options_field(tmp_path, options, named):
+    saved_full(tmp_path / "full")
+    edit_json(tmp_path / "full" / "config.json", lambda c: c["hf_neural_attn"]["options"].update(options))
+    with pytest.raises(ValueError, match=rf"config.json is damaged: field 'options'.*{named}"):
+        hf_neural_attn.from_pretrained(tmp_path / "full")
+
+
+# ------------------------------------------------------------------------- transformers' keywords (10)
+
+
+def test_config_overrides_apply_as_in_transformers(tmp_path):
+    model = saved_full(tmp_path / "full")
+    inputs = model_inputs("llama")
+    loaded = hf_neural_attn.from_pretrained(tmp_path / "full", output_hidden_states=True)
+    assert loaded.config.output_hidden_states is True
+    output = loaded(**inputs)
+    assert len(output.hidden_states) == 3
+    torch.testing.assert_close(output.logits, logits(model, inputs), rtol=0, atol=1e-6)
+
+
+def test_output_loading_info_returns_the_model_and_transformers_info(tmp_path):
+    saved_full(tmp_path / "full")
+    model, info = hf_neural_attn.from_pretrained(tmp_path / "full", output_loading_info=True)
+    assert hf_neural_attn.is_patched(model)
+    assert {"missing_keys", "unexpected_keys", "mismatched_keys"} <= set(info)
+    assert not info["unexpected_keys"] and not info["missing_keys"]  # scorer weights are not "unexpected"
+
+    _, _, adapter = saved_adapter(tmp_path / "a")
+    model, info = hf_neural_attn.from_pretrained(adapter, output_loading_info=True)
+    assert hf_neural_attn.is_patched(model) and not info["unexpected_keys"]
+
+
+def test_can_load_ignoring_mismatched_shapes(tmp_path):
+    """transformers' test_can_load_ignoring_mismatched_shapes, through hf_neural_attn (full and adapter)."""
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(LlamaConfig(**tiny_llama().config.to_diff_dict(), num_labels=3)).eval()
+    hf_neural_attn.patch_model(model, "neural", proj_dim=2)
+    perturb_scorers(model)
+    model.save_pretrained(tmp_path / "full")
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+        hf_neural_attn.from_pretrained(tmp_path / "full", num_labels=5)
+    with pytest.warns(UserWarning, match="mismatched.*score.weight"):
+        loaded = hf_neural_attn.from_pretrained(tmp_path / "full", num_labels=5, ignore_mismatched_sizes=True)
+    assert loaded.config.num_labels == 5 and loaded.score.weight.shape[0] == 5
+    inputs = model_inputs("llama")
+    assert loaded(**inputs).logits.shape == (2, 5)
+    saved = hf_neural_attn.scorer_parameters(model)
+    assert all(torch.equal(p, saved[n]) for n, p in hf_neural_attn.scorer_parameters(loaded).items())
+
+
+def test_dtype_device_map_and_revision_reach_transformers(tmp_path):
+    model = saved_full(tmp_path / "full")
+    loaded = hf_neural_attn.from_pretrained(tmp_path / "full", device_map="cpu", revision="main", dtype=torch.float64)
+    assert {p.dtype for p in loaded.parameters()} == {torch.float64}
+    assert {p.device.type for p in loaded.parameters()} == {"cpu"}
+    inputs = model_inputs("llama")
+    torch.testing.assert_close(logits(loaded, inputs).float(), logits(model, inputs), rtol=0, atol=1e-5)
+    _, _, adapter = saved_adapter(tmp_path / "a")
+    loaded = hf_neural_attn.from_pretrained(adapter, device_map="cpu", output_attentions=True)
+    assert loaded.config.output_attentions is True
+
+
+def test_model_class_builds_another_head_of_the_same_checkpoint(tmp_path):
+    model = saved_full(tmp_path / "full")
+    bare = hf_neural_attn.from_pretrained(tmp_path / "full", model_class=LlamaModel)
+    assert type(bare) is LlamaModel and hf_neural_attn.is_patched(bare)
+    inputs = model_inputs("llama")
+    expected = model.model(**inputs).last_hidden_state
+    torch.testing.assert_close(bare(**inputs).last_hidden_state, expected, rtol=0, atol=1e-6)
+    # The Auto-class integration passes the config object it read.
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tmp_path / "full")
+    bare = hf_neural_attn.from_pretrained(tmp_path / "full", model_class=LlamaModel, config=config)
+    torch.testing.assert_close(bare(**inputs).last_hidden_state, expected, rtol=0, atol=1e-6)
+    _, _, adapter = saved_adapter(tmp_path / "a")
+    assert type(hf_neural_attn.from_pretrained(adapter, model_class=LlamaModel)) is LlamaModel
+
+
+# -------------------------------------------------------------------------------------------- model card
+
+
+def test_adapter_card_metadata_and_usage(tmp_path):
+    from huggingface_hub import ModelCard
+
+    _, _, adapter = saved_adapter(tmp_path, tiny_gpt2, "neural")
+    card = ModelCard.load(adapter / "README.md")
+    assert card.data.library_name == "hf_neural_attn"
+    assert "hf_neural_attn" in card.data.tags and "neural" in card.data.tags
+    assert "import hf_neural_attn" in card.text and "hf_neural_attn.from_pretrained(" in card.text
+    assert ADAPTER_WEIGHTS_NAME in {p.name for p in adapter.iterdir()}

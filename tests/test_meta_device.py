@@ -1,0 +1,222 @@
+"""Models built on the meta device and offloaded models, from the user's side.
+
+* A model built on meta (``with torch.device("meta")``, accelerate's ``init_empty_weights()``) can be patched:
+  the scorer parameters are created on meta, drawn when the model is materialised (``to_empty``), and left
+  alone by transformers' ``init_weights()``, so the materialised patched model equals the unpatched one.
+* Mirrors of transformers' common model tests that failed on patched models: ``test_can_be_initialized_on_meta``,
+  ``test_init_weights_can_init_buffers``, ``test_all_tensors_are_parameter_or_buffer``.
+* Offloaded weights (accelerate's hooks) are not supported: patching raises an error naming offloading and
+  leaves the model as it was, and so does loading a checkpoint with a device_map that offloads.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from accelerate import cpu_offload, dispatch_model, init_empty_weights
+from helpers import TINY_DECODER, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_vit
+from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+
+import hf_neural_attn
+
+# A tiny encoder of the tiny decoder's sizes (dropout off: the tests compare outputs).
+TINY_BERT = {
+    **{key: TINY_DECODER[key] for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")},
+    "num_attention_heads": TINY_DECODER["num_attention_heads"],
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+}
+
+
+def _model_class_and_config(family: str):
+    """The class and config of a tiny model of ``family`` (helpers' configs; bert: a tiny encoder)."""
+    if family == "llama":
+        return LlamaForCausalLM, LlamaConfig(**TINY_DECODER)
+    if family == "bert":
+        return BertModel, BertConfig(**TINY_BERT)
+    model = {"gpt2": tiny_gpt2, "vit": tiny_vit}[family]()
+    return type(model), copy.deepcopy(model.config)
+
+
+def _inputs(family: str) -> dict[str, torch.Tensor]:
+    return model_inputs("vit" if family == "vit" else "llama")
+
+
+def _output(model, inputs) -> torch.Tensor:
+    """The first output tensor (logits, or BERT's last hidden state)."""
+    with torch.no_grad():
+        return model(**inputs)[0]
+
+
+def _meta_model(family: str):
+    model_class, config = _model_class_and_config(family)
+    with torch.device("meta"):
+        return model_class(config)
+
+
+# Every family with QANA and Neural Attention; the other parametrised scorers on Llama (cheap).
+CASES = [(family, scorer) for family in ("llama", "gpt2", "vit", "bert") for scorer in ("qana", "neural")]
+CASES += [("llama", "additive"), ("llama", "general")]
+
+
+@pytest.mark.parametrize("family,scorer", CASES)
+def test_can_be_initialized_on_meta(family, scorer):
+    """transformers' test_can_be_initialized_on_meta, patched: building and patching on meta needs no values."""
+    model = _meta_model(family)
+    hf_neural_attn.patch_model(model, scorer)
+    new = hf_neural_attn.scorer_parameters(model)
+    assert new, "the patch added no parameters"
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert all(b.device.type == "meta" for b in model.buffers())
+
+
+@pytest.mark.parametrize("family,scorer", CASES)
+def test_materialised_meta_model_is_function_preserving(family, scorer):
+    """Meta -> patch -> ``to_empty`` -> transformers' ``init_weights()``: the scorers are drawn at
+    materialisation, ``init_weights`` leaves them as they are, and the model equals the unpatched one."""
+    torch.manual_seed(0)
+    model = _meta_model(family)
+    hf_neural_attn.patch_model(model, scorer)
+    model.to_empty(device="cpu")
+    drawn = {name: p.detach().clone() for name, p in hf_neural_attn.scorer_parameters(model).items()}
+    model.init_weights()
+    model.eval()
+    after_init = hf_neural_attn.scorer_parameters(model)
+    for name, value in drawn.items():
+        assert torch.equal(after_init[name], value), f"init_weights redrew {name}"
+        assert torch.isfinite(value).all(), name
+    # A trainable init, not the all-zero one: the gates (where there are any) start open.
+    gates = [p for name, p in after_init.items() if name.endswith(".gate")]
+    assert all(torch.equal(g, torch.ones_like(g)) for g in gates)
+    inputs = _inputs(family)
+    patched = _output(model, inputs)
+    hf_neural_attn.unpatch_model(model)
+    torch.testing.assert_close(patched, _output(model, inputs), atol=1e-5, rtol=1e-5)
+
+
+def test_meta_init_draws_at_the_configs_initializer_range():
+    """On meta the query-weight std comes from the config, the std transformers' init draws W_Q at."""
+    _, config = _model_class_and_config("llama")
+    config.initializer_range = 0.05
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    hf_neural_attn.patch_model(model, "qana")
+    scorer = model.model.layers[0].self_attn.attn_scorer
+    assert scorer.geometry.query_weight_std == 0.05
+    assert scorer.geometry.device.type == "meta"
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "vit", "bert"])
+@pytest.mark.parametrize("scorer", ["qana", "neural"])
+def test_init_weights_can_init_buffers(family, scorer):
+    """transformers' test_init_weights_can_init_buffers, patched: the buffers of a patched model built on meta,
+    materialised and initialised by transformers equal those of a patched model built normally."""
+    model_class, config = _model_class_and_config(family)
+    from_init = hf_neural_attn.patch_model(model_class(copy.deepcopy(config)), scorer)
+    with torch.device("meta"):
+        from_meta = model_class(copy.deepcopy(config))
+    hf_neural_attn.patch_model(from_meta, scorer)
+    from_meta.to_empty(device="cpu")
+    from_meta.init_weights()
+    buffers, meta_buffers = dict(from_init.named_buffers()), dict(from_meta.named_buffers())
+    assert sorted(buffers) == sorted(meta_buffers)
+    different = [name for name, value in buffers.items() if not torch.equal(value, meta_buffers[name])]
+    assert not different, f"buffers not reinitialised by init_weights: {different}"
+
+
+@pytest.mark.parametrize("family,scorer", CASES)
+def test_all_tensors_are_parameter_or_buffer(family, scorer):
+    """transformers' test_all_tensors_are_parameter_or_buffer, patched: no module keeps a tensor outside its
+    parameters and buffers (it would stay on meta), and the materialised model runs."""
+    model = _meta_model(family)
+    hf_neural_attn.patch_model(model, scorer)
+    for name, module in model.named_modules():
+        # Registered parameters and buffers live in _parameters / _buffers, not in the instance dict.
+        loose = [key for key, value in vars(module).items() if isinstance(value, torch.Tensor)]
+        assert not loose, f"{name or 'model'} keeps unregistered tensors {loose}"
+    model.to_empty(device="cpu")
+    model.init_weights()
+    output = _output(model.eval(), _inputs(family))
+    assert torch.isfinite(output).all()
+
+
+def test_init_weights_on_a_real_patched_model_keeps_the_scorers():
+    """transformers' init_weights() on a patched model with real weights does not redraw the scorers (they are
+    flagged as initialised), so they stay in their function-preserving state."""
+    model = hf_neural_attn.patch_model(tiny_llama(), "neural")
+    before = {name: p.detach().clone() for name, p in hf_neural_attn.scorer_parameters(model).items()}
+    model.init_weights()
+    for name, parameter in hf_neural_attn.scorer_parameters(model).items():
+        assert torch.equal(parameter, before[name]), name
+
+
+def test_init_empty_weights_then_load_state_dict_with_assign():
+    """accelerate's init_empty_weights(), patch on meta, then load a patched model's state dict with
+    assign=True: the outputs equal the source model's."""
+    source = hf_neural_attn.patch_model(tiny_llama(), "qana")
+    perturb_scorers(source)
+    inputs = _inputs("llama")
+    with init_empty_weights():
+        model = LlamaForCausalLM(LlamaConfig(**TINY_DECODER))
+    hf_neural_attn.patch_model(model, "qana")
+    assert all(p.is_meta for p in hf_neural_attn.scorer_parameters(model).values())
+    model.load_state_dict(source.state_dict(), assign=True)
+    assert not any(p.is_meta for p in model.parameters())
+    torch.testing.assert_close(_output(model.eval(), inputs), _output(source, inputs), atol=0, rtol=0)
+
+
+DISK_LAYER_1 = {
+    "model.embed_tokens": "cpu",
+    "model.rotary_emb": "cpu",
+    "model.layers.0": "cpu",
+    "model.layers.1": "disk",
+    "model.norm": "cpu",
+    "lm_head": "cpu",
+}
+
+
+def _assert_offload_error_leaves_model(model, inputs, reference, scorer):
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    implementation = model.config._attn_implementation
+    with pytest.raises(ValueError, match="offload"):
+        hf_neural_attn.patch_model(model, scorer)
+    assert not hf_neural_attn.is_patched(model)
+    assert model.config._attn_implementation == implementation
+    assert not hasattr(model.config, "hf_neural_attn")
+    after = model.state_dict()
+    assert sorted(after) == sorted(state)
+    assert all(torch.equal(after[name], value) for name, value in state.items() if value.device.type != "meta")
+    torch.testing.assert_close(_output(model, inputs), reference, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("scorer", ["qana", "neural"])
+def test_patching_a_disk_offloaded_model_raises_and_changes_nothing(scorer, tmp_path):
+    model = tiny_llama()
+    inputs = _inputs("llama")
+    reference = _output(model, inputs)
+    dispatch_model(model, DISK_LAYER_1, offload_dir=str(tmp_path))
+    _assert_offload_error_leaves_model(model, inputs, reference, scorer)
+
+
+def test_patching_a_cpu_offloaded_model_raises_and_changes_nothing():
+    model = tiny_llama()
+    inputs = _inputs("llama")
+    reference = _output(model, inputs)
+    cpu_offload(model, execution_device="cpu")
+    _assert_offload_error_leaves_model(model, inputs, reference, "qana")
+
+
+def test_from_pretrained_with_offloading_device_map(tmp_path):
+    """hf_neural_attn.from_pretrained with a device_map: all "cpu" loads and matches the saved model; a "disk"
+    entry (offloading) raises an error that names offloading."""
+    model = hf_neural_attn.patch_model(tiny_llama(), "qana")
+    perturb_scorers(model)
+    inputs = _inputs("llama")
+    reference = _output(model, inputs)
+    model.save_pretrained(tmp_path / "checkpoint")
+    on_cpu = hf_neural_attn.from_pretrained(tmp_path / "checkpoint", device_map=dict.fromkeys(DISK_LAYER_1, "cpu"))
+    torch.testing.assert_close(_output(on_cpu, inputs), reference, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="offloaded"):
+        hf_neural_attn.from_pretrained(tmp_path / "checkpoint", device_map=DISK_LAYER_1, offload_folder=tmp_path / "off")
