@@ -154,6 +154,38 @@ class Scorer(nn.Module):
         self.config = config
         self.geometry = geometry
 
+    def reset_parameters(self) -> None:
+        """Draw the parameters' initial values (scorers with parameters implement it)."""
+
+    @torch.no_grad()
+    def init_parameters(self) -> None:
+        """Give the parameters their initial values where they have storage; subclasses call it last in
+        ``__init__``.
+
+        Parameters on the meta device (the model was built on meta: ``with torch.device("meta")``, accelerate's
+        ``init_empty_weights()``) have no values to draw; they are drawn when the model is materialised, see
+        :meth:`_apply`. Once drawn, every parameter is flagged ``_is_hf_initialized``: transformers'
+        ``init_weights()`` would otherwise redraw the scorer's ``nn.Linear`` layers like the model's own
+        (normal at ``initializer_range``, zero bias) and leave its other parameters alone, which breaks the
+        mirrored pairs that keep the patched model's outputs equal to the original's. transformers' init
+        functions skip flagged tensors.
+        """
+        if any(parameter.is_meta for parameter in self.parameters()):
+            return
+        self.reset_parameters()
+        for parameter in self.parameters():
+            parameter._is_hf_initialized = True
+
+    def _apply(self, fn, recurse=True):
+        # model.to_empty(device=...) (like .to, .cuda, .half) goes through _apply. When it gives meta parameters
+        # storage, that memory holds garbage and transformers' init does not know this module: draw the init here,
+        # from the geometry recorded at patch time (its std came from the config, see families.query_weight_std).
+        was_meta = any(parameter.is_meta for parameter in self.parameters())
+        result = super()._apply(fn, recurse=recurse)
+        if was_meta:
+            self.init_parameters()
+        return result
+
     @classmethod
     def check_module(cls, config: ScorerConfig, module: nn.Module) -> None:
         """Raise ``ValueError`` if this scorer cannot serve the attention ``module`` (called by
@@ -194,38 +226,6 @@ class Scorer(nn.Module):
         dropout: float,
         is_causal: bool,
         need_weights: bool,
-    def reset_parameters(self) -> None:
-        """Draw the parameters' initial values (scorers with parameters implement it)."""
-
-    @torch.no_grad()
-    def init_parameters(self) -> None:
-        """Give the parameters their initial values where they have storage; subclasses call it last in
-        ``__init__``.
-
-        Parameters on the meta device (the model was built on meta: ``with torch.device("meta")``, accelerate's
-        ``init_empty_weights()``) have no values to draw; they are drawn when the model is materialised, see
-        :meth:`_apply`. Once drawn, every parameter is flagged ``_is_hf_initialized``: transformers'
-        ``init_weights()`` would otherwise redraw the scorer's ``nn.Linear`` layers like the model's own
-        (normal at ``initializer_range``, zero bias) and leave its other parameters alone, which breaks the
-        mirrored pairs that keep the patched model's outputs equal to the original's. transformers' init
-        functions skip flagged tensors.
-        """
-        if any(parameter.is_meta for parameter in self.parameters()):
-            return
-        self.reset_parameters()
-        for parameter in self.parameters():
-            parameter._is_hf_initialized = True
-
-    def _apply(self, fn, recurse=True):
-        # model.to_empty(device=...) (like .to, .cuda, .half) goes through _apply. When it gives meta parameters
-        # storage, that memory holds garbage and transformers' init does not know this module: draw the init here,
-        # from the geometry recorded at patch time (its std came from the config, see families.query_weight_std).
-        was_meta = any(parameter.is_meta for parameter in self.parameters())
-        result = super()._apply(fn, recurse=recurse)
-        if was_meta:
-            self.init_parameters()
-        return result
-
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention output of a scorer that is not softmax-based (``uses_softmax = False``).
 
