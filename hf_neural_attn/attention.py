@@ -1,8 +1,13 @@
-"""The attention function a patched model runs, registered in transformers' ``AttentionInterface``.
+"""The attention function a patched model runs, registered in transformers' ``AttentionInterface``, and the
+mask builder registered beside it in ``AttentionMaskInterface``.
 
-transformers calls it from every attention module of a model whose ``attn_implementation`` is
+transformers calls the function from every attention module of a model whose ``attn_implementation`` is
 ``"hf_neural_attn"``. A module that carries a scorer (``attn_scorer``) is scored by it; every other module
 (layers left out by ``layers=``, cross-attention) is handed back to the model's original implementation.
+
+The masks are what the model's original implementation would build (:func:`hf_neural_attention_mask`), so
+the modules the patch does not score see exactly the mask they saw before, edge cases included (an SDPA
+cross-attention row whose encoder input is all padding). The scored path accepts every form those take.
 """
 
 from __future__ import annotations
@@ -10,13 +15,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from .families import FAMILIES
 from .ops import scored_attention
+from .patched_config import ATTN_IMPLEMENTATION, read_record
 from .scorers import Scorer
 
-ATTN_IMPLEMENTATION = "hf_neural_attn"
+try:  # where transformers 5 collects output_attentions (forward hooks on the attention modules)
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # another layout: models then say it through the output_attentions kwarg only
+    _active_collector = None
+
 SCORER_ATTR = "attn_scorer"  # submodule of each patched attention module
 # On every attention module that reads the patched config: (family name, original implementation), so
 # the modules the patch does not score keep running the model's own attention.
@@ -40,15 +50,25 @@ def hf_neural_attention_forward(
     Returns (batch, q_len, heads, head_dim) output and the attention probabilities.
     """
     extras = kwargs.pop(EXTRAS_KWARG, None)
+    need_weights = wants_attention_weights(kwargs)
+    is_causal = kwargs.get("is_causal", getattr(module, "is_causal", False))
     scorer: Scorer | None = getattr(module, SCORER_ATTR, None)
     if scorer is None:
         if not hasattr(module, FALLBACK_ATTR):
             raise RuntimeError(
                 f"{type(module).__name__} runs attn_implementation={ATTN_IMPLEMENTATION!r} but was not patched. "
-                "Either the name was set by hand (patch with hf_neural_attn.patch_model instead), or this model "
-                "shares its config object with a patched model (build each model from its own copy of the config)."
+                "Either it was loaded from a patched checkpoint by its plain class (e.g. LlamaForCausalLM."
+                "from_pretrained), which builds the unpatched model: load it with hf_neural_attn.from_pretrained(path) "
+                "or an AutoModel* class after `import hf_neural_attn`; or it was built from a patched model's config "
+                "(use AutoModel*.from_config, which patches it); or the name was set by hand (use "
+                "hf_neural_attn.patch_model)."
             )
         family_name, implementation = getattr(module, FALLBACK_ATTR)
+        if need_weights and implementation != "eager":
+            # Only the eager path returns probabilities. It adds its mask to the logits, so it gets the
+            # additive form of the mask this call carries (which may be SDPA's boolean one, or None for causal).
+            implementation = "eager"
+            attention_mask = _additive_mask(attention_mask, query, key, is_causal)
         return FAMILIES[family_name].original_attention(
             module, implementation, query, key, value, attention_mask, scaling, dropout, **kwargs
         )
@@ -59,7 +79,6 @@ def hf_neural_attention_forward(
         )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    is_causal = kwargs.get("is_causal", getattr(module, "is_causal", False))
     mask = _additive_mask(attention_mask, query, key, is_causal)
     return scored_attention(
         scorer,
@@ -72,21 +91,39 @@ def hf_neural_attention_forward(
         training=module.training,
         extras=extras,
         is_causal=is_causal,
-        need_weights=bool(kwargs.get("output_attentions")),
+        need_weights=need_weights,
     )
 
 
-def _additive_mask(attention_mask, query: torch.Tensor, key: torch.Tensor, is_causal: bool) -> torch.Tensor | None:
-    """An additive float mask (0 = attend, large negative = blocked), (batch or 1, 1, q_len, kv_len).
+def wants_attention_weights(kwargs: dict) -> bool:
+    """Whether the caller of this attention call asked for its probabilities (``output_attentions``).
 
-    A causal module handed no mask (a direct call, or a custom mask function that skipped it) gets the
-    causal mask built here, aligned to the last query, so the causal mask is never silently dropped.
+    Most models pass ``output_attentions`` on to the attention function, but not all (GPT-2's model forward
+    drops it). transformers 5 collects the maps with forward hooks on the attention modules while a
+    collector for an ``*attentions`` output is active, so that collector is the signal every model gives.
+    """
+    if kwargs.get("output_attentions"):
+        return True
+    collected = _active_collector.get() if _active_collector is not None else None
+    return bool(collected) and any(key.endswith("attentions") for key in collected)
+
+
+def _additive_mask(attention_mask, query: torch.Tensor, key: torch.Tensor, is_causal: bool) -> torch.Tensor | None:
+    """The call's mask as an additive float mask (0 = attend, large negative = blocked), (batch or 1, 1, q_len,
+    kv_len), or None for full attention.
+
+    It accepts every form :func:`hf_neural_attention_mask` hands out: the eager float mask (returned as it
+    is), SDPA's boolean mask (True = attend), or None. None on a causal module means what it means to SDPA,
+    which is where transformers leaves it out (its ``is_causal``): causal aligned to the first query, and
+    nothing to mask for a single query. A direct call without a mask is treated the same, so the causal
+    mask is never silently dropped.
     """
     q_len, kv_len = query.shape[-2], key.shape[-2]
     if attention_mask is None:
         if not is_causal or q_len == 1:
             return None
-        allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+        # SDPA's is_causal (transformers also cuts the keys to the first q_len when there are more).
+        allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
         attention_mask = allowed[None, None]
     elif not isinstance(attention_mask, torch.Tensor):
         raise TypeError(
@@ -102,9 +139,28 @@ def _additive_mask(attention_mask, query: torch.Tensor, key: torch.Tensor, is_ca
     return attention_mask
 
 
+def hf_neural_attention_mask(*args, config=None, **kwargs):
+    """The mask builder registered as ``"hf_neural_attn"`` (transformers' ``AttentionMaskInterface`` API).
+
+    Builds what the model's original implementation would get, read from the patch record on ``config``
+    (transformers passes the model's config to mask builders): SDPA's mask (boolean, or None where SDPA's
+    ``is_causal`` or no mask is exact) over an SDPA base, the eager float mask over an eager one. So the
+    modules the patch does not score (cross-attention, layers left out by ``layers=``) run exactly as
+    before; the scored modules turn any of them into an additive mask (:func:`_additive_mask`).
+
+    Bases other than eager and SDPA (flash, flex) run their unscored modules through SDPA (see
+    ``patching._FALLBACK_IMPLEMENTATIONS``) and get SDPA's mask. A config without a readable record (a
+    sub-config the patch did not mark) gets the eager mask, which every path accepts.
+    """
+    record = read_record(config) if config is not None else None
+    base = record.get("base_attn_implementation") if isinstance(record, dict) else None
+    builder = eager_mask if base in (None, "eager") else sdpa_mask
+    return builder(*args, config=config, **kwargs)
+
+
 def _register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, hf_neural_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, hf_neural_attention_mask)
 
 
 _register()

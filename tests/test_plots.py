@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import VOCAB, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_vit
+from helpers import FACTORIES, VOCAB, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_vit
 from PIL import Image
 
 import hf_neural_attn
@@ -151,6 +151,31 @@ def test_function_preserving_patch_draws_identical_maps_and_zero_change(tmp_path
     assert record["layer"] == 1 and record["gate"] == [1.0] * HEADS
     assert record["attention_change"] < 1e-6
 
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked", "auto"])
+@pytest.mark.parametrize("family", list(FACTORIES))
+def test_maps_and_statistics_for_every_impl_and_layers_choice(family, impl, tmp_path):
+    """Every layer's maps and every patched layer's statistics, whichever layers are patched and whichever path
+    computes them (the helpers' tiny models run SDPA, whose layers return no maps of their own)."""
+    inputs = model_inputs(family, batch=2, seq=9)
+    unpatched = eager_attentions(FACTORIES[family], inputs)
+    for layers in ([0], [1], None):
+        model = hf_neural_attn.patch_model(FACTORIES[family](), "qana", h=4, layers=layers, impl=impl)
+        perturb_scorers(model)
+        scored = model.config.hf_neural_attn["layers"]
+        for layer in (0, 1):
+            maps = plotting.attention_maps(model, inputs, layer=layer, example=1)
+            np.testing.assert_allclose(maps.unpatched, unpatched[layer][1].numpy(), rtol=0, atol=1e-6)
+            if layer < min(scored):  # nothing scored before it: the patched model's map is the unpatched one
+                np.testing.assert_array_equal(maps.patched, maps.unpatched)
+            else:
+                assert maps.total_variation() > 1e-4, (layers, layer)
+        records = plotting.scorer_statistics(model, probe=inputs)
+        assert [record["layer"] for record in records] == scored
+        assert all(0 < record["attention_change"] < 1 for record in records)
+    path = tmp_path / "maps.png"  # the last model: every layer scored
+    assert png_size(plotting.plot_attention_maps(model, inputs, path, layer=1).path) == expected_map_size(HEADS, 3)
 
 def test_gate_history_over_training_steps(tmp_path):
     inputs = model_inputs("gpt2", batch=4, seq=16)

@@ -5,8 +5,8 @@ import torch
 from helpers import FACTORIES, VOCAB, perturb_scorers
 
 import hf_neural_attn
-from hf_neural_attn.families.llama import LlamaFamily
 from hf_neural_attn.attention import hf_neural_attention_forward
+from hf_neural_attn.families.llama import LlamaFamily
 
 CAUSAL = ["llama", "gpt2"]
 # Agreement between two fp32 computations of the same logits through different summation orders
@@ -109,3 +109,19 @@ def test_generate_is_the_same_with_and_without_cache(family, scorer_name):
     without_cache = model.generate(prompt, use_cache=False, **settings)
     assert with_cache.shape == (2, 13)
     assert torch.equal(with_cache, without_cache)
+
+
+@pytest.mark.parametrize("layers", [None, [1]])
+def test_static_cache_prefill_matches_the_full_forward(layers):
+    """Over an SDPA base, transformers hands a static cache's prefill no mask (SDPA's is_causal, aligned to the
+    first query, stands for it) while the keys include the cache's empty slots: those must stay unseen."""
+    from transformers import StaticCache
+
+    model = live_model("llama", "qana", layers=layers)
+    assert model.config.hf_neural_attn["base_attn_implementation"] == "sdpa"
+    ids = tokens(2, 6)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    prefill = model(ids, past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(prefill, model(ids).logits, rtol=0, atol=TOL)
+    step = model(ids[:, :1], past_key_values=cache, use_cache=True).logits  # one more token on the static cache
+    torch.testing.assert_close(step[:, -1], model(torch.cat([ids, ids[:, :1]], 1)).logits[:, -1], rtol=0, atol=TOL)

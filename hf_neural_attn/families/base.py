@@ -42,9 +42,10 @@ class ModelFamily:
     ):
         """Run the model's own attention (``"eager"`` or ``"sdpa"``) for a module the patch does not score.
 
-        Attention maps can only come from the eager path, so it also serves ``output_attentions`` calls.
+        ``attention_mask`` is the one that implementation expects (see ``hf_neural_attention_mask``). Calls that
+        need the probabilities arrive as ``"eager"``, the only path that returns them, with an additive mask.
         """
-        if implementation == "eager" or kwargs.get("output_attentions"):
+        if implementation == "eager":
             eager = sys.modules[type(module).__module__].eager_attention_forward
             return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if attention_mask is not None and attention_mask.dtype not in (torch.bool, query.dtype):

@@ -29,6 +29,7 @@ as the model's eager path), and the KV cache stays the model's own.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import sys
@@ -297,12 +298,17 @@ AttentionInterface.register(PROBE_IMPLEMENTATION, _probe_attention)
 
 def _record_call(module: nn.Module, hidden: torch.Tensor, position_embeddings: tuple, label: str) -> dict:
     """Call ``module`` on ``hidden`` with the probe as its attention function; the one call it made."""
-    config = module.config
-    # The internal attribute, not the property: the setter would also rewrite every sub-config.
-    saved_implementation, was_training = config._attn_implementation_internal, module.training
+    config, was_training = module.config, module.training
+    # The module reads the probe's name from a shallow copy of its config, so the model's own config (shared
+    # with its other modules, maybe with other models) never changes. A patched model's config class pins
+    # its implementation (patched_config), so the copy takes the plain base class. The internal attribute,
+    # not the property: the property's setter would also rewrite every sub-config.
+    probe_config = copy.copy(config)
+    probe_config.__class__ = getattr(config, "_base_config_class", type(config))
+    probe_config._attn_implementation_internal = PROBE_IMPLEMENTATION
     _Recording.calls = []
     try:
-        config._attn_implementation_internal = PROBE_IMPLEMENTATION
+        module.config = probe_config
         module.eval()
         module.forward(hidden_states=hidden, position_embeddings=position_embeddings, attention_mask=None)
     except Exception as error:  # the module is not what the description says
@@ -312,7 +318,7 @@ def _record_call(module: nn.Module, hidden: torch.Tensor, position_embeddings: t
         ) from error
     finally:
         calls, _Recording.calls = _Recording.calls, None
-        config._attn_implementation_internal = saved_implementation
+        module.config = config
         module.train(was_training)
     if len(calls) != 1 or calls[0]["module"] is not module:
         raise UnsupportedAttentionError(
