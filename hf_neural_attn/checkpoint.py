@@ -108,5 +108,9 @@ def _load_full_checkpoint(source: str, model_class, impl: str | None, hf_kwargs:
         describe=f"The checkpoint {source}",
         hint="The checkpoint is incomplete, or its config.json and weights come from different models.",
     )
-    report_base_loading(info, source, stacklevel=4)  # user -> from_pretrained -> _load_full_checkpoint -> here
+    architectures = getattr(config, "architectures", None) or [None]
+    # Another class than the checkpoint's (a bare LlamaModel from a LlamaForCausalLM checkpoint) leaves the
+    # weights of the parts it lacks over, as intended: transformers does not warn about them either.
+    report = info if type(model).__name__ == architectures[0] else {**info, "unexpected_keys": []}
+    report_base_loading(report, source, stacklevel=4)  # user -> from_pretrained -> _load_full_checkpoint -> here
     return (model, info) if output_loading_info else model
