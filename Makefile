@@ -1,5 +1,5 @@
 # Two targets a new user needs; each sets up .venv on first use.
-#   make demo   run the main job on its embedded default: baseline vs QANA fine-tuning, offline, CPU, ~3 min
+#   make demo   the offline demo (recipes/compare.py): baseline vs QANA fine-tuning, offline, CPU, ~3 min
 #   make test   run the test suite (offline)
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,11 +16,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e ".[dev,recipes,peft]"
 	touch $@
 
 demo: install
-	$(BIN)/accelerate launch recipes/finetune.py
+	$(BIN)/accelerate launch -m recipes.compare
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -1,12 +1,15 @@
-"""Fine-tuning recipes for hf_neural_attn: ``accelerate launch recipes/finetune.py --help``.
+"""Fine-tuning recipes for hf_neural_attn, a one-way layer over the library, run as modules from the repository
+root (``pip install -e ".[recipes]"`` first): ``accelerate launch -m recipes.finetune --help``.
 
-* ``finetune.py``: the entry point and training loop (causal LM, the nine GLUE tasks, image classification).
-* ``compare.py``: baseline and patched runs with the same data, seed and budget, as a markdown table and a plot.
-* ``args.py``: the command line (Hugging Face example-script flag names) and YAML/JSON config files.
+* ``finetune.py``: one run: parse, then setup -> train -> write outputs (causal LM, the nine GLUE tasks, images).
+* ``compare.py``: baseline and patched runs with the same data, seed and budget, as a markdown table and a plot;
+  with no arguments, the offline demo (``make demo``). It imports ``finetune``, never the other way round.
+* ``args.py``: the command line (Hugging Face example-script flag names; the scorer flags generated from the scorer
+  configs' field declarations) and YAML/JSON config files.
 * ``tasks.py``: data loading, preprocessing and evaluation for each task kind.
 * ``modeling.py``: building the model, tokenizer or image processor, and the patch.
 * ``checkpointing.py``: atomic Accelerate checkpoints and resuming.
-* ``hub.py``: deciding quickly whether the Hugging Face Hub is reachable (else: offline mode).
+* ``hub.py``: deciding quickly whether the Hugging Face Hub is reachable (else: offline mode); the push check.
 * ``report.py``: ``all_results.json``, the model card, the training plot, the comparison table, the Hub upload.
 * ``metrics/``: offline `evaluate` modules (GLUE, accuracy).
 * ``configs/``: example configs reproducing the papers' setups; ``accelerate_configs/``: launch configs.

@@ -8,17 +8,22 @@ line override the file.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
+from hf_neural_attn.scorers import SCORERS as SCORER_REGISTRY
+
 GLUE_TASKS = ("cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli")
 TASKS = ("clm", *GLUE_TASKS, "image")
-# The library's scorers (tests check this matches hf_neural_attn.scorers.SCORERS; importing it here would load torch
-# for every --help).
-SCORERS = ("none", "qana", "neural", "additive", "general", "nsea", "hea")
+SCORERS = ("none", *SCORER_REGISTRY)
+# Scorer options whose flag has another name: a bare --init would read as the model's own initialisation.
+FLAG_FOR_OPTION = {"init": "scorer_init"}
 SCHEDULERS = (
     "linear",
     "cosine",
@@ -32,26 +37,107 @@ SCHEDULERS = (
 )
 TEXT_EXTENSIONS = {"txt": "text", "text": "text", "csv": "csv", "json": "json", "jsonl": "json"}
 CONFIG_EXTENSIONS = (".yaml", ".yml", ".json")
+EMBEDDED_CORPUS = "pydoc_data"  # --dataset_name of the demo's text (recipes.tasks loads it)
 
 
 class RecipeError(ValueError):
     """A problem with the run's inputs, reported before any training starts."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ScorerFlag:
+    """One command-line flag for a scorer option, generated from the scorer configs' field declarations."""
+
+    flag: str  # the flag's name without dashes (also its key in config files and in the run settings)
+    option: str  # the option's name in the scorer config
+    type: type
+    choices: tuple | None
+    help: str
+    scorers: tuple[str, ...]  # the scorers that have this option
+
+
+@functools.cache
+def scorer_flags() -> dict[str, ScorerFlag]:
+    """A flag for every option of every registered scorer, from each config's dataclass fields (help, choices,
+    type). Options several scorers share are one flag; their help texts are joined when they differ."""
+    declared: dict[str, list[tuple[str, dataclasses.Field, type]]] = {}
+    for scorer, scorer_type in SCORER_REGISTRY.items():
+        config_class = scorer_type.config_class
+        hints = typing.get_type_hints(config_class)
+        for item in config_class.option_fields():
+            declared.setdefault(item.name, []).append((scorer, item, _value_type(hints[item.name])))
+    flags = {}
+    for option, declarations in declared.items():
+        types = {value_type for _, _, value_type in declarations}
+        if len(types) != 1:
+            raise TypeError(f"Scorer option {option!r} is declared with different types {types}.")
+        by_help: dict[str, list[tuple[str, Any]]] = {}
+        for scorer, item, _ in declarations:
+            by_help.setdefault(item.metadata.get("help", ""), []).append((scorer, item.default))
+        helps = []
+        for text, entries in by_help.items():
+            defaults = {repr(default) for _, default in entries}
+            if len(defaults) == 1:
+                default = f"default {entries[0][1]}"
+            else:
+                default = ", ".join(f"{scorer}: default {value}" for scorer, value in entries)
+            every = len(entries) == len(SCORER_REGISTRY)
+            helps.append(("" if every else f"{', '.join(s for s, _ in entries)}: ") + f"{text} ({default})")
+        choices = [item.metadata.get("choices") for _, item, _ in declarations]
+        union = None
+        if all(choices):
+            union = tuple(dict.fromkeys(value for values in choices for value in values))
+        flag = FLAG_FOR_OPTION.get(option, option)
+        flags[flag] = ScorerFlag(
+            flag=flag,
+            option=option,
+            type=types.pop(),
+            choices=union,
+            help=" | ".join(helps),
+            scorers=tuple(scorer for scorer, _, _ in declarations),
+        )
+    return flags
+
+
+def _value_type(annotation) -> type:
+    """``int`` for ``int | None``, ``str`` for ``str``."""
+    values = [value for value in typing.get_args(annotation) if value is not type(None)] or [annotation]
+    return values[0]
+
+
+class _FlagRecorder:
+    """Adds arguments to a parser or group and records what each flag was declared with, so that config-file
+    values can be checked against the same declarations (no argparse internals)."""
+
+    def __init__(self) -> None:
+        self.flags: dict[str, dict[str, Any]] = {}
+
+    def adder(self, target):
+        def add(name: str, **kwargs):
+            self.flags[name.lstrip("-")] = kwargs
+            return target.add_argument(name, **kwargs)
+
+        return add
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The recipes' argument parser; ``parser.recipe_flags`` maps each flag (no dashes) to its declaration."""
+    recorder = _FlagRecorder()
     parser = argparse.ArgumentParser(
         prog="finetune.py",
+        allow_abbrev=False,
         description=(
             "Fine-tune (or train from scratch) a Transformers model with its attention scoring replaced by "
             "hf_neural_attn (QANA or Neural Attention), and evaluate it on WikiText, GLUE or CIFAR. "
-            "Run with no arguments for an offline demo: baseline and patched side by side."
+            "The offline demo (baseline and patched side by side) is `accelerate launch -m recipes.compare`."
         ),
     )
-    add = parser.add_argument
+    parser.recipe_flags = recorder.flags
+    add = recorder.adder(parser)
     add("--config", type=str, default=None, help="A YAML or JSON file of flag values (keys = flag names).")
 
     group = parser.add_argument_group("task and model")
-    add = group.add_argument
+    add = recorder.adder(group)
     add("--task", type=str, default="clm", choices=TASKS, help="clm (causal LM), a GLUE task name, or image.")
     add("--model_name_or_path", type=str, default=None, help="Pretrained model (Hub id or local folder).")
     add("--config_name", type=str, default=None, help="Config (Hub id or folder) to build a model from scratch.")
@@ -77,8 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--cpu", action="store_true", help="Run on CPU even when an accelerator is present.")
 
     group = parser.add_argument_group("data")
-    add = group.add_argument
-    add("--dataset_name", type=str, default=None, help="Hub dataset (default: per task; see docs/recipes.md).")
+    add = recorder.adder(group)
+    add(
+        "--dataset_name",
+        type=str,
+        default=None,
+        help=f"Hub dataset (default: per task; see docs/recipes.md), or {EMBEDDED_CORPUS} for the demo's text (clm).",
+    )
     add("--dataset_config_name", type=str, default=None, help="Dataset config, e.g. wikitext-103-raw-v1.")
     add(
         "--eval_split",
@@ -128,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--overwrite_cache", action="store_true", help="Do not reuse cached preprocessed datasets.")
 
     group = parser.add_argument_group("training")
-    add = group.add_argument
+    add = recorder.adder(group)
     add("--output_dir", type=str, default=None, help="Where to write the model, results, card and plot.")
     add("--per_device_train_batch_size", type=int, default=8)
     add("--per_device_eval_batch_size", type=int, default=8)
@@ -191,23 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--hub_private_repo", action="store_true", help="Create the Hub repository as private.")
 
     group = parser.add_argument_group("attention patch (hf_neural_attn)")
-    add = group.add_argument
+    add = recorder.adder(group)
     add("--scorer", type=str, default="qana", choices=SCORERS, help="none = the unpatched baseline.")
-    add("--h", type=int, default=None, help="Hidden width of the scoring MLP (default 4).")
     add("--layers", type=str, default=None, help='Layers to patch: "all" (default), or indices like "0" or "0,1".')
-    add("--proj_dim", type=int, default=None, help="neural: down-projection width d' (default: none).")
-    add(
-        "--mode",
-        type=str,
-        default=None,
-        choices=("residual", "replace"),
-        help="neural, additive: residual (default) or replace; nsea, hea: must be replace (training from scratch).",
-    )
-    add("--depth", type=int, default=None, help="neural: hidden layers of the scoring MLP.")
-    add("--terms", type=int, default=None, help="nsea, hea: series terms kept after the identity (default 2).")
-    add("--activation", type=str, default=None, help="Scoring MLP nonlinearity (gelu, relu, silu, tanh, sigmoid).")
-    add("--scorer_init", type=str, default=None, choices=("default", "zero"), help="Init of the new parameters.")
-    add("--impl", type=str, default=None, help="Attention implementation of the scorer (default: reference).")
+    # One flag per scorer option, generated from the scorer configs (hf_neural_attn.scorers.*Config fields).
+    for spec in scorer_flags().values():
+        add(f"--{spec.flag}", type=spec.type, default=None, choices=spec.choices, help=spec.help)
     add(
         "--train_only_new_params",
         action="store_true",
@@ -238,7 +318,7 @@ def _config_path(argv: list[str]) -> str | None:
     """``--config FILE`` anywhere, or a config file as the first argument (removed from ``argv``)."""
     if argv and not argv[0].startswith("-") and argv[0].lower().endswith(CONFIG_EXTENSIONS):
         return argv.pop(0)
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", type=str, default=None)
     known, _ = pre.parse_known_args(argv)
     return known.config
@@ -261,7 +341,7 @@ def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, An
         raise RecipeError(
             f"Config file {path} must hold a mapping of flag names to values, got {type(values).__name__}."
         )
-    known = {action.dest for action in parser._actions}
+    known = set(parser.recipe_flags)
     values = {str(key).lstrip("-").replace("-", "_"): value for key, value in values.items()}
     unknown = sorted(set(values) - known - {"config"})
     if unknown:
@@ -316,6 +396,11 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         )
     if local_data and args.dataset_name:
         raise RecipeError("Give either --dataset_name or local data (--train_file / --train_dir), not both.")
+    if args.dataset_name == EMBEDDED_CORPUS and (args.task != "clm" or args.dataset_config_name or args.eval_split):
+        raise RecipeError(
+            f"--dataset_name {EMBEDDED_CORPUS} (the demo's text, shipped with Python) is for --task clm, without "
+            "--dataset_config_name or --eval_split."
+        )
 
     if args.model_name_or_path and (args.config_name or args.model_type):
         raise RecipeError("--model_name_or_path loads a pretrained model; drop --config_name/--model_type.")
@@ -370,50 +455,46 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     if resume and resume != "latest" and not os.path.isdir(resume):
         raise RecipeError(f"--resume_from_checkpoint {args.resume_from_checkpoint} is not a folder.")
 
-    scorer_flags = {
-        name: getattr(args, name)
-        for name in ("h", "proj_dim", "mode", "depth", "terms", "activation", "scorer_init", "impl")
-        if getattr(args, name) is not None
-    }
+    given_options = {name for name in scorer_flags() if getattr(args, name) is not None}
     if args.scorer == "none":
-        given = sorted(scorer_flags) + (["layers"] if args.layers is not None else [])
+        given = sorted(given_options) + (["layers"] if args.layers is not None else [])
         if given:
             raise RecipeError(f"--scorer none (the baseline) takes no patch options, got {given}.")
         # --train_only_new_params and --scorer_learning_rate also suit --scorer none with an already patched
         # checkpoint; whether there is a patch is checked once the model is loaded (modeling.build_model).
     else:
-        from hf_neural_attn import scorers  # light: the scorer configs only
-
         try:
-            scorers.scorer_class(args.scorer).config_class.from_options(scorer_options(args))
+            SCORER_REGISTRY[args.scorer].config_class.from_options(scorer_options(args))
         except ValueError as error:
             raise RecipeError(f"Invalid patch options for --scorer {args.scorer}: {error}") from error
 
 
 def _check_types_and_choices(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """argparse checks ``choices`` only on the command line; values from a config file are checked here."""
-    for action in parser._actions:
-        value = getattr(args, action.dest, None)
-        if value is None or action.dest == "help":
+    for dest, declared in parser.recipe_flags.items():
+        value = getattr(args, dest, None)
+        if value is None:
             continue
-        if isinstance(action, argparse._StoreTrueAction):
+        if declared.get("action") == "store_true":
             if not isinstance(value, bool):
-                raise RecipeError(f"{action.dest} must be true or false, got {value!r}.")
+                raise RecipeError(f"{dest} must be true or false, got {value!r}.")
             continue
-        if action.type in (int, float):
+        kind = declared.get("type")
+        if kind in (int, float):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise RecipeError(f"{action.dest} must be a number, got {value!r}.")
-            if action.type is int and not float(value).is_integer():
-                raise RecipeError(f"{action.dest} must be an integer, got {value!r}.")
-            value = action.type(value)
-        elif action.type is str and not isinstance(value, str):
+                raise RecipeError(f"{dest} must be a number, got {value!r}.")
+            if kind is int and not float(value).is_integer():
+                raise RecipeError(f"{dest} must be an integer, got {value!r}.")
+            value = kind(value)
+        elif kind is str and not isinstance(value, str):
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 value = str(value)  # e.g. checkpointing_steps: 500 in a YAML file
-            elif action.dest != "layers":  # layers may be a list, parsed by parse_layers
-                raise RecipeError(f"{action.dest} must be a string, got {value!r}.")
-        setattr(args, action.dest, value)
-        if action.choices is not None and value not in action.choices:
-            raise RecipeError(f"{action.dest}={value!r} is not one of {list(action.choices)}.")
+            elif dest != "layers":  # layers may be a list, parsed by parse_layers
+                raise RecipeError(f"{dest} must be a string, got {value!r}.")
+        setattr(args, dest, value)
+        choices = declared.get("choices")
+        if choices is not None and value not in choices:
+            raise RecipeError(f"{dest}={value!r} is not one of {list(choices)}.")
 
 
 def parse_layers(value: Any) -> list[int] | None:
@@ -435,6 +516,11 @@ def parse_layers(value: Any) -> list[int] | None:
 
 def scorer_options(args: argparse.Namespace) -> dict[str, Any]:
     """The options for ``hf_neural_attn.patch_model`` that were given (the rest keep the library's defaults)."""
-    names = {name: name for name in ("h", "proj_dim", "mode", "depth", "terms", "activation")}
-    names.update({"scorer_init": "init", "impl": "impl"})
-    return {option: getattr(args, flag) for flag, option in names.items() if getattr(args, flag) is not None}
+    return {
+        spec.option: getattr(args, flag) for flag, spec in scorer_flags().items() if getattr(args, flag) is not None
+    }
+
+
+def patch_settings() -> tuple[str, ...]:
+    """The run settings that shape the patch: the scorer, its layers and every scorer option's flag."""
+    return ("scorer", "layers", *scorer_flags())

@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """Fine-tune a model with hf_neural_attn's attention patch, and evaluate it: causal LM (WikiText), GLUE, CIFAR.
 
-    accelerate launch recipes/finetune.py                      # offline demo: baseline vs QANA, side by side
-    accelerate launch recipes/finetune.py --model_name_or_path gpt2 --task clm --scorer qana --h 4
-    accelerate launch recipes/finetune.py recipes/configs/qana_gpt2_sst2.yaml
-    python recipes/finetune.py --help
+Run from the repository root, as a module:
+
+    accelerate launch -m recipes.finetune --model_name_or_path gpt2 --task clm --scorer qana --h 4
+    accelerate launch -m recipes.finetune recipes/configs/qana_gpt2_sst2.yaml
+    python -m recipes.finetune --help
+    accelerate launch -m recipes.compare                     # the offline demo: baseline vs QANA, side by side
 
 The flags follow the Hugging Face ``*_no_trainer.py`` example scripts; ``docs/recipes.md`` has the full guide.
 A run writes to ``--output_dir``: the model (loadable with ``hf_neural_attn.from_pretrained``), its tokenizer or
@@ -16,35 +18,33 @@ image processor, ``all_results.json``, ``training_history.json``, a model card `
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: import the sibling modules as the `recipes` package
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
-
 import argparse
 import json
 import logging
 import math
 import os
 import random
+import sys
 import time
 import zlib
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from recipes import checkpointing, hub, modeling, report, scorer_plots
-from recipes.args import RecipeError, parse_args
+from recipes.args import RecipeError, build_parser, parse_args, patch_settings
 from recipes.tasks import Task, get_task
 
 logger = logging.getLogger("recipes")
 
 # Settings a resumed run must share with the run that wrote the checkpoint: what shapes the data order,
-# the model (patch options included) and the optimisation. A resumed optimizer and scheduler keep their
-# saved state, so a changed learning rate would silently not apply.
-RESUME_SETTINGS = (
+# the model and the optimisation; the patch's settings (scorer, layers, every scorer option) are added by
+# resume_settings(). A resumed optimizer and scheduler keep their saved state, so a changed learning rate
+# would silently not apply.
+RESUME_RUN_SETTINGS = (
     "task",
     "seed",
     "per_device_train_batch_size",
@@ -52,15 +52,6 @@ RESUME_SETTINGS = (
     "num_processes",
     "max_train_steps",
     "model",
-    "scorer",
-    "layers",
-    "h",
-    "proj_dim",
-    "mode",
-    "depth",
-    "activation",
-    "scorer_init",
-    "impl",
     "train_only_new_params",
     "learning_rate",
     "scorer_learning_rate",
@@ -71,16 +62,24 @@ RESUME_SETTINGS = (
 SECRET_SETTINGS = ("hub_token",)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry: no arguments runs the offline demo (baseline and patched side by side)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        if not argv:
-            from recipes.compare import run_demo
+def resume_settings() -> tuple[str, ...]:
+    """Every setting a checkpoint must share with the run resuming it."""
+    return (*RESUME_RUN_SETTINGS, *patch_settings())
 
-            run_demo()
-        else:
-            run(parse_args(argv))
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry. Without arguments it prints the usage (the offline demo is recipes/compare.py)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        build_parser().print_usage(sys.stderr)
+        print(
+            "finetune.py: give the run's flags or a config file (--help lists them); "
+            "`accelerate launch -m recipes.compare` runs the offline demo.",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        run(parse_args(argv))
     except RecipeError as error:
         print(f"finetune.py: error: {error}", file=sys.stderr)
         return 2
@@ -163,11 +162,43 @@ def tracker_config(settings: dict[str, Any]) -> dict[str, Any]:
     return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in settings.items()}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """One fine-tuning run, end to end. Returns what all_results.json holds, plus the training history."""
+@dataclass
+class TrainingRun:
+    """Everything one run carries from setup through training to its outputs."""
+
+    args: argparse.Namespace
+    task: Task
+    accelerator: Any
+    bundle: modeling.ModelBundle
+    preprocessor: Any
+    data: Any
+    parameters: dict[str, int]
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    train_dataloader: Any
+    eval_dataloaders: dict[str, Any]
+    updates_per_epoch: int
+    max_train_steps: int
+    num_epochs: int
+    total_batch: int
+    settings: dict[str, Any]
+    progress: checkpointing.TrainingProgress
+    resumed: bool
+    track_scorers: bool
+    probe: Any = None
+    probe_described: str = ""
+    # Loss since the last log: this process's sum and micro-batch count. A checkpoint stores the totals over
+    # all processes, so a resumed run logs the same means as an uninterrupted one.
+    running: Any = None
+    started: float = 0.0
+    runtime_s: float = 0.0
+
+
+def setup(args: argparse.Namespace) -> TrainingRun:
+    """Check the inputs, build the model and data, the optimizer and scheduler, and restore a checkpoint."""
     from accelerate.utils import set_seed
     from torch.utils.data import DataLoader
-    from tqdm.auto import tqdm
     from transformers import get_scheduler
 
     task: Task = get_task(args.task)
@@ -189,6 +220,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # Everything that can be wrong with the inputs fails here, before training starts.
     hub.check_hub(args)
+    if args.push_to_hub:
+        hub.check_push_access(args.hub_model_id, args.hub_token)
     config = modeling.load_config(args)
     if args.task == "image":
         preprocessor = modeling.load_image_processor(args, config)
@@ -197,35 +230,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     raw = task.load_raw(args)
     labels = task.check_raw(args, raw)
     bundle = modeling.build_model(args, config, preprocessor, labels)
-    model = bundle.model
-    data = task.prepare(args, raw, preprocessor, model.config, labels, accelerator)
-    parameters = modeling.count_parameters(model)
+    data = task.prepare(args, raw, preprocessor, bundle.model.config, labels, accelerator)
+    parameters = modeling.count_parameters(bundle.model)
     logger.info(
         "Model %s from %s; patch: %s; parameters: %s",
-        type(model).__name__,
+        type(bundle.model).__name__,
         bundle.source,
         report.describe_patch(bundle.patch),
         parameters,
     )
     resume_path = checkpointing.resolve_resume(args.resume_from_checkpoint, args.output_dir)
 
-    train_dataloader = DataLoader(
-        data.train_dataset,
-        shuffle=True,
-        collate_fn=data.train_collate,
-        batch_size=args.per_device_train_batch_size,
+    train_dataloader = accelerator.prepare(
+        DataLoader(
+            data.train_dataset,
+            shuffle=True,
+            collate_fn=data.train_collate,
+            batch_size=args.per_device_train_batch_size,
+        )
     )
     eval_dataloaders = {
-        name: DataLoader(dataset, collate_fn=data.eval_collate, batch_size=args.per_device_eval_batch_size)
+        name: accelerator.prepare(
+            DataLoader(dataset, collate_fn=data.eval_collate, batch_size=args.per_device_eval_batch_size)
+        )
         for name, dataset in data.eval_datasets.items()
     }
-    train_dataloader = accelerator.prepare(train_dataloader)
-    eval_dataloaders = {name: accelerator.prepare(loader) for name, loader in eval_dataloaders.items()}
-
     updates_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_train_epochs * updates_per_epoch
-    num_epochs = math.ceil(max_train_steps / updates_per_epoch)
-    optimizer = build_optimizer(model, args)
+    optimizer = build_optimizer(bundle.model, args)
     # Accelerate steps a prepared scheduler once per process for every optimizer step.
     scheduler = get_scheduler(
         args.lr_scheduler_type,
@@ -233,12 +265,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
         num_training_steps=max_train_steps * accelerator.num_processes,
     )
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    model, optimizer, scheduler = accelerator.prepare(bundle.model, optimizer, scheduler)
 
     os.makedirs(args.output_dir, exist_ok=True)
     settings = public_settings(args)
     resume_key = {
-        **{k: settings.get(k) for k in RESUME_SETTINGS},
+        **{k: settings.get(k) for k in resume_settings()},
         "num_processes": accelerator.num_processes,
         "max_train_steps": max_train_steps,
         "model": bundle.source,
@@ -250,124 +282,165 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         logger.info("Resuming from %s (step %d)", resume_path, saved.completed_steps)
         accelerator.load_state(str(resume_path))
         progress = saved
-
     if args.with_tracking:
         accelerator.init_trackers("finetune", tracker_config(settings))
-
-    total_batch = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
-    logger.info("***** Running training *****")
-    logger.info("  Task = %s; examples = %d; epochs = %d", args.task, len(data.train_dataset), num_epochs)
-    logger.info(
-        "  Batch size per device = %d; total (parallel, accumulation) = %d",
-        args.per_device_train_batch_size,
-        total_batch,
-    )
-    logger.info("  Optimizer steps = %d (%d per epoch)", max_train_steps, updates_per_epoch)
-
-    def evaluate_now() -> dict[str, float]:
-        metrics = task.evaluate(model, eval_dataloaders, accelerator, args)
-        record = {"step": progress.completed_steps, **metrics}
-        progress.evaluations.append(record)
-        logger.info("Step %d evaluation: %s", progress.completed_steps, metrics)
-        if args.with_tracking:
-            accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=progress.completed_steps)
-        return metrics
-
-    def checkpoint(name: str) -> None:
-        progress.pending_loss = accelerator.gather(running[None]).sum(0).tolist()
-        progress.runtime_s = time.time() - started
-        checkpointing.save_checkpoint(accelerator, args.output_dir, name, progress)
-        if accelerator.is_main_process:
-            checkpointing.prune_checkpoints(args.output_dir, args.checkpoints_total_limit)
-        accelerator.wait_for_everyone()
 
     # Patched runs: the scorers' gates and norms at step 0 and every logging step, on one probe input.
     track_scorers = bundle.patch is not None and scorer_plots.supported(accelerator)
     if bundle.patch is not None and not track_scorers:
         logger.info("Sharded parameters (%s): no scorer history or attention maps.", accelerator.distributed_type)
-    probe, probe_described = scorer_plots.probe_inputs(data, task, args) if track_scorers else (None, "")
-    if track_scorers and progress.completed_steps == 0 and not progress.scorer_history:
-        scorer_plots.record(progress, accelerator.unwrap_model(model), probe)
+    state = TrainingRun(
+        args=args,
+        task=task,
+        accelerator=accelerator,
+        bundle=bundle,
+        preprocessor=preprocessor,
+        data=data,
+        parameters=parameters,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_dataloader=train_dataloader,
+        eval_dataloaders=eval_dataloaders,
+        updates_per_epoch=updates_per_epoch,
+        max_train_steps=max_train_steps,
+        num_epochs=math.ceil(max_train_steps / updates_per_epoch),
+        total_batch=args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps,
+        settings=settings,
+        progress=progress,
+        resumed=resume_path is not None,
+        track_scorers=track_scorers,
+    )
+    if track_scorers:
+        state.probe, state.probe_described = scorer_plots.probe_inputs(data, task, args)
+        if progress.completed_steps == 0 and not progress.scorer_history:
+            scorer_plots.record(progress, accelerator.unwrap_model(model), state.probe)
+    return state
 
+
+def evaluate(state: TrainingRun) -> dict[str, float]:
+    """Evaluate now; the metrics join the run's history (and the tracker)."""
+    args, progress = state.args, state.progress
+    metrics = state.task.evaluate(state.model, state.eval_dataloaders, state.accelerator, args)
+    progress.evaluations.append({"step": progress.completed_steps, **metrics})
+    logger.info("Step %d evaluation: %s", progress.completed_steps, metrics)
+    if args.with_tracking:
+        state.accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=progress.completed_steps)
+    return metrics
+
+
+def save_checkpoint(state: TrainingRun, name: str) -> None:
+    accelerator, progress = state.accelerator, state.progress
+    progress.pending_loss = accelerator.gather(state.running[None]).sum(0).tolist()
+    progress.runtime_s = time.time() - state.started
+    checkpointing.save_checkpoint(accelerator, state.args.output_dir, name, progress)
+    if accelerator.is_main_process:
+        checkpointing.prune_checkpoints(state.args.output_dir, state.args.checkpoints_total_limit)
+    accelerator.wait_for_everyone()
+
+
+def log_training_loss(state: TrainingRun, step: int) -> str:
+    """Log the mean loss since the last log; returns it formatted for the progress bar."""
+    accelerator = state.accelerator
+    total, count = accelerator.gather(state.running[None]).sum(0).tolist()
+    state.running.zero_()
+    mean_loss = total / count
+    state.progress.train_loss.append([step, mean_loss])
+    learning_rate = state.scheduler.get_last_lr()[0]
+    if state.args.with_tracking:
+        accelerator.log({"train/loss": mean_loss, "train/learning_rate": learning_rate}, step=step)
+    if state.track_scorers:
+        scorer_plots.record(state.progress, accelerator.unwrap_model(state.model), state.probe)
+    return f"loss={mean_loss:.4f}, lr={learning_rate:.2e}"
+
+
+def train(state: TrainingRun) -> TrainingRun:
+    """The training loop: optimizer steps up to the budget, with logging, evaluation and checkpoints."""
+    from tqdm.auto import tqdm
+
+    args, accelerator, progress, model = state.args, state.accelerator, state.progress, state.model
+    logger.info("***** Running training *****")
+    logger.info("  Task = %s; examples = %d; epochs = %d", args.task, len(state.data.train_dataset), state.num_epochs)
+    logger.info(
+        "  Batch size per device = %d; total (parallel, accumulation) = %d",
+        args.per_device_train_batch_size,
+        state.total_batch,
+    )
+    logger.info("  Optimizer steps = %d (%d per epoch)", state.max_train_steps, state.updates_per_epoch)
     step_checkpoints = int(args.checkpointing_steps) if (args.checkpointing_steps or "").isdigit() else None
     bar = tqdm(
-        total=max_train_steps,
+        total=state.max_train_steps,
         initial=progress.completed_steps,
         desc="Training",
         disable=not accelerator.is_local_main_process,
     )
-    # Loss since the last log: this process's sum and micro-batch count. A checkpoint stores the totals over
-    # all processes, so a resumed run logs the same means as an uninterrupted one.
-    running = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    state.running = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     if accelerator.is_main_process and progress.pending_loss:
-        running += torch.tensor(progress.pending_loss, dtype=torch.float64, device=accelerator.device)
-    started = time.time() - progress.runtime_s
-    if args.eval_at_start and resume_path is None:
-        evaluate_now()
+        state.running += torch.tensor(progress.pending_loss, dtype=torch.float64, device=accelerator.device)
+    state.started = time.time() - progress.runtime_s
+    if args.eval_at_start and not state.resumed:
+        evaluate(state)
     model.train()
-    while progress.completed_steps < max_train_steps:
+    while progress.completed_steps < state.max_train_steps:
         epoch = progress.epoch
-        train_dataloader.set_epoch(epoch)
-        batches = train_dataloader
+        state.train_dataloader.set_epoch(epoch)
+        batches = state.train_dataloader
         if progress.batches_in_epoch:
-            batches = accelerator.skip_first_batches(train_dataloader, progress.batches_in_epoch)
+            batches = accelerator.skip_first_batches(state.train_dataloader, progress.batches_in_epoch)
         finished_epoch = True
         for batch in batches:
             reseed(args.seed, progress.micro_steps)
             with accelerator.accumulate(model):
-                loss = model(**task.training_inputs(batch, epoch, args)).loss
+                loss = model(**state.task.training_inputs(batch, epoch, args)).loss
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and args.max_grad_norm:
                     # All of model.parameters() (frozen ones have no gradient): under FSDP Accelerate then
                     # clips with the sharded model's own clip_grad_norm_.
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
+                state.optimizer.step()
+                state.scheduler.step()
+                state.optimizer.zero_grad()
             progress.batches_in_epoch += 1
             progress.micro_steps += 1
-            running += torch.stack([loss.detach().double(), torch.ones((), dtype=torch.float64, device=running.device)])
+            one = torch.ones((), dtype=torch.float64, device=state.running.device)
+            state.running += torch.stack([loss.detach().double(), one])
             if not accelerator.sync_gradients:
                 continue
             progress.completed_steps += 1
             step = progress.completed_steps
             bar.update(1)
-            if step % args.logging_steps == 0 or step == max_train_steps:
-                total, count = accelerator.gather(running[None]).sum(0).tolist()
-                running.zero_()
-                mean_loss = total / count
-                progress.train_loss.append([step, mean_loss])
-                learning_rate = scheduler.get_last_lr()[0]
-                bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{learning_rate:.2e}")
-                if args.with_tracking:
-                    accelerator.log({"train/loss": mean_loss, "train/learning_rate": learning_rate}, step=step)
-                if track_scorers:
-                    scorer_plots.record(progress, accelerator.unwrap_model(model), probe)
+            if step % args.logging_steps == 0 or step == state.max_train_steps:
+                bar.set_postfix_str(log_training_loss(state, step))
             if args.eval_steps and step % args.eval_steps == 0:
-                evaluate_now()
+                evaluate(state)
             if step_checkpoints and step % step_checkpoints == 0:
-                checkpoint(f"step_{step}")
-            if step >= max_train_steps:
+                save_checkpoint(state, f"step_{step}")
+            if step >= state.max_train_steps:
                 finished_epoch = False
                 break
-        if finished_epoch or progress.batches_in_epoch >= len(train_dataloader):  # also when the budget ends an epoch
+        if finished_epoch or progress.batches_in_epoch >= len(state.train_dataloader):  # also when the budget ends
             progress.epoch += 1
             progress.batches_in_epoch = 0
-            if not args.eval_steps and progress.completed_steps < max_train_steps:
-                evaluate_now()
+            if not args.eval_steps and progress.completed_steps < state.max_train_steps:
+                evaluate(state)
             if args.checkpointing_steps == "epoch":
-                checkpoint(f"epoch_{epoch}")
+                save_checkpoint(state, f"epoch_{epoch}")
     bar.close()
-
     if not progress.evaluations or progress.evaluations[-1]["step"] != progress.completed_steps:
-        evaluate_now()
-    final = {k: v for k, v in progress.evaluations[-1].items() if k != "step"}
-    runtime = time.time() - started
+        evaluate(state)
+    state.runtime_s = time.time() - state.started
+    return state
 
+
+def write_outputs(state: TrainingRun) -> dict[str, Any]:
+    """Save the model, its preprocessor, results, history, plots and model card; upload with --push_to_hub.
+    Returns what all_results.json holds, plus the training and scorer histories."""
+    args, accelerator, progress, task, bundle = state.args, state.accelerator, state.progress, state.task, state.bundle
+    final = {k: v for k, v in progress.evaluations[-1].items() if k != "step"}
     # The fine-tuned model (patched: loadable with hf_neural_attn.from_pretrained), tokenizer or processor.
     accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    state_dict = accelerator.get_state_dict(model)
+    unwrapped = accelerator.unwrap_model(state.model)
+    state_dict = accelerator.get_state_dict(state.model)
     unwrapped.save_pretrained(
         args.output_dir,
         is_main_process=accelerator.is_main_process,
@@ -375,17 +448,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         state_dict=state_dict,
     )
     plots: dict[str, Any] = {}
-    if track_scorers and accelerator.is_main_process:
+    if state.track_scorers and accelerator.is_main_process:
         plots_started = time.time()
         try:
             plots = scorer_plots.draw(
                 unwrapped,
                 progress.scorer_history,
-                probe,
-                probe_described,
+                state.probe,
+                state.probe_described,
                 Path(args.output_dir),
                 args,
-                tokenizer=None if args.task == "image" else preprocessor,
+                tokenizer=None if args.task == "image" else state.preprocessor,
                 title=f"{args.task}: {report.describe_patch(bundle.patch)}, step {progress.completed_steps}",
             )
         except Exception:  # the model is saved: a figure that fails to draw must not lose the run
@@ -398,13 +471,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "metric_names": task.metric_names() + [k for k in ("eval_loss",) if k in final],
         "train_loss": progress.train_loss[-1][1] if progress.train_loss else None,
         "train_steps": progress.completed_steps,
-        "epochs": round(progress.completed_steps / updates_per_epoch, 4),
-        "train_runtime_s": runtime,
-        "train_samples": len(data.train_dataset),
-        "eval_samples": {name: len(dataset) for name, dataset in data.eval_datasets.items()},
+        "epochs": round(progress.completed_steps / state.updates_per_epoch, 4),
+        "train_runtime_s": state.runtime_s,
+        "train_samples": len(state.data.train_dataset),
+        "eval_samples": {name: len(dataset) for name, dataset in state.data.eval_datasets.items()},
         "num_processes": accelerator.num_processes,
-        "total_train_batch_size": total_batch,
-        "parameters": parameters,
+        "total_train_batch_size": state.total_batch,
+        "parameters": state.parameters,
         "patch": bundle.patch,
         "task": args.task,
         "task_kind": task.kind,
@@ -413,22 +486,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model_source": bundle.source,
         "base_model": bundle.base_model,
         "from_scratch": bundle.from_scratch,
-        "data": vars(data.info),
-        "settings": settings,
+        "data": vars(state.data.info),
+        "settings": state.settings,
         "plots": plots,
     }
     if task.kind == "clm":
         results.update(block_size=task.block, stride=task.stride)
     history = {"train_loss": progress.train_loss, "evaluations": progress.evaluations}
     if accelerator.is_main_process:
-        preprocessor.save_pretrained(args.output_dir)
+        state.preprocessor.save_pretrained(args.output_dir)
         output = Path(args.output_dir)
         report.write_json(output / report.RESULTS_FILE, results)
         report.write_json(output / "training_history.json", history)
         title = f"{args.task}: {report.describe_patch(bundle.patch)}"
         report.plot_training(history, task.primary_metric, output / report.PLOT_FILE, title)
         (output / report.CARD_FILE).write_text(report.model_card(results, output))
-        logger.info("Final metrics: %s", {k: final[k] for k in final})
+        logger.info("Final metrics: %s", final)
         logger.info(
             "Wrote the model, %s, %s and %s to %s", report.RESULTS_FILE, report.CARD_FILE, report.PLOT_FILE, output
         )
@@ -439,6 +512,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report.push_to_hub(args.output_dir, args.hub_model_id, token=args.hub_token, private=args.hub_private_repo)
     accelerator.wait_for_everyone()
     return {**results, "history": history, "scorer_history": progress.scorer_history}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """One fine-tuning run, end to end: setup, train, write the outputs."""
+    return write_outputs(train(setup(args)))
 
 
 if __name__ == "__main__":

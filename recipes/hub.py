@@ -55,7 +55,7 @@ def go_offline() -> None:
 
 def hub_resources(args: argparse.Namespace) -> list[str]:
     """The Hub ids this run would download from (local paths excluded)."""
-    from .tasks import uses_embedded_model
+    from .tasks import EMBEDDED_CORPUS, uses_embedded_model
 
     names = [
         args.model_name_or_path,
@@ -65,7 +65,9 @@ def hub_resources(args: argparse.Namespace) -> list[str]:
     ]
     needed = [name for name in names if name and not os.path.exists(name)]
     local_data = args.train_file or args.train_dir
-    if args.dataset_name and not os.path.exists(args.dataset_name):
+    if args.dataset_name == EMBEDDED_CORPUS and args.task == "clm":
+        pass
+    elif args.dataset_name and not os.path.exists(args.dataset_name):
         needed.append(args.dataset_name)
     elif not local_data and not args.dataset_name and not (args.task == "clm" and uses_embedded_model(args)):
         needed.append(f"the default {args.task} dataset")
@@ -86,3 +88,49 @@ def check_hub(args: argparse.Namespace) -> None:
             ", ".join(needed),
         )
         go_offline()
+
+
+def check_push_access(repo_id: str, token: str | None) -> None:
+    """``--push_to_hub``, before training: the Hub must be reachable and the token (``--hub_token`` or the
+    logged-in one) valid, with write access to the repository's namespace. A failed upload would otherwise show
+    up only after the whole run."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError
+
+    from .args import RecipeError
+
+    if is_offline():
+        raise RecipeError("--push_to_hub needs the Hugging Face Hub, but offline mode is on (HF_HUB_OFFLINE=1).")
+    if not hub_reachable():
+        raise RecipeError(
+            f"--push_to_hub: the Hugging Face Hub ({constants.ENDPOINT}) is not reachable from this machine. "
+            "Train without --push_to_hub and upload the output folder later."
+        )
+    try:
+        # Looked up on the module, so that a test can stand in for the client.
+        info = huggingface_hub.HfApi(token=token).whoami()
+    except LocalTokenNotFoundError as error:
+        raise RecipeError(
+            "--push_to_hub: not logged in to the Hugging Face Hub. Run `hf auth login` or pass --hub_token."
+        ) from error
+    except HfHubHTTPError as error:
+        status = getattr(getattr(error, "response", None), "status_code", None)
+        if status == 401:
+            raise RecipeError(
+                "--push_to_hub: the Hub rejected the token (invalid or expired). Log in again with `hf auth login` "
+                "or pass a valid --hub_token."
+            ) from error
+        raise RecipeError(f"--push_to_hub: could not check the Hub token: {error}") from error
+    except OSError as error:  # connection failures after the reachability check
+        raise RecipeError(f"--push_to_hub: could not reach the Hugging Face Hub: {error}") from error
+    access = ((info.get("auth") or {}).get("accessToken") or {}).get("role")
+    if access == "read":
+        raise RecipeError("--push_to_hub: the Hub token is read-only; use a token with write access.")
+    namespace = repo_id.split("/", 1)[0] if "/" in repo_id else info.get("name")
+    allowed = {info.get("name")} | {org.get("name") for org in info.get("orgs") or []}
+    if namespace not in allowed:
+        raise RecipeError(
+            f"--push_to_hub: the token belongs to {info.get('name')!r}, which cannot create repositories under "
+            f"{namespace!r} (its namespaces: {sorted(n for n in allowed if n)}). Check --hub_model_id."
+        )

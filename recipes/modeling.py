@@ -45,6 +45,7 @@ EMBEDDED_IMAGE_CONFIG = {
     "intermediate_size": 128,
 }
 EMBEDDED_NAME = "embedded (built from a config here, byte-level ByT5Tokenizer)"
+EMBEDDED_IMAGE_NAME = "embedded (a small ViT built from a config here)"
 
 
 @dataclass
@@ -123,6 +124,10 @@ def describe_source(args: argparse.Namespace) -> str:
         return f"config {args.config_name} (from scratch)"
     if args.model_type:
         return f"model type {args.model_type} (from scratch)"
+    if args.task == "image":
+        return EMBEDDED_IMAGE_NAME
+    if args.tokenizer_name:
+        return f"embedded (built from a config here, tokenizer {args.tokenizer_name})"
     return EMBEDDED_NAME
 
 

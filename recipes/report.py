@@ -112,8 +112,13 @@ def plot_comparison(runs: list[dict[str, Any]], metric: str, path: str | os.Path
 # ------------------------------------------------------------------------------------------ comparison
 
 
-def comparison_table(runs: list[dict[str, Any]], metrics: list[str], greater_is_better: bool) -> str:
-    """A markdown table: one row per run, its patch, added parameters, metrics, and change vs the first run."""
+def comparison_table(
+    runs: list[dict[str, Any]], metrics: list[str], greater_is_better: bool, no_difference_below: float = 1.0
+) -> str:
+    """A markdown table: one row per run, its patch, added parameters, metrics, and change vs the first run.
+
+    A relative change of the primary metric smaller than ``no_difference_below`` percent reads "no difference".
+    """
     primary = metrics[0]
     header = ["run", "patch", "params added", *[METRIC_LABELS.get(m, m) for m in metrics]]
     header += [f"Δ {METRIC_LABELS.get(primary, primary)} vs baseline", "train time (s)"]
@@ -127,12 +132,23 @@ def comparison_table(runs: list[dict[str, Any]], metrics: list[str], greater_is_
         else:
             change = 100.0 * (value - baseline) / abs(baseline)
             better = (change > 0) == greater_is_better
-            delta = f"{change:+.2f}% ({'better' if better else 'worse'})" if change else "0.00%"
+            verdict = "no difference" if abs(change) < no_difference_below else ("better" if better else "worse")
+            delta = f"{change:+.2f}% ({verdict})"
         row = [run["label"], run["patch"], f"{results.get('parameters', {}).get('added_by_patch', 0):,}"]
         row += [format_value(results.get(m, "—")) for m in metrics]
         row += [delta, f"{results.get('train_runtime_s', 0.0):.1f}"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
+
+
+def no_difference_note(no_difference_below: float) -> str:
+    """What "no difference" in the comparison table means."""
+    return (
+        f'Changes smaller than {no_difference_below:g}% of the baseline\'s value read "no difference": one run per '
+        "model cannot tell them from seed noise (a different seed, or only a different floating-point summation "
+        "order, moves a result by about that much). Set the threshold with --no_difference_below, ideally to the "
+        "spread of a few baseline runs with different seeds."
+    )
 
 
 def describe_patch(patch: dict[str, Any] | None) -> str:
@@ -184,7 +200,8 @@ def model_card(results: dict[str, Any], output_dir: str | os.PathLike) -> str:
     card_data = ModelCardData(
         base_model=results.get("base_model"),
         datasets=[data["dataset_name"]] if data["hub_dataset"] else None,
-        library_name="transformers",
+        # A patched checkpoint loads through hf_neural_attn (its config records the patch); a baseline is plain.
+        library_name="hf-neural-attn" if patch else "transformers",
         metrics=index_metrics,
         model_name=Path(output_dir).resolve().name if not settings.get("hub_model_id") else settings["hub_model_id"],
         pipeline_tag=results["pipeline_tag"],
@@ -197,11 +214,14 @@ def model_card(results: dict[str, Any], output_dir: str | os.PathLike) -> str:
     if patch:
         imports = f"import hf_neural_attn\nfrom transformers import {processor_class}"
         model_line = f'model = hf_neural_attn.from_pretrained("{repo}")  # {results["model_class"]}, patch re-applied'
+        install = "```bash\npip install hf-neural-attn\n```\n\n"
     else:
         imports = f"from transformers import {processor_class}, {results['model_class']}"
         model_line = f'model = {results["model_class"]}.from_pretrained("{repo}")  # baseline: no patch'
+        install = ""
     load = (
-        f'```python\n{imports}\n\n{model_line}\n{processor_name} = {processor_class}.from_pretrained("{repo}")\n```\n'
+        f"{install}```python\n{imports}\n\n{model_line}\n"
+        f'{processor_name} = {processor_class}.from_pretrained("{repo}")\n```\n'
     )
 
     patch_rows = "| setting | value |\n|---|---|\n"

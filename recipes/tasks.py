@@ -32,7 +32,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .args import GLUE_TASKS, TEXT_EXTENSIONS, RecipeError
+# EMBEDDED_CORPUS: the Python documentation topics that ship with the interpreter, the demo's data; also selected
+# by --dataset_name pydoc_data (e.g. to train a demo checkpoint further).
+from .args import EMBEDDED_CORPUS, GLUE_TASKS, TEXT_EXTENSIONS, RecipeError
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +68,6 @@ DEFAULT_CLM_DATASET = ("wikitext", "wikitext-2-raw-v1")
 DEFAULT_GLUE_DATASET = "nyu-mll/glue"
 DEFAULT_IMAGE_DATASET = "uoft-cs/cifar10"
 IMAGE_DATASET_ALIASES = {"cifar10": "uoft-cs/cifar10", "cifar100": "uoft-cs/cifar100"}
-EMBEDDED_CORPUS = "pydoc_data"  # the Python documentation topics that ship with the interpreter
 
 
 @dataclass
@@ -251,7 +252,7 @@ class CausalLMTask(Task):
             kwargs = {"keep_linebreaks": True} if builder == "text" else {}
             raw = _load_dataset(builder, data_files=files, what="local data", **kwargs)
             self.info = DataInfo("local files", files=list(files.values()))
-        elif args.dataset_name is None and uses_embedded_model(args):
+        elif args.dataset_name == EMBEDDED_CORPUS or (args.dataset_name is None and uses_embedded_model(args)):
             raw = embedded_corpus()
             self.info = DataInfo(EMBEDDED_CORPUS, dataset_config="topics")
         else:

@@ -10,11 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # the recipes are a folder of the repository, not an installed package
-    sys.path.insert(0, str(ROOT))
+import pytest
 
-FINETUNE = ROOT / "recipes" / "finetune.py"
+# The recipes are a package of the repository (importable from its root: pytest's pythonpath has "."), run as
+# modules: `python -m recipes.finetune` from the repository root.
+ROOT = Path(__file__).resolve().parent.parent
+FINETUNE = ["-m", "recipes.finetune"]
 
 WORDS = [
     "the",
@@ -70,6 +71,16 @@ TINY_GPT2 = {
 TINY_GPT2_OVERRIDES = "n_layer=2,n_embd=32,n_head=2,resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0"
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Each in-process run builds its own Accelerator; reset Accelerate's process-wide singletons after it."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 def offline_env(home: Path | None = None, **extra: str) -> dict[str, str]:
     """Environment for recipe subprocesses: no Hub, one thread per process (deterministic float results)."""
     env = dict(os.environ)
@@ -88,7 +99,7 @@ def offline_env(home: Path | None = None, **extra: str) -> dict[str, str]:
 
 
 def run_recipe(args: list[str], env: dict[str, str], timeout: int = 300, launcher: list[str] | None = None):
-    command = (launcher or [sys.executable]) + [str(FINETUNE), *args]
+    command = (launcher or [sys.executable]) + [*FINETUNE, *args]
     return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
 
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import recipes_helpers as helpers
 import torch
-from recipes_helpers import (
+from recipes_helpers import (  # fresh_accelerate_state: an autouse fixture
+    fresh_accelerate_state,  # noqa: F401
     glue_file_args,
     read_history,
     read_results,
@@ -34,16 +35,6 @@ from recipes.finetune import run
 TINY_DISTILBERT = "n_layers=1,dim=32,n_heads=2,hidden_dim=64"  # a family the patch does not support
 
 # ------------------------------------------------------------------------------------------ fixtures
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Each in-process run builds its own Accelerator; reset Accelerate's process-wide singletons after it."""
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 @pytest.fixture(scope="module")
@@ -297,9 +288,9 @@ def bad_input_cases(assets, tmp_path):
             "Cannot patch DistilBertForSequenceClassification",
         ),
         "baseline with patch options": (["--task", "clm", "--scorer", "none", "--h", "8"], "takes no patch options"),
-        "unknown scorer option value": (
-            ["--task", "clm", "--scorer", "neural", "--activation", "swish"],
-            "activation='swish'",
+        "scorer options that do not fit together": (
+            ["--task", "clm", "--scorer", "neural", "--depth", "4", "--h", "4"],
+            "depth=4 needs h >= 8",
         ),
         "freezing a from-scratch model": (
             ["--task", "clm", "--train_file", str(assets["train_txt"]), "--train_only_new_params"],
@@ -395,6 +386,7 @@ def test_clm_run_leaves_a_loadable_checkpoint_results_card_and_plot(assets, tmp_
     assert evaluation.metric_value == pytest.approx(results["perplexity"])
     assert "hf-neural-attn" in card.data.tags and "qana" in card.data.tags
     assert "hf_neural_attn.from_pretrained" in card.text and "| h | 4 |" in card.text
+    assert card.data.library_name == "hf-neural-attn" and "pip install hf-neural-attn" in card.text
     with Image.open(out / report.PLOT_FILE) as plot:
         assert plot.format == "PNG" and plot.size[0] > 300
     assert list(out.glob("finetune/events.out.tfevents.*")), "TensorBoard tracking wrote no event file"
@@ -661,6 +653,10 @@ def test_push_to_hub_uploads_the_output_folder(assets, tmp_path, monkeypatch):
         def __init__(self, token=None):
             calls.append(("init", token))
 
+        def whoami(self):
+            calls.append(("whoami",))
+            return {"name": "someone", "orgs": [], "auth": {"accessToken": {"role": "write"}}}
+
         def create_repo(self, repo_id, **kwargs):
             calls.append(("create_repo", repo_id, kwargs))
 
@@ -669,16 +665,21 @@ def test_push_to_hub_uploads_the_output_folder(assets, tmp_path, monkeypatch):
                 ("upload_folder", repo_id, folder_path, sorted(p.name for p in Path(folder_path).iterdir()), kwargs)
             )
 
+    from recipes import hub
+
     monkeypatch.setattr(huggingface_hub, "HfApi", RecordingApi)
+    monkeypatch.setattr(hub, "is_offline", lambda: False)
+    monkeypatch.setattr(hub, "_reachable", True)
     out = tmp_path / "push"
     finetune(
         out,
         *clm_flags(assets, "--push_to_hub", "--hub_model_id", "someone/tiny-qana", "--hub_token", "hf_test"),
         *("--checkpointing_steps", "2"),
     )
-    assert calls[0] == ("init", "hf_test")
-    assert calls[1][:2] == ("create_repo", "someone/tiny-qana")
-    _, repo, folder, files, kwargs = calls[2]
+    assert calls[:2] == [("init", "hf_test"), ("whoami",)]  # checked before training
+    assert calls[2] == ("init", "hf_test")
+    assert calls[3][:2] == ("create_repo", "someone/tiny-qana")
+    _, repo, folder, files, kwargs = calls[4]
     assert repo == "someone/tiny-qana" and Path(folder) == out
     assert {
         "README.md",

@@ -1,6 +1,6 @@
 """The recipe as separate processes: two-process DDP (Accelerate over gloo, on CPU) and resume after SIGKILL.
 
-These start `python recipes/finetune.py` / `accelerate launch ... recipes/finetune.py` subprocesses offline
+These start `python -m recipes.finetune` / `accelerate launch ... -m recipes.finetune` subprocesses offline
 (HF_HUB_OFFLINE=1), one thread per process so that float results are reproducible from run to run.
 """
 
@@ -129,7 +129,7 @@ def test_resume_after_sigkill_ends_with_the_uninterrupted_metrics(workspace, tmp
     flags += ["--max_eval_samples", "10"]
     env = offline_env(tmp_path / "hf_home")
     killed = tmp_path / "killed"
-    command = [sys.executable, str(FINETUNE), *flags, "--output_dir", str(killed)]
+    command = [sys.executable, *FINETUNE, *flags, "--output_dir", str(killed)]
     process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 240

@@ -22,30 +22,28 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import ACTIVATIONS, AttentionGeometry, MLPScorerConfig, Scorer, _check_choice
+from .base import ACTIVATIONS, AttentionGeometry, MLPScorerConfig, Scorer, option, redefault
 
 MODES = ("residual", "replace")
 
 
 @dataclass
 class AdditiveConfig(MLPScorerConfig):
-    """Additive attention options.
-
-    Args:
-        h: hidden units per head (Bahdanau's attention width).
-        activation: ``"tanh"`` by default, as in the paper.
-        mode: ``"residual"`` keeps the dot product and adds the gated additive term (function-preserving);
-            ``"replace"`` scores with the additive term alone (for training from scratch).
-    """
+    """Additive attention options: ``h`` is the hidden units per head (Bahdanau's attention width), the
+    activation is ``tanh`` by default as in the paper."""
 
     scorer_name = "additive"
 
-    activation: str = "tanh"
-    mode: str = "residual"
+    activation: str = redefault(MLPScorerConfig, "activation", "tanh")
+    mode: str = option(
+        "residual",
+        "residual keeps the dot product and adds the gated additive term (function-preserving); replace scores "
+        "with the additive term alone (for training from scratch)",
+        choices=MODES,
+    )
 
     def validate(self) -> None:
         super().validate()
-        _check_choice("mode", self.mode, MODES)
         if self.mode == "replace" and self.init == "zero":
             raise ValueError("init='zero' only applies to mode='residual'; mode='replace' trains from a random init.")
 
@@ -66,7 +64,7 @@ class AdditiveScorer(Scorer):
             self.gate = nn.Parameter(torch.empty(heads, **factory))
         else:
             self.register_parameter("gate", None)
-        self.init_parameters()
+        self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

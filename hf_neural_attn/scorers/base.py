@@ -9,8 +9,9 @@ hands over q, k and RoPE lives in :mod:`hf_neural_attn.families`.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -30,31 +31,58 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 INITS = ("default", "zero")
 
 
+def option(default: Any, help: str, *, choices=None, minimum: int | None = None, nullable: bool = False) -> Any:
+    """A scorer option: a dataclass field whose metadata declares its meaning and constraints once.
+
+    ``help`` is the text shown by ``--help`` in the recipes and in the docs; ``choices`` the accepted values;
+    ``minimum`` makes it an integer option of at least that value (numpy integers and 0-d integer tensors are
+    accepted and stored as Python ints); ``nullable`` allows ``None``. :meth:`ScorerConfig.validate` checks these
+    constraints, and the recipes build their flags, resume checks and config-file keys from them.
+    """
+    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None}
+    metadata.update(minimum=minimum, nullable=nullable)
+    return field(default=default, metadata=metadata)
+
+
+def redefault(config_class: type, name: str, default: Any) -> Any:
+    """The option ``name`` of ``config_class`` with another default (help and constraints kept)."""
+    return field(default=default, metadata=config_class.__dataclass_fields__[name].metadata)
+
+
 @dataclass
 class ScorerConfig:
-    """Options every scorer has.
-
-    Args:
-        impl: how scores are turned into attention outputs: ``"reference"`` materialises the score matrix
-            (simple, the test oracle); ``"chunked"`` processes blocks of queries and recomputes their
-            scores in backward, so memory grows with n instead of n²; ``"triton"`` runs fused kernels on
-            CUDA (QANA, Neural Attention with depth 1); ``"auto"`` picks Triton where it can run and
-            chunked elsewhere. See :mod:`hf_neural_attn.ops`.
-    """
+    """Options every scorer has. Each option's meaning and constraints are in its field's metadata
+    (:func:`option`); :meth:`option_fields` lists them."""
 
     scorer_name: ClassVar[str] = ""
 
-    impl: str = "reference"
+    impl: str = option(
+        "reference",
+        "how scores become attention outputs: reference materialises the score matrix (the test oracle); chunked "
+        "recomputes blocks of queries in backward (memory linear in n); triton runs fused CUDA kernels (QANA, "
+        "Neural Attention with depth 1); auto picks triton where it can run, else chunked",
+        choices=IMPL_OPTIONS,
+    )
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        _check_choice("impl", self.impl, IMPL_OPTIONS)
+        """Normalise integer options to Python ints, then check every declared constraint."""
+        for item in self.option_fields():
+            value = _as_int(getattr(self, item.name)) if item.metadata.get("minimum") is not None else None
+            if value is not None:
+                setattr(self, item.name, value)
+        for item in self.option_fields():
+            _check_option(item, getattr(self, item.name))
+
+    @classmethod
+    def option_fields(cls) -> list[dataclasses.Field]:
+        return list(dataclasses.fields(cls))
 
     @classmethod
     def option_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
+        return [f.name for f in cls.option_fields()]
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> ScorerConfig:
@@ -72,30 +100,42 @@ class ScorerConfig:
 
 @dataclass
 class MLPScorerConfig(ScorerConfig):
-    """Options of the scorers built around a small MLP (QANA, Neural Attention, additive).
+    """Options of the scorers built around a small MLP (QANA, Neural Attention, additive)."""
 
-    Args:
-        h: hidden width of the scoring MLP.
-        activation: the MLP's nonlinearity, one of ``ACTIVATIONS``.
-        init: ``"default"`` keeps the patched model's outputs equal to the original and lets gradients
-            reach the new parameters (see ``docs/scorers.md``); ``"zero"`` is the papers' literal
-            all-zero init, under which no gradient ever reaches the new parameters (it warns).
-    """
-
-    h: int = 4
-    activation: str = "gelu"
-    init: str = "default"
-
-    def validate(self) -> None:
-        super().validate()
-        _check_positive_int("h", self.h, "the scoring MLP's hidden width")
-        _check_choice("activation", self.activation, ACTIVATIONS)
-        _check_choice("init", self.init, INITS)
+    h: int = option(4, "hidden width of the scoring MLP", minimum=1)
+    activation: str = option("gelu", "the scoring MLP's nonlinearity", choices=ACTIVATIONS)
+    init: str = option(
+        "default",
+        "init of the new parameters: default keeps the model's outputs and lets gradients reach the new parameters; "
+        "zero is the papers' literal all-zero init, under which no gradient ever reaches them (it warns)",
+        choices=INITS,
+    )
 
 
-def _check_positive_int(name: str, value: Any, meaning: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer ({meaning}), got {name}={value!r}.")
+def _as_int(value: Any) -> int | None:
+    """A numpy integer or 0-d integer tensor as a Python int (sweeps make them); None for anything else."""
+    if isinstance(value, (bool, int)) or value is None:
+        return None
+    if getattr(value, "ndim", 0) != 0 or getattr(value, "is_floating_point", lambda: False)():
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _check_option(item: dataclasses.Field, value: Any) -> None:
+    meta = item.metadata
+    if value is None and meta.get("nullable"):
+        return
+    if meta.get("minimum") is not None:
+        minimum = meta["minimum"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            alternative = " (or None)" if meta.get("nullable") else ""
+            raise ValueError(f"{item.name} must be {kind}{alternative}: {meta['help']}; got {item.name}={value!r}.")
+    if meta.get("choices") is not None:
+        _check_choice(item.name, value, meta["choices"])
 
 
 def _check_choice(name: str, value: Any, choices) -> None:
@@ -118,8 +158,7 @@ class AttentionGeometry:
         head_dim: per-head width D_K of queries and keys.
         query_bias: whether the pretrained query projection has a bias (its widening gets one too).
         query_weight_std: standard deviation of the pretrained query projection's weights, the scale
-            new query rows are drawn at; for weights on the meta device, the config's ``initializer_range``
-            (see ``families.base.query_weight_std``).
+            new query rows are drawn at.
         dtype, device: where the pretrained query projection lives; new parameters go there too.
     """
 
@@ -153,38 +192,6 @@ class Scorer(nn.Module):
         super().__init__()
         self.config = config
         self.geometry = geometry
-
-    def reset_parameters(self) -> None:
-        """Draw the parameters' initial values (scorers with parameters implement it)."""
-
-    @torch.no_grad()
-    def init_parameters(self) -> None:
-        """Give the parameters their initial values where they have storage; subclasses call it last in
-        ``__init__``.
-
-        Parameters on the meta device (the model was built on meta: ``with torch.device("meta")``, accelerate's
-        ``init_empty_weights()``) have no values to draw; they are drawn when the model is materialised, see
-        :meth:`_apply`. Once drawn, every parameter is flagged ``_is_hf_initialized``: transformers'
-        ``init_weights()`` would otherwise redraw the scorer's ``nn.Linear`` layers like the model's own
-        (normal at ``initializer_range``, zero bias) and leave its other parameters alone, which breaks the
-        mirrored pairs that keep the patched model's outputs equal to the original's. transformers' init
-        functions skip flagged tensors.
-        """
-        if any(parameter.is_meta for parameter in self.parameters()):
-            return
-        self.reset_parameters()
-        for parameter in self.parameters():
-            parameter._is_hf_initialized = True
-
-    def _apply(self, fn, recurse=True):
-        # model.to_empty(device=...) (like .to, .cuda, .half) goes through _apply. When it gives meta parameters
-        # storage, that memory holds garbage and transformers' init does not know this module: draw the init here,
-        # from the geometry recorded at patch time (its std came from the config, see families.query_weight_std).
-        was_meta = any(parameter.is_meta for parameter in self.parameters())
-        result = super()._apply(fn, recurse=recurse)
-        if was_meta:
-            self.init_parameters()
-        return result
 
     @classmethod
     def check_module(cls, config: ScorerConfig, module: nn.Module) -> None:
@@ -245,14 +252,3 @@ class Scorer(nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.config.to_dict().items())
-
-    def fused_unsupported_reason(self) -> str | None:
-        """Why this scorer's configuration cannot run on the fused Triton kernels (``impl="triton"``), or
-        None if it can; scorers with a fused form override this and :meth:`fused_inputs`."""
-        return f"scorer {self.name!r} has no Triton kernel (only 'qana' and 'neural' do); use impl='chunked'"
-
-    def fused_inputs(self, query: torch.Tensor, key: torch.Tensor, extras: Any):
-        """What the fused kernels need for one call: a :class:`hf_neural_attn.ops.triton.FusedInputs` of
-        plain tensors and static values. ``key`` has its kv heads (not repeated for grouped-query
-        attention). Called only when :meth:`fused_unsupported_reason` returned None."""
-        raise NotImplementedError(f"scorer {self.name!r} has no fused form")

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Scorer, ScorerConfig, _check_choice
+from .base import Scorer, ScorerConfig, option
 
 MODES = ("replace",)
 # Softmax attention paths; these scorers compute their output themselves, so only these defaults pass.
@@ -51,35 +51,32 @@ _IMPLS_THAT_DO_NOT_APPLY = ("chunked", "triton")
 
 @dataclass
 class ExponentialConfig(ScorerConfig):
-    """Options of NSEA and HEA.
+    """Options of NSEA and HEA. The default ``terms=2`` keeps HEA's weights positive (an even-degree
+    truncation of exp has no real root) and NSEA's phi_K a low-degree polynomial of its column sums, which grow
+    with the sequence length."""
 
-    Args:
-        terms: K, the number of series terms kept after the identity (Eq. 5); None keeps the whole series
-            (closed form: ``expm1(s)/s`` for NSEA, ``exp`` for HEA). The default 2 keeps HEA's weights
-            positive (an even-degree truncation of exp has no real root) and NSEA's phi_K a low-degree
-            polynomial of its column sums, which grow with the sequence length.
-        mode: must be ``"replace"``: these scorers replace softmax attention and change a pretrained
-            model's outputs, so the caller states that it trains from scratch.
-    """
-
-    terms: int | None = 2
-    mode: str | None = None
+    terms: int | None = option(
+        2,
+        "K, the series terms kept after the identity (Eq. 5); None keeps the whole series "
+        "(closed form: expm1(s)/s for NSEA, exp for HEA)",
+        minimum=1,
+        nullable=True,
+    )
+    mode: str | None = option(
+        None,
+        "must be replace: these scorers replace softmax attention and change a pretrained model's outputs, so the "
+        "caller states that it trains from scratch",
+        choices=MODES,
+        nullable=True,
+    )
 
     def validate(self) -> None:
-        super().validate()
-        if self.terms is not None and (
-            isinstance(self.terms, bool) or not isinstance(self.terms, int) or self.terms < 1
-        ):
-            raise ValueError(
-                f"terms must be a positive integer (series terms kept after the identity) or None for the "
-                f"whole series, got terms={self.terms!r}."
-            )
         if self.mode is None:
             raise ValueError(
                 f"{self.scorer_name!r} has no function-preserving form: it replaces softmax attention, so a "
                 f"pretrained model's outputs change. Pass mode='replace' to train it from scratch."
             )
-        _check_choice("mode", self.mode, MODES)
+        super().validate()
         if self.impl in _IMPLS_THAT_DO_NOT_APPLY:
             raise ValueError(
                 f"impl={self.impl!r} does not apply to {self.scorer_name!r}: it is not softmax attention and "

@@ -30,40 +30,41 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import ACTIVATIONS, AttentionGeometry, MLPScorerConfig, Scorer, _check_choice
+from .base import ACTIVATIONS, AttentionGeometry, MLPScorerConfig, Scorer, option
 
 MODES = ("residual", "replace")
 
 
 @dataclass
 class NeuralAttentionConfig(MLPScorerConfig):
-    """Neural Attention options.
-
-    Args:
-        proj_dim: d', the width q and k are down-projected to before the MLP; None skips the projection
-            (the MLP reads q and k directly, as the paper's "no down-projection" runs do).
-        mode: ``"residual"`` keeps the dot product and adds a gated MLP term (function-preserving);
-            ``"replace"`` scores with the MLP alone (the paper's from-scratch form).
-        depth: number of hidden layers; widths are h, h//2, h//4, ... (at least 1).
-    """
+    """Neural Attention options (each field's metadata has its meaning and constraints)."""
 
     scorer_name = "neural"
 
-    proj_dim: int | None = None
-    mode: str = "residual"
-    depth: int = 1
+    proj_dim: int | None = option(
+        None,
+        "d', the width q and k are down-projected to before the MLP, at most the head dimension; "
+        "None skips the projection (the paper's no-down-projection runs)",
+        minimum=1,
+        nullable=True,
+    )
+    mode: str = option(
+        "residual",
+        "residual keeps the dot product and adds a gated MLP term (function-preserving); replace scores with the "
+        "MLP alone (the paper's from-scratch form)",
+        choices=MODES,
+    )
+    depth: int = option(
+        1, "hidden layers of the scoring MLP, widths h, h//2, h//4, ...; needs h >= 2**(depth-1)", minimum=1
+    )
 
     def validate(self) -> None:
         super().validate()
-        if self.proj_dim is not None and (
-            isinstance(self.proj_dim, bool) or not isinstance(self.proj_dim, int) or self.proj_dim <= 0
-        ):
+        if self.h < 2 ** (self.depth - 1):
             raise ValueError(
-                f"proj_dim must be a positive integer (or None for no down-projection), got {self.proj_dim!r}."
+                f"depth={self.depth} needs h >= {2 ** (self.depth - 1)}: the hidden widths halve from h={self.h} "
+                f"({self.h}, {self.h // 2}, ...) and a width below 1 is not possible. Raise h or lower depth."
             )
-        _check_choice("mode", self.mode, MODES)
-        if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth <= 0:
-            raise ValueError(f"depth must be a positive integer (hidden layers of the MLP), got {self.depth!r}.")
         if self.mode == "replace" and self.init == "zero":
             raise ValueError(
                 "init='zero' only applies to mode='residual'; mode='replace' trains the MLP from its "
@@ -71,12 +72,33 @@ class NeuralAttentionConfig(MLPScorerConfig):
             )
 
     def hidden_widths(self) -> list[int]:
-        return [max(self.h // 2**i, 1) for i in range(self.depth)]
+        return [self.h // 2**i for i in range(self.depth)]  # validate() keeps every width >= 1
+
+
+def attention_head_dim(module: nn.Module) -> int | None:
+    """The per-head width an attention module states (``head_dim``; ``attention_head_size`` in BERT and ViT), or
+    the config's ``hidden_size // num_attention_heads``; None when it states none."""
+    for name in ("head_dim", "attention_head_size"):
+        value = getattr(module, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    config = getattr(module, "config", None)
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
 
 
 class NeuralAttentionScorer(Scorer):
     name = "neural"
     config_class = NeuralAttentionConfig
+
+    @classmethod
+    def check_module(cls, config: NeuralAttentionConfig, module: nn.Module) -> None:
+        head_dim = attention_head_dim(module)
+        if config.proj_dim is not None and head_dim is not None and config.proj_dim > head_dim:
+            raise ValueError(
+                f"proj_dim={config.proj_dim} is larger than the head dimension {head_dim} of "
+                f"{type(module).__name__}: the down-projection would widen q and k. Use proj_dim <= {head_dim}."
+            )
 
     def __init__(self, config: NeuralAttentionConfig, geometry: AttentionGeometry):
         super().__init__(config, geometry)
@@ -99,7 +121,7 @@ class NeuralAttentionScorer(Scorer):
             self.gate = nn.Parameter(torch.empty(geometry.num_heads, **factory))
         else:
             self.register_parameter("gate", None)
-        self.init_parameters()
+        self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -157,25 +179,3 @@ class NeuralAttentionScorer(Scorer):
             return mlp * scaling
         dot = torch.matmul(query, key.transpose(-1, -2)) * scaling
         return dot + self.gate.view(1, -1, 1, 1) * mlp
-
-    def fused_unsupported_reason(self) -> str | None:
-        from ..ops.triton import mlp_unsupported_reason
-
-        if self.config.depth != 1:
-            return (
-                f"the Neural Attention kernel fuses one hidden layer, this scorer has depth={self.config.depth}; "
-                "use impl='chunked'"
-            )
-        return mlp_unsupported_reason(self.config.activation, self.config.h)
-
-    def fused_inputs(self, query, key, extras):
-        """The pair-MLP term: the first layer's query half P (batch, heads, q_len, h) and key half
-        R (batch, kv_heads, kv_len, h), b_h included in R, the output weights w_a and the gate (None in
-        replace mode). ``key`` is not repeated for grouped-query attention, so R costs kv_heads, not heads,
-        projections."""
-        from ..ops.triton import FusedInputs
-
-        if self.query_down is not None:
-            query, key = self.query_down(query), self.key_down(key)
-        tensors = (self.pair_query(query), self.pair_key(key), self.output.weight[0], self.gate)
-        return FusedInputs("neural", tensors, self.config.activation, self.config.h)
