@@ -1,5 +1,8 @@
 """Tiny models built from configs (no downloads) and helpers shared by the tests (import from here, never
-from conftest or another test file)."""
+from conftest or another test file).
+
+Also here: the float64 scorer geometry and gradcheck used by the math, chunked and Triton tests, the tiny
+encoder config."""
 
 from __future__ import annotations
 
@@ -9,7 +12,11 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.func import functional_call  # noqa: E402
 from transformers import (  # noqa: E402
+    BertConfig,
+    BertForMaskedLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -19,6 +26,8 @@ from transformers import (  # noqa: E402
 )
 
 import hf_neural_attn  # noqa: E402
+from hf_neural_attn.ops import scored_attention  # noqa: E402
+from hf_neural_attn.scorers import AttentionGeometry  # noqa: E402
 
 VOCAB = 64
 
@@ -102,3 +111,93 @@ def perturb_scorers(model, std: float = 0.3, seed: int = 0) -> None:
 
 def logits(model, inputs: dict[str, torch.Tensor], **kwargs) -> torch.Tensor:
     return model(**inputs, **kwargs).logits
+
+
+# --- Tiny encoders (BERT, RoBERTa) -----------------------------------------------------------------------------
+
+BERT_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=64,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+    pad_token_id=1,
+)
+
+
+def tiny_bert() -> BertForMaskedLM:
+    torch.manual_seed(0)
+    return BertForMaskedLM(BertConfig(**BERT_COMMON)).eval()
+
+
+# --- Scorers on their own, in float64 ------------------------------------------------------------------------
+
+HIDDEN, HEADS, KV_HEADS, D = 6, 2, 1, 4
+F64 = torch.float64
+
+
+def geometry(**overrides) -> AttentionGeometry:
+    values = dict(
+        hidden_size=HIDDEN,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=D,
+        query_bias=True,
+        query_weight_std=0.5,
+        dtype=F64,
+        device=torch.device("cpu"),
+    )
+    values.update(overrides)
+    return AttentionGeometry(**values)
+
+
+def randomise(module, seed=0, std=0.7) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=F64) * std)
+
+
+def rope_rows(x, positions):
+    """The library-side rotation: (batch, n, seq, D) rotated at ``positions`` (seq,), vectorised."""
+    half = x.shape[-1] // 2
+    inv_freq = 10000.0 ** (-torch.arange(half, dtype=F64) * 2 / x.shape[-1])
+    angles = positions.to(F64)[:, None] * inv_freq[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    rotated_half = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated_half * sin
+
+
+class AttentionUnderTest(nn.Module):
+    """Hidden states and q, k, v in, attention output out: the whole scorer path, as a module."""
+
+    def __init__(self, scorer, mask, positions):
+        super().__init__()
+        self.scorer, self.mask, self.positions = scorer, mask, positions
+
+    def forward(self, hidden, query, key, value):
+        extras = self.scorer.query_extras(hidden, lambda x: rope_rows(x, self.positions))
+        return scored_attention(self.scorer, query, key, value, self.mask, scaling=D**-0.5, extras=extras)[0]
+
+
+def causal_gradcheck(scorer, seq: int, seed: int = 0) -> bool:
+    """float64 gradcheck of the whole scorer path under a causal mask, with respect to the hidden states,
+    q, k, v and every scorer parameter."""
+    mask = torch.zeros(1, 1, seq, seq, dtype=F64)
+    mask[..., ~torch.ones(seq, seq, dtype=torch.bool).tril()] = torch.finfo(F64).min
+    module = AttentionUnderTest(scorer, mask, torch.arange(seq))
+    names = [name for name, _ in module.named_parameters()]
+
+    def attention(hidden, query, key, value, *parameters):
+        return functional_call(module, dict(zip(names, parameters)), (hidden, query, key, value))
+
+    generator = torch.Generator().manual_seed(seed)
+    inputs = (
+        torch.randn(1, seq, HIDDEN, dtype=F64, generator=generator).requires_grad_(),
+        *(torch.randn(1, HEADS, seq, D, dtype=F64, generator=generator).requires_grad_() for _ in range(3)),
+        *(p.detach().clone().requires_grad_() for p in module.parameters()),
+    )
+    return torch.autograd.gradcheck(attention, inputs, eps=1e-6, atol=1e-7)

@@ -4,22 +4,12 @@ import copy
 
 import pytest
 import torch
+from helpers import BERT_COMMON as COMMON
 from helpers import VOCAB, perturb_scorers
 from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
 
 import hf_neural_attn
 
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=64,
-    max_position_embeddings=64,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-    pad_token_id=1,
-)
 ENCODERS = {"bert": (BertModel, BertConfig(**COMMON)), "roberta": (RobertaModel, RobertaConfig(**COMMON))}
 
 

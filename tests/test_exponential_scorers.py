@@ -5,10 +5,7 @@ import math
 
 import pytest
 import torch
-from helpers import VOCAB, tiny_gpt2, tiny_llama
-from test_bert_family import COMMON as BERT_COMMON
-from test_math import F64
-from transformers import BertConfig, BertForMaskedLM
+from helpers import F64, VOCAB, tiny_bert, tiny_gpt2, tiny_llama
 
 import hf_neural_attn
 from hf_neural_attn.ops import scored_attention
@@ -174,11 +171,6 @@ def test_gradcheck(name):
 
 
 # --- Through patch_model ----------------------------------------------------------------------------------
-
-
-def tiny_bert():
-    torch.manual_seed(0)
-    return BertForMaskedLM(BertConfig(**BERT_COMMON)).eval()
 
 
 @pytest.mark.parametrize("model_factory", [tiny_llama, tiny_gpt2])

@@ -11,37 +11,15 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.func import functional_call
+from helpers import F64, HEADS, HIDDEN, KV_HEADS, D, causal_gradcheck, geometry, randomise, rope_rows
 
 from hf_neural_attn.ops import scored_attention
-from hf_neural_attn.scorers import AttentionGeometry, NeuralAttentionConfig, NeuralAttentionScorer
-from hf_neural_attn.scorers import QanaConfig, QanaScorer
-
-HIDDEN, HEADS, KV_HEADS, D = 6, 2, 1, 4
-F64 = torch.float64
-
-
-def geometry(**overrides):
-    values = dict(
-        hidden_size=HIDDEN,
-        num_heads=HEADS,
-        num_kv_heads=KV_HEADS,
-        head_dim=D,
-        query_bias=True,
-        query_weight_std=0.5,
-        dtype=F64,
-        device=torch.device("cpu"),
-    )
-    values.update(overrides)
-    return AttentionGeometry(**values)
-
-
-def randomise(module, seed=0, std=0.7):
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in module.parameters():
-            parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=F64) * std)
+from hf_neural_attn.scorers import (
+    NeuralAttentionConfig,
+    NeuralAttentionScorer,
+    QanaConfig,
+    QanaScorer,
+)
 
 
 def rope_vector(vector, position, base=10000.0):
@@ -54,16 +32,6 @@ def rope_vector(vector, position, base=10000.0):
         out[m] = x1 * math.cos(angle) - x2 * math.sin(angle)
         out[m + half] = x2 * math.cos(angle) + x1 * math.sin(angle)
     return out
-
-
-def rope_rows(x, positions):
-    """The library-side rotation: (batch, n, seq, D) rotated at ``positions`` (seq,), vectorised."""
-    half = x.shape[-1] // 2
-    inv_freq = 10000.0 ** (-torch.arange(half, dtype=F64) * 2 / x.shape[-1])
-    angles = positions.to(F64)[:, None] * inv_freq[None]
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    rotated_half = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * cos + rotated_half * sin
 
 
 ACTIVATIONS = {"gelu": F.gelu, "tanh": torch.tanh, "relu": F.relu}
@@ -197,38 +165,6 @@ def test_scored_attention_is_softmax_of_scores_with_mask_and_grouped_heads(score
     assert torch.all(probs[1, :, 1:, 0] == 0)  # the padded key gets no weight...
     # ...and the query that can see nothing at all (causal and padded) averages uniformly, like eager.
     torch.testing.assert_close(probs[1, :, 0], torch.full((HEADS, k_len), 1 / k_len, dtype=F64))
-
-
-class AttentionUnderTest(nn.Module):
-    """Hidden states and q, k, v in, attention output out: the whole scorer path, as a module."""
-
-    def __init__(self, scorer, mask, positions):
-        super().__init__()
-        self.scorer, self.mask, self.positions = scorer, mask, positions
-
-    def forward(self, hidden, query, key, value):
-        extras = self.scorer.query_extras(hidden, lambda x: rope_rows(x, self.positions))
-        return scored_attention(self.scorer, query, key, value, self.mask, scaling=D**-0.5, extras=extras)[0]
-
-
-def causal_gradcheck(scorer, seq: int, seed: int = 0) -> bool:
-    """float64 gradcheck of the whole scorer path under a causal mask, with respect to the hidden states,
-    q, k, v and every scorer parameter."""
-    mask = torch.zeros(1, 1, seq, seq, dtype=F64)
-    mask[..., ~torch.ones(seq, seq, dtype=torch.bool).tril()] = torch.finfo(F64).min
-    module = AttentionUnderTest(scorer, mask, torch.arange(seq))
-    names = [name for name, _ in module.named_parameters()]
-
-    def attention(hidden, query, key, value, *parameters):
-        return functional_call(module, dict(zip(names, parameters)), (hidden, query, key, value))
-
-    generator = torch.Generator().manual_seed(seed)
-    inputs = (
-        torch.randn(1, seq, HIDDEN, dtype=F64, generator=generator).requires_grad_(),
-        *(torch.randn(1, HEADS, seq, D, dtype=F64, generator=generator).requires_grad_() for _ in range(3)),
-        *(p.detach().clone().requires_grad_() for p in module.parameters()),
-    )
-    return torch.autograd.gradcheck(attention, inputs, eps=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("scorer_name", ["qana", "neural"])

@@ -3,8 +3,18 @@ formulas written out in float64, gradients, checkpoints."""
 
 import pytest
 import torch
-from helpers import FACTORIES, logits, model_inputs, perturb_scorers
-from test_math import F64, HEADS, D, causal_gradcheck, geometry, randomise
+from helpers import (
+    F64,
+    FACTORIES,
+    HEADS,
+    D,
+    causal_gradcheck,
+    geometry,
+    logits,
+    model_inputs,
+    perturb_scorers,
+    randomise,
+)
 
 import hf_neural_attn
 from hf_neural_attn.scorers import AdditiveConfig, AdditiveScorer, GeneralConfig, GeneralScorer

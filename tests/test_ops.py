@@ -2,8 +2,20 @@
 
 import pytest
 import torch
-from helpers import FACTORIES, logits, model_inputs, perturb_scorers
-from test_math import F64, HEADS, HIDDEN, KV_HEADS, D, causal_gradcheck, geometry, randomise
+from helpers import (
+    F64,
+    FACTORIES,
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
+    D,
+    causal_gradcheck,
+    geometry,
+    logits,
+    model_inputs,
+    perturb_scorers,
+    randomise,
+)
 
 import hf_neural_attn
 import hf_neural_attn.ops.chunked as chunked

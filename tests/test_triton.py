@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import FACTORIES, model_inputs, perturb_scorers
-from test_math import geometry, randomise
+from helpers import geometry, randomise
 
 import hf_neural_attn
 from hf_neural_attn import ops
