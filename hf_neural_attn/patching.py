@@ -14,26 +14,30 @@ How the swap works, using transformers' own extension points rather than copies 
   row-wise RoPE) and adds them to the call's kwargs; the model's attention forward passes its kwargs on
   to the attention function, so no state is stashed on modules.
 * New parameters live in a submodule ``attn_scorer`` of each patched attention module, so they appear in
-  ``state_dict`` / ``named_parameters`` and save with the model. The patch is recorded in
-  ``model.config.hf_neural_attn`` and so written to ``config.json``.
+  ``state_dict`` / ``named_parameters`` and save with the model.
+* The patched model gets its own copy of its config (transformers 5 models share the config object they
+  were built from), of a subclass that records the patch in ``config.hf_neural_attn``, refuses another
+  ``attn_implementation``, and saves a config.json that transformers' Auto classes load patched once the
+  library is imported and refuse to load without it (:mod:`hf_neural_attn.patched_config`).
 """
 
 from __future__ import annotations
 
 import copy
+import operator
 import warnings
 from functools import partial
 from typing import Any
 
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from . import __version__
-from .attention import ATTN_IMPLEMENTATION, EXTRAS_KWARG, FALLBACK_ATTR, SCORER_ATTR
+from .attention import EXTRAS_KWARG, FALLBACK_ATTR, SCORER_ATTR
 from .families import FAMILIES, ModelFamily, find_attention
+from .ops import check_impl
+from .patched_config import BASE_MODEL_TYPE_FIELD, RECORD_KEY, make_patched, make_unpatched
 from .scorers import Scorer, ScorerConfig, scorer_class
-
-RECORD_KEY = "hf_neural_attn"  # attribute of model.config holding the patch record
 
 # Unpatched modules of a patched model see the eager-style additive mask we register, which these
 # two implementations accept. Others (flash, flex) need masks of their own, so those modules use SDPA.
@@ -92,12 +96,26 @@ def patch_model(
             UserWarning,
             stacklevel=2,
         )
+    # impl="triton" where Triton cannot run fails here, not at the first forward. Only the machine is checked:
+    # models are often patched on the CPU and moved to the GPU afterwards.
+    check_impl(getattr(config, "impl", "reference"))
     for index in selected:
         scorer_type.check_module(config, attention_modules[index])
     # Build every new module before touching the model, so a failure here changes nothing.
     new_scorers = {index: scorer_type(config, family.geometry(attention_modules[index])) for index in selected}
 
     base_implementation = model.config._attn_implementation or "eager"
+    record = {
+        "scorer": config.scorer_name,
+        "options": config.to_dict(),
+        "layers": selected,
+        "family": family.name,
+        "base_attn_implementation": base_implementation,
+        BASE_MODEL_TYPE_FIELD: model.config.model_type,
+        "version": __version__,
+    }
+    # From here on the model changes; nothing below can fail on user input.
+    _adopt_private_configs(model)
     fallback = (family.name, base_implementation if base_implementation in _FALLBACK_IMPLEMENTATIONS else "sdpa")
     for module in config_readers:
         setattr(module, FALLBACK_ATTR, fallback)
@@ -107,19 +125,8 @@ def patch_model(
         if scorer_type.needs_hidden_states:
             module.register_forward_pre_hook(partial(_add_query_extras, family), with_kwargs=True)
     for config_object in _configs(model, config_readers):
-        config_object._attn_implementation = ATTN_IMPLEMENTATION
-    setattr(
-        model.config,
-        RECORD_KEY,
-        {
-            "scorer": config.scorer_name,
-            "options": config.to_dict(),
-            "layers": selected,
-            "family": family.name,
-            "base_attn_implementation": base_implementation,
-            "version": __version__,
-        },
-    )
+        make_patched(config_object)
+    setattr(model.config, RECORD_KEY, record)
     return model
 
 
@@ -131,16 +138,16 @@ def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
     """
     if not is_patched(model):
         raise ValueError("This model is not patched by hf_neural_attn; there is nothing to unpatch.")
-    record = getattr(model.config, RECORD_KEY)
     config_readers = [module for module in model.modules() if hasattr(module, FALLBACK_ATTR)]
     for module in config_readers:
         if hasattr(module, SCORER_ATTR):
             delattr(module, SCORER_ATTR)
         _remove_query_extras_hooks(module)
         delattr(module, FALLBACK_ATTR)
+    # The configs stay the model's private copies: handing the caller's shared object back is not possible
+    # without undoing changes the caller may have made since. Their own implementation shows again.
     for config_object in _configs(model, config_readers):
-        config_object._attn_implementation = record["base_attn_implementation"]
-    delattr(model.config, RECORD_KEY)
+        make_unpatched(config_object)
     return model
 
 
@@ -177,12 +184,18 @@ def _scorer_config(scorer: str | ScorerConfig, h: int | None, options: dict[str,
 def _normalise_layers(layers, num_layers: int) -> list[int]:
     if layers is None:
         return list(range(num_layers))
-    if isinstance(layers, int) and not isinstance(layers, bool):
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
         layers = [layers]
     selected = []
     for index in layers:
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise ValueError(f"layers must be integers, got {index!r}.")
+        try:
+            if isinstance(index, bool):
+                raise TypeError
+            index = operator.index(index)  # Python, numpy and 0-d tensor integers
+        except TypeError:
+            raise ValueError(
+                f"layers must be None (every layer), a layer index or a list of layer indices; got {index!r}."
+            ) from None
         if not -num_layers <= index < num_layers:
             raise ValueError(
                 f"Layer index {index} is out of range: this model has {num_layers} attention layers "
@@ -192,6 +205,20 @@ def _normalise_layers(layers, num_layers: int) -> list[int]:
     if not selected:
         raise ValueError("layers is empty; pass None to patch every layer or a list of layer indices.")
     return sorted(set(selected))
+
+
+def _adopt_private_configs(model: nn.Module) -> None:
+    """Give ``model`` its own deep copy of its config (and of every sub-config its modules hold).
+
+    In transformers 5 a model keeps the config object it was built from, and models built from one object share
+    it. Patching writes into the config, so without a copy it would patch (and break) every sibling model.
+    """
+    memo: dict[int, Any] = {}
+    model.config = copy.deepcopy(model.config, memo)
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, PretrainedConfig) and id(value) in memo:
+                setattr(module, name, memo[id(value)])
 
 
 def _configs(model: nn.Module, attention_modules: list[nn.Module]) -> list:

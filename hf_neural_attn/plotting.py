@@ -31,8 +31,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .families import find_attention
 from .attention import SCORER_ATTR
+from .families import find_attention
 from .patching import RECORD_KEY, is_patched, unpatch_model
 
 # Layout of the attention-map figure, in inches at ``dpi``: the image is

@@ -11,10 +11,10 @@ import os
 # Nothing in the tests may reach the Hub; say so, so a stray lookup fails at once instead of waiting.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.func import functional_call  # noqa: E402
-from transformers import (  # noqa: E402
+import torch
+from torch import nn
+from torch.func import functional_call
+from transformers import (
     BertConfig,
     BertForMaskedLM,
     GPT2Config,
@@ -25,9 +25,9 @@ from transformers import (  # noqa: E402
     ViTForImageClassification,
 )
 
-import hf_neural_attn  # noqa: E402
-from hf_neural_attn.ops import scored_attention  # noqa: E402
-from hf_neural_attn.scorers import AttentionGeometry  # noqa: E402
+import hf_neural_attn
+from hf_neural_attn.ops import scored_attention
+from hf_neural_attn.scorers import AttentionGeometry
 
 VOCAB = 64
 

@@ -47,7 +47,7 @@ BAD_CALLS = [
     (("qana",), {"layers": [2]}, r"Layer index 2 is out of range.*2 attention layers"),
     (("qana",), {"layers": [-3]}, r"Layer index -3 is out of range"),
     (("qana",), {"layers": []}, r"layers is empty"),
-    (("qana",), {"layers": ["0"]}, r"layers must be integers"),
+    (("qana",), {"layers": ["0"]}, r"layers must be None \(every layer\), a layer index or a list"),
     ((hf_neural_attn.QanaConfig(),), {"h": 3}, r"either a scorer config object or a scorer name"),
 ]
 

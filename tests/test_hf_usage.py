@@ -115,10 +115,8 @@ def test_output_attentions_are_probabilities_for_every_layer(family, scorer_name
     hf_neural_attn.patch_model(model, scorer_name, layers=[0])
     perturb_scorers(model)
     attentions = model(**inputs, output_attentions=True).attentions
-    # The unpatched layer's map comes back too, through the model's eager path; GPT-2's attention keeps
-    # output_attentions to itself instead of passing it on, so there (as in the unpatched GPT-2 under
-    # SDPA) only the patched layer returns one.
-    assert len(attentions) == (1 if family == "gpt2" else 2)
+    # The unpatched layer's map comes back too (through the eager path for that call), on every family.
+    assert len(attentions) == 2
     for probs in attentions:
         assert probs.shape[:2] == (2, 4) and probs.shape[-1] == probs.shape[-2]
         torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[:-1]), rtol=0, atol=1e-5)

@@ -18,8 +18,7 @@ from helpers import (
 )
 
 import hf_neural_attn
-import hf_neural_attn.ops.chunked as chunked
-from hf_neural_attn.ops import scored_attention
+from hf_neural_attn.ops import chunked, scored_attention
 from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
 
 

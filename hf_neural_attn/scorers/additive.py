@@ -64,7 +64,7 @@ class AdditiveScorer(Scorer):
             self.gate = nn.Parameter(torch.empty(heads, **factory))
         else:
             self.register_parameter("gate", None)
-        self.reset_parameters()
+        self.init_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -158,7 +158,8 @@ class AttentionGeometry:
         head_dim: per-head width D_K of queries and keys.
         query_bias: whether the pretrained query projection has a bias (its widening gets one too).
         query_weight_std: standard deviation of the pretrained query projection's weights, the scale
-            new query rows are drawn at.
+            new query rows are drawn at; for weights on the meta device, the config's ``initializer_range``
+            (see ``families.base.query_weight_std``).
         dtype, device: where the pretrained query projection lives; new parameters go there too.
     """
 
@@ -192,6 +193,38 @@ class Scorer(nn.Module):
         super().__init__()
         self.config = config
         self.geometry = geometry
+
+    def reset_parameters(self) -> None:
+        """Draw the parameters' initial values (scorers with parameters implement it)."""
+
+    @torch.no_grad()
+    def init_parameters(self) -> None:
+        """Give the parameters their initial values where they have storage; subclasses call it last in
+        ``__init__``.
+
+        Parameters on the meta device (the model was built on meta: ``with torch.device("meta")``, accelerate's
+        ``init_empty_weights()``) have no values to draw; they are drawn when the model is materialised, see
+        :meth:`_apply`. Once drawn, every parameter is flagged ``_is_hf_initialized``: transformers'
+        ``init_weights()`` would otherwise redraw the scorer's ``nn.Linear`` layers like the model's own
+        (normal at ``initializer_range``, zero bias) and leave its other parameters alone, which breaks the
+        mirrored pairs that keep the patched model's outputs equal to the original's. transformers' init
+        functions skip flagged tensors.
+        """
+        if any(parameter.is_meta for parameter in self.parameters()):
+            return
+        self.reset_parameters()
+        for parameter in self.parameters():
+            parameter._is_hf_initialized = True
+
+    def _apply(self, fn, recurse=True):
+        # model.to_empty(device=...) (like .to, .cuda, .half) goes through _apply. When it gives meta parameters
+        # storage, that memory holds garbage and transformers' init does not know this module: draw the init here,
+        # from the geometry recorded at patch time (its std came from the config, see families.query_weight_std).
+        was_meta = any(parameter.is_meta for parameter in self.parameters())
+        result = super()._apply(fn, recurse=recurse)
+        if was_meta:
+            self.init_parameters()
+        return result
 
     @classmethod
     def check_module(cls, config: ScorerConfig, module: nn.Module) -> None:
@@ -252,3 +285,14 @@ class Scorer(nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.config.to_dict().items())
+
+    def fused_unsupported_reason(self) -> str | None:
+        """Why this scorer's configuration cannot run on the fused Triton kernels (``impl="triton"``), or
+        None if it can; scorers with a fused form override this and :meth:`fused_inputs`."""
+        return f"scorer {self.name!r} has no Triton kernel (only 'qana' and 'neural' do); use impl='chunked'"
+
+    def fused_inputs(self, query: torch.Tensor, key: torch.Tensor, extras: Any):
+        """What the fused kernels need for one call: a :class:`hf_neural_attn.ops.triton.FusedInputs` of
+        plain tensors and static values. ``key`` has its kv heads (not repeated for grouped-query
+        attention). Called only when :meth:`fused_unsupported_reason` returned None."""
+        raise NotImplementedError(f"scorer {self.name!r} has no fused form")

@@ -121,7 +121,7 @@ class NeuralAttentionScorer(Scorer):
             self.gate = nn.Parameter(torch.empty(geometry.num_heads, **factory))
         else:
             self.register_parameter("gate", None)
-        self.reset_parameters()
+        self.init_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -179,3 +179,25 @@ class NeuralAttentionScorer(Scorer):
             return mlp * scaling
         dot = torch.matmul(query, key.transpose(-1, -2)) * scaling
         return dot + self.gate.view(1, -1, 1, 1) * mlp
+
+    def fused_unsupported_reason(self) -> str | None:
+        from ..ops.triton import mlp_unsupported_reason
+
+        if self.config.depth != 1:
+            return (
+                f"the Neural Attention kernel fuses one hidden layer, this scorer has depth={self.config.depth}; "
+                "use impl='chunked'"
+            )
+        return mlp_unsupported_reason(self.config.activation, self.config.h)
+
+    def fused_inputs(self, query, key, extras):
+        """The pair-MLP term: the first layer's query half P (batch, heads, q_len, h) and key half
+        R (batch, kv_heads, kv_len, h), b_h included in R, the output weights w_a and the gate (None in
+        replace mode). ``key`` is not repeated for grouped-query attention, so R costs kv_heads, not heads,
+        projections."""
+        from ..ops.triton import FusedInputs
+
+        if self.query_down is not None:
+            query, key = self.query_down(query), self.key_down(key)
+        tensors = (self.pair_query(query), self.pair_key(key), self.output.weight[0], self.gate)
+        return FusedInputs("neural", tensors, self.config.activation, self.config.h)

@@ -1,0 +1,185 @@
+"""The config object of a patched model: a private copy that carries the patch and says so when saved.
+
+``patch_model`` never writes into the config object it finds on the model. In transformers 5 that object is
+often shared (``LlamaForCausalLM(cfg)`` and ``AutoModel*.from_config(cfg)`` keep the caller's ``cfg``), and
+writing into it would change every sibling built from it. The patched model gets a deep copy instead, whose
+class is switched to a subclass of its own config class (``LlamaConfig`` -> ``LlamaConfigWithNeuralAttn``):
+
+* ``isinstance(config, LlamaConfig)`` and ``config.model_type == "llama"`` still hold, so the model's code,
+  PEFT and Trainer see the config they expect;
+* its attention implementation reads ``"hf_neural_attn"`` and cannot be set to anything else
+  (``model.set_attn_implementation("eager")`` would silently drop the scorers, so it raises instead);
+* ``save_pretrained`` writes ``model_type: "hf_neural_attn"`` (the base type is kept in the record) and
+  ``attn_implementation: "hf_neural_attn"``, plus a two-line loader file listed in ``auto_map``. With the
+  library imported, transformers' Auto classes load such a checkpoint patched (:mod:`hf_neural_attn.auto`);
+  without it every transformers entry point refuses instead of returning the unpatched base model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from functools import cache
+from typing import Any
+
+from transformers import PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+ATTN_IMPLEMENTATION = "hf_neural_attn"  # the name registered in transformers' Attention(Mask)Interface
+RECORD_KEY = "hf_neural_attn"  # attribute of a patched model's config holding the patch record
+PATCHED_MODEL_TYPE = "hf_neural_attn"  # model_type written to a patched checkpoint's config.json
+BASE_MODEL_TYPE_FIELD = "base_model_type"  # record field: the model_type the checkpoint had before
+LOADER_MODULE = "hf_neural_attn_loader"  # the loader file written beside config.json (without ".py")
+LOADER_CONFIG_CLASS = "PatchedCheckpointConfig"
+_LOADER_REF = f"{LOADER_MODULE}.{LOADER_CONFIG_CLASS}"
+
+# transformers runs this file only under trust_remote_code=True, and only when hf_neural_attn is not importable:
+# once it is imported, its registered config class takes precedence over remote code. Its one job is to make the
+# load fail with transformers' own "requires the following packages ... hf_neural_attn. Run pip install ..."
+# error instead of silently building the unpatched base model.
+_LOADER_SOURCE = f'''"""This checkpoint was patched by hf_neural_attn: `pip install hf-neural-attn`, then load it with
+`hf_neural_attn.from_pretrained(path)`, or `import hf_neural_attn` before any transformers Auto class.
+
+Without the library, transformers would build the unpatched base model and drop the trained scorers; this
+file makes the load fail with an error naming the package instead.
+"""
+
+import hf_neural_attn  # noqa: F401
+from hf_neural_attn.auto import {LOADER_CONFIG_CLASS}  # noqa: F401
+'''
+
+
+def read_record(config: PretrainedConfig) -> Any:
+    """The raw patch record a config carries (unchecked: it may come from a damaged file), or None."""
+    return getattr(config, RECORD_KEY, None)
+
+
+def is_patched_config(config: Any) -> bool:
+    return isinstance(config, _PatchedConfigMixin)
+
+
+class _PatchedConfigMixin:
+    """Mixed in front of a config class by :func:`patched_config_class`; see the module docstring."""
+
+    _base_config_class: type[PretrainedConfig]
+
+    # A data descriptor wins over the instance's ``_attn_implementation_internal`` (which keeps the base model's
+    # implementation, restored by unpatch). transformers reads and writes the implementation through this name,
+    # including ``set_attn_implementation`` and ``config._attn_implementation = ...``.
+    @property
+    def _attn_implementation_internal(self) -> str:
+        return ATTN_IMPLEMENTATION
+
+    @_attn_implementation_internal.setter
+    def _attn_implementation_internal(self, value: str | None) -> None:
+        if value in (None, ATTN_IMPLEMENTATION):  # transformers re-asserting what it read: nothing changes
+            return
+        raise ValueError(
+            f"This model is patched by hf_neural_attn: its attention runs the scorers, and attn_implementation="
+            f"{value!r} would silently drop them. Attention maps come from the patched model itself "
+            "(output_attentions=True). To run the unscored layers with another implementation, call "
+            "hf_neural_attn.unpatch_model(model), set it there, and patch again; for the unpatched model, unpatch "
+            "a copy (copy.deepcopy(model))."
+        )
+
+    # transformers refuses output_attentions=True on a config whose implementation is not "eager", since SDPA and
+    # flash return no probabilities. The patched attention returns them for every layer, scored or not.
+    @property
+    def output_attentions(self) -> bool:
+        return self._output_attentions
+
+    @output_attentions.setter
+    def output_attentions(self, value: bool) -> None:
+        self._output_attentions = value
+
+    def to_json_string(self, use_diff: bool = True) -> str:
+        text = super().to_json_string(use_diff)
+        if read_record(self) is None:  # a sub-config, serialised inside its parent by to_dict
+            return text
+        data = json.loads(text)
+        data["model_type"] = PATCHED_MODEL_TYPE
+        data["attn_implementation"] = ATTN_IMPLEMENTATION
+        data["auto_map"] = {**(data.get("auto_map") or {}), "AutoConfig": _LOADER_REF}
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+    def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs) -> None:
+        if read_record(self) is not None:
+            # Written first, so that a push_to_hub of this folder uploads it together with config.json.
+            os.makedirs(save_directory, exist_ok=True)
+            with open(os.path.join(save_directory, f"{LOADER_MODULE}.py"), "w") as handle:
+                handle.write(_LOADER_SOURCE)
+        super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        # The class is made at run time, so pickle (torch.save, multiprocessing) rebuilds it from its base class.
+        return _rebuild_patched_config, (self._base_config_class, self.__dict__.copy())
+
+
+def _rebuild_patched_config(base_class: type[PretrainedConfig], state: dict[str, Any]) -> PretrainedConfig:
+    config = base_class.__new__(base_class)
+    config.__dict__.update(state)
+    config.__class__ = patched_config_class(base_class)
+    return config
+
+
+@cache
+def patched_config_class(base_class: type[PretrainedConfig]) -> type[PretrainedConfig]:
+    """The patched subclass of ``base_class`` (made once per class), registered with transformers' Auto classes."""
+    patched = type(
+        f"{base_class.__name__}WithNeuralAttn",
+        (_PatchedConfigMixin, base_class),
+        {"__module__": __name__, "_base_config_class": base_class},
+    )
+    from .auto import register_patched_config  # here, not at the top: auto imports the loader, which imports us
+
+    register_patched_config(patched, base_class)
+    return patched
+
+
+def make_patched(config: PretrainedConfig) -> None:
+    """Switch ``config`` (a private copy) to its patched class, in place."""
+    if not is_patched_config(config):
+        config.__class__ = patched_config_class(type(config))
+
+
+def make_unpatched(config: PretrainedConfig) -> None:
+    """Undo :func:`make_patched` in place: the base class again, its saved implementation visible, no record."""
+    if is_patched_config(config):
+        config.__class__ = config._base_config_class
+    if RECORD_KEY in config.__dict__:
+        del config.__dict__[RECORD_KEY]
+
+
+def base_config(config: PretrainedConfig) -> PretrainedConfig:
+    """A copy of ``config`` as the unpatched model's config: plain base class, no record, and its own
+    ``_attn_implementation`` (a patched config keeps the base model's underneath)."""
+    plain = copy.deepcopy(config)
+    make_unpatched(plain)
+    if plain.__dict__.get("_attn_implementation_internal") == ATTN_IMPLEMENTATION:
+        plain.__dict__["_attn_implementation_internal"] = None  # set by hand or read from a plain class load
+    return plain
+
+
+def config_from_saved_dict(config_dict: dict[str, Any], **kwargs):
+    """Build the patched config of a checkpoint whose config.json says ``model_type: "hf_neural_attn"``.
+
+    Called by transformers through ``AutoConfig.from_pretrained`` (see :class:`hf_neural_attn.auto.
+    PatchedCheckpointConfig`); returns what ``PretrainedConfig.from_dict`` returns for the base config class.
+    """
+    record = config_dict.get(RECORD_KEY)
+    base_type = record.get(BASE_MODEL_TYPE_FIELD) if isinstance(record, dict) else None
+    if not isinstance(base_type, str) or base_type == PATCHED_MODEL_TYPE or base_type not in CONFIG_MAPPING:
+        raise ValueError(
+            f"This checkpoint's config.json says model_type {PATCHED_MODEL_TYPE!r}, but its {RECORD_KEY!r} record "
+            f"has no valid {BASE_MODEL_TYPE_FIELD!r} field (got {base_type!r}): the file is damaged, or "
+            "base_model_type names a model this version of transformers does not have."
+        )
+    plain = {key: value for key, value in config_dict.items() if key != "attn_implementation"}
+    plain["model_type"] = base_type
+    auto_map = {key: ref for key, ref in (plain.pop("auto_map", None) or {}).items() if ref != _LOADER_REF}
+    if auto_map:  # a base model with custom code of its own keeps it
+        plain["auto_map"] = auto_map
+    result = CONFIG_MAPPING[base_type].from_dict(plain, **kwargs)
+    make_patched(result[0] if isinstance(result, tuple) else result)
+    return result
