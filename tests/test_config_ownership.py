@@ -9,7 +9,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from helpers import TINY_DECODER, VOCAB, model_inputs, perturb_scorers
+from helpers import TINY_DECODER, model_inputs, perturb_scorers, tiny_gpt2
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
@@ -25,18 +25,10 @@ TOL = 1e-5  # fp32, same weights, same inputs
 
 
 def _shared_config(family: str):
+    """A model class and a fresh config object of the tiny test shapes."""
     if family == "llama":
         return LlamaForCausalLM, LlamaConfig(**TINY_DECODER)
-    return GPT2LMHeadModel, GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        n_positions=128,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
+    return GPT2LMHeadModel, copy.deepcopy(tiny_gpt2().config)
 
 
 def _siblings(family: str):
