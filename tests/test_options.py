@@ -10,6 +10,7 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -179,6 +180,16 @@ def test_finetune_without_arguments_prints_usage(capsys):
     assert finetune_main([]) == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: finetune.py") and "recipes.compare" in err
+
+
+def test_finetune_runs_by_its_script_path_from_any_directory(tmp_path):
+    """`accelerate launch recipes/finetune.py` is the documented command: a script path, not a module."""
+    script = Path(__file__).resolve().parents[1] / "recipes" / "finetune.py"
+    finished = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert finished.returncode == 2, finished.stderr[-2000:]
+    assert finished.stderr.startswith("usage: finetune.py")
 
 
 def test_recipes_import_one_way_and_the_library_needs_no_extra():
