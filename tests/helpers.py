@@ -2,15 +2,18 @@
 from conftest or another test file).
 
 Also here: the float64 scorer geometry and gradcheck used by the math, chunked and Triton tests, the tiny
-encoder config."""
+encoder config, and SCORER_CASES, the table of scorer cases that tests/test_scorer_contracts.py runs every
+common contract on (docs/testing.md)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 # Nothing in the tests may reach the Hub; say so, so a stray lookup fails at once instead of waiting.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import pytest
 import torch
 from torch import nn
 from torch.func import functional_call
@@ -201,3 +204,60 @@ def causal_gradcheck(scorer, seq: int, seed: int = 0) -> bool:
         *(p.detach().clone().requires_grad_() for p in module.parameters()),
     )
     return torch.autograd.gradcheck(attention, inputs, eps=1e-6, atol=1e-7)
+
+
+# --- The table of scorer cases -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScorerCase:
+    """One way of patching a model, and what docs/scorers.md says it should do. A new scorer (or a new mode of
+    one) is one row of SCORER_CASES; tests/test_scorer_contracts.py then runs every common contract on it."""
+
+    name: str
+    options: dict = field(default_factory=dict)
+    preserving: bool = True  # outputs equal the unpatched model's at init
+    # Parameter names (last dotted component before .weight/.bias, e.g. "gate", "query_down") whose first
+    # gradient is zero by construction and that move from the second step (docs/scorers.md, "Our init").
+    waits: tuple[str, ...] = ()
+    parameters: bool = True  # the scorer adds parameters to the model
+    chunked: bool = True  # impl="chunked" applies
+    families: tuple[str, ...] = ("llama", "gpt2", "vit")  # FACTORIES keys it can patch
+
+    @property
+    def id(self) -> str:
+        return "-".join([self.name, *(f"{key}={value}" for key, value in self.options.items())])
+
+    @property
+    def family(self) -> str:
+        """The one family the costlier contracts (backward, chunked, checkpoint) run on."""
+        return "gpt2" if "gpt2" in self.families else self.families[0]
+
+
+SCORER_CASES = [
+    ScorerCase("qana", {}, waits=("gate",)),
+    ScorerCase("neural", {}, waits=("gate",)),
+    ScorerCase("neural", {"proj_dim": 2}, waits=("gate", "query_down", "key_down")),
+    ScorerCase("neural", {"mode": "replace"}, preserving=False),
+    ScorerCase("additive", {}, waits=("gate",)),
+    ScorerCase("additive", {"mode": "replace"}, preserving=False),
+    ScorerCase("general", {}),
+    # No parameters and no softmax: for training from scratch. NSEA mixes every query into each key's weight,
+    # so it refuses causal models.
+    ScorerCase("nsea", {"mode": "replace"}, preserving=False, parameters=False, chunked=False, families=("vit",)),
+    ScorerCase("hea", {"mode": "replace"}, preserving=False, parameters=False, chunked=False),
+]
+
+
+def scorer_cases(with_family: bool = False, **where):
+    """pytest params of SCORER_CASES rows whose attributes equal ``where``; with_family: one param per (row,
+    family) the row can patch."""
+    rows = [case for case in SCORER_CASES if all(getattr(case, key) == value for key, value in where.items())]
+    if not with_family:
+        return [pytest.param(case, id=case.id) for case in rows]
+    return [pytest.param(case, family, id=f"{case.id}-{family}") for case in rows for family in case.families]
+
+
+def negligible(grad: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Zero up to fp32 rounding, relative to a gradient that is really there."""
+    return bool(grad.abs().max() <= 1e-4 * reference.abs().max())

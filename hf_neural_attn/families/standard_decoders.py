@@ -1,4 +1,4 @@
-"""Decoders with the standard attention plumbing that are tested by name (tests/test_more_families.py).
+"""Decoders with the standard attention plumbing that are tested by name (tests/test_families_generic.py).
 
 Each entry only names the attention class; :class:`.standard.StandardAttentionFamily` does the rest and its
 probe checks every module before patching. What each one exercises:

@@ -223,8 +223,9 @@ def test_encoder_outputs_ignore_padding(name):
 
 
 @pytest.mark.parametrize("name", ["nsea", "hea"])
-def test_trains_from_scratch_and_round_trips(tmp_path, name):
-    """A tiny masked-LM memorises one batch: the loss falls, gradients stay finite; then save and reload."""
+def test_trains_from_scratch(name):
+    """A tiny masked-LM memorises one batch: the loss falls, gradients stay finite (the checkpoint round trip is
+    in tests/test_scorer_contracts.py)."""
     model = hf_neural_attn.patch_model(tiny_bert(), name, mode="replace").train()
     ids = torch.randint(2, VOCAB, (4, 12), generator=torch.Generator().manual_seed(0))
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -237,8 +238,3 @@ def test_trains_from_scratch_and_round_trips(tmp_path, name):
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
-    model.eval().save_pretrained(tmp_path)
-    reloaded = hf_neural_attn.from_pretrained(tmp_path)
-    assert reloaded.config.hf_neural_attn["scorer"] == name
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=1e-6)

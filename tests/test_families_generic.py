@@ -1,7 +1,7 @@
 """Phi-3 and the decoders served by the standard-attention adapter (explicit entries and the generic fallback),
 and the models it refuses. Tiny configs, built offline.
 
-Tolerances as in test_llama_like_families: the patched init equals the original to rounding (bounded at 1e-5),
+Tolerances as in test_families_llama_like: the patched init equals the original to rounding (bounded at 1e-5),
 two fp32 computations of the same logits by different routes (cache, shifted RoPE angles, padding) to 1e-4.
 """
 
