@@ -39,8 +39,9 @@ from .ops import check_impl
 from .patched_config import BASE_MODEL_TYPE_FIELD, RECORD_KEY, make_patched, make_unpatched
 from .scorers import Scorer, ScorerConfig, scorer_class
 
-# Unpatched modules of a patched model see the eager-style additive mask we register, which these
-# two implementations accept. Others (flash, flex) need masks of their own, so those modules use SDPA.
+# Unpatched modules of a patched model keep running their own implementation when it is one of these two, with
+# the mask it would get unpatched (see attention.hf_neural_attention_mask). Flash and flex need masks of their
+# own, so those modules run SDPA.
 _FALLBACK_IMPLEMENTATIONS = ("eager", "sdpa")
 
 
@@ -184,7 +185,7 @@ def _scorer_config(scorer: str | ScorerConfig, h: int | None, options: dict[str,
 def _normalise_layers(layers, num_layers: int) -> list[int]:
     if layers is None:
         return list(range(num_layers))
-    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__") or getattr(layers, "ndim", None) == 0:
         layers = [layers]
     selected = []
     for index in layers:

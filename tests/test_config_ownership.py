@@ -161,3 +161,9 @@ def test_output_attentions_set_on_the_config_returns_every_map():
     assert len(attentions) == 2
     for probs in attentions:
         torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[:-1]), rtol=0, atol=1e-5)
+
+
+def test_a_single_layer_may_be_a_0d_tensor():
+    _, model, _, _ = _siblings("llama")
+    hf_neural_attn.patch_model(model, "qana", layers=torch.tensor(1))
+    assert model.config.hf_neural_attn["layers"] == [1]
