@@ -71,14 +71,36 @@ def call_argument(module: nn.Module, args: tuple, kwargs: dict, name: str):
     """The value of parameter ``name`` in a call ``module(*args, **kwargs)``, however it was passed."""
     if name in kwargs:
         return kwargs[name]
-    position = _forward_parameters(type(module)).index(name)
+    position = forward_parameters(type(module)).index(name)
     return args[position] if position < len(args) else None
 
 
 @functools.cache
-def _forward_parameters(module_class: type[nn.Module]) -> list[str]:
-    # Looked up on every forward of every patched layer, so computed once per class.
-    return [name for name in inspect.signature(module_class.forward).parameters if name != "self"]
+def forward_parameters(module_class: type[nn.Module]) -> tuple[str, ...]:
+    """The names of ``module_class.forward``'s parameters after ``self`` (empty if it has no signature).
+    Looked up on every forward of every patched layer, so computed once per class."""
+    try:
+        return tuple(name for name in inspect.signature(module_class.forward).parameters if name != "self")
+    except (TypeError, ValueError):
+        return ()
+
+
+def rotation(module: nn.Module, cos: torch.Tensor, sin: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The module's RoPE at this call's query positions, for a (batch, n, seq, head_dim) tensor.
+
+    The modeling module's own ``apply_rotary_pos_emb``, so interleaved and scaled variants stay the model's.
+    Under partial rotary only the first ``cos.shape[-1]`` dimensions turn, whether the model splits them
+    off in its forward (StableLM) or in ``apply_rotary_pos_emb`` (Phi-3).
+    """
+    apply_rotary_pos_emb = sys.modules[type(module).__module__].apply_rotary_pos_emb
+    rotary_dim = cos.shape[-1]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        turned, kept = x[..., :rotary_dim], x[..., rotary_dim:]
+        turned, _ = apply_rotary_pos_emb(turned, turned[:, :1], cos, sin)
+        return torch.cat([turned, kept], dim=-1) if kept.shape[-1] else turned
+
+    return rotate
 
 
 def linear_query_geometry(

@@ -3,11 +3,9 @@ decoder's ``position_embeddings``, grouped-query attention."""
 
 from __future__ import annotations
 
-import sys
-
 from transformers.models.llama.modeling_llama import LlamaAttention
 
-from .base import ModelFamily, call_argument, linear_query_geometry
+from .base import ModelFamily, call_argument, linear_query_geometry, rotation
 
 
 class LlamaFamily(ModelFamily):
@@ -22,11 +20,4 @@ class LlamaFamily(ModelFamily):
 
     def rotary(self, module, args, kwargs):
         cos, sin = call_argument(module, args, kwargs, "position_embeddings")
-        # The model's own RoPE function, so partial-rotary and scaled variants stay exactly the model's.
-        apply_rotary_pos_emb = sys.modules[type(module).__module__].apply_rotary_pos_emb
-
-        def rotate(x):
-            rotated, _ = apply_rotary_pos_emb(x, x[:, :1], cos, sin)
-            return rotated
-
-        return rotate
+        return rotation(module, cos, sin)

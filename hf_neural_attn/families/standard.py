@@ -42,7 +42,7 @@ from torch import nn
 from transformers import AttentionInterface, PretrainedConfig
 
 from ..scorers import AttentionGeometry
-from .base import ModelFamily, call_argument, query_weight_std
+from .base import ModelFamily, call_argument, forward_parameters, query_weight_std, rotation
 
 PROBE_IMPLEMENTATION = "hf_neural_attn_probe"
 PROBE_TOKENS = 5
@@ -231,7 +231,7 @@ def looks_standard(module: nn.Module, cross_attention: bool = False) -> bool:
     if getattr(module, "is_cross_attention", False) and not cross_attention:
         return False
     module_class = type(module)
-    parameters = _forward_parameter_names(module_class)
+    parameters = forward_parameters(module_class)
     modeling = sys.modules.get(module_class.__module__)
     return (
         "hidden_states" in parameters
@@ -241,32 +241,6 @@ def looks_standard(module: nn.Module, cross_attention: bool = False) -> bool:
         and hasattr(modeling, "eager_attention_forward")
         and _reads_attention_registry(module_class)
     )
-
-
-def rotation(module: nn.Module, cos: torch.Tensor, sin: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The module's RoPE at this call's query positions, for a (batch, n, seq, head_dim) tensor.
-
-    The modeling module's own ``apply_rotary_pos_emb``, so interleaved and scaled variants stay the model's.
-    Under partial rotary only the first ``cos.shape[-1]`` dimensions turn, whether the model splits them
-    off in its forward (StableLM) or in ``apply_rotary_pos_emb`` (Phi-3).
-    """
-    apply_rotary_pos_emb = sys.modules[type(module).__module__].apply_rotary_pos_emb
-    rotary_dim = cos.shape[-1]
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        turned, kept = x[..., :rotary_dim], x[..., rotary_dim:]
-        turned, _ = apply_rotary_pos_emb(turned, turned[:, :1], cos, sin)
-        return torch.cat([turned, kept], dim=-1) if kept.shape[-1] else turned
-
-    return rotate
-
-
-@functools.cache
-def _forward_parameter_names(module_class: type[nn.Module]) -> tuple[str, ...]:
-    try:
-        return tuple(inspect.signature(module_class.forward).parameters)
-    except (TypeError, ValueError):
-        return ()
 
 
 @functools.cache
