@@ -261,3 +261,16 @@ def scorer_cases(with_family: bool = False, **where):
 def negligible(grad: torch.Tensor, reference: torch.Tensor) -> bool:
     """Zero up to fp32 rounding, relative to a gradient that is really there."""
     return bool(grad.abs().max() <= 1e-4 * reference.abs().max())
+
+
+def padded_inputs(kind: str) -> dict[str, torch.Tensor]:
+    """Two examples as their processors make them: ``"image"`` pixels, or token ids whose second row is
+    padded on the ``"left-padded"`` (decoders) or ``"right-padded"`` (BERT-style encoders) side."""
+    generator = torch.Generator().manual_seed(1)
+    if kind == "image":
+        return {"pixel_values": torch.randn(2, 3, 16, 16, generator=generator)}
+    ids = torch.randint(3, VOCAB, (2, 10), generator=generator)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    padding = slice(0, 4) if kind == "left-padded" else slice(6, 10)
+    ids[1, padding], mask[1, padding] = 1, 0
+    return {"input_ids": ids, "attention_mask": mask}

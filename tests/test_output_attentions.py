@@ -15,7 +15,8 @@ import warnings
 import pytest
 import torch
 import transformers as tf
-from helpers import BERT_COMMON, TINY_DECODER, VOCAB, perturb_scorers, tiny_gpt2, tiny_llama, tiny_vit
+from helpers import BERT_COMMON, TINY_DECODER, perturb_scorers, tiny_gpt2, tiny_llama, tiny_vit
+from helpers import padded_inputs as shared_padded_inputs
 
 import hf_neural_attn
 
@@ -68,16 +69,7 @@ def build(family: str, base: str):
 
 
 def padded_inputs(family: str) -> dict[str, torch.Tensor]:
-    """Two examples; text ones with padding (left for decoders, right for encoders), as their tokenizers pad."""
-    generator = torch.Generator().manual_seed(1)
-    kind = FAMILY_MODELS[family][1]
-    if kind == "image":
-        return {"pixel_values": torch.randn(2, 3, 16, 16, generator=generator)}
-    ids = torch.randint(3, VOCAB, (2, 10), generator=generator)
-    mask = torch.ones(2, 10, dtype=torch.long)
-    padding = slice(0, 4) if kind == "left-padded" else slice(6, 10)
-    ids[1, padding], mask[1, padding] = 1, 0
-    return {"input_ids": ids, "attention_mask": mask}
+    return shared_padded_inputs(FAMILY_MODELS[family][1])
 
 
 def patched(family: str, base: str, layers, impl: str, perturb: bool = True):

@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
-from helpers import F64, VOCAB, tiny_bert, tiny_gpt2, tiny_llama
+from helpers import F64, VOCAB, geometry, tiny_bert, tiny_gpt2, tiny_llama
 
 import hf_neural_attn
 from hf_neural_attn.ops import scored_attention
-from hf_neural_attn.scorers import AttentionGeometry, HeaConfig, HeaScorer, NseaConfig, NseaScorer
+from hf_neural_attn.scorers import HeaConfig, HeaScorer, NseaConfig, NseaScorer
 from hf_neural_attn.scorers.exponential import nonsquare_exp, nonsquare_product
 
 BLOCKED = torch.finfo(F64).min
@@ -95,17 +95,15 @@ def test_whole_series_closed_form_is_the_limit_of_the_truncations():
 
 
 def scorer(cls, config_cls, heads=2, kv_heads=1, d=4, **options):
-    geometry = AttentionGeometry(
+    shape = geometry(
         hidden_size=heads * d,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=d,
         query_bias=False,
         query_weight_std=0.02,
-        dtype=F64,
-        device=torch.device("cpu"),
     )
-    return cls(config_cls(mode="replace", **options), geometry)
+    return cls(config_cls(mode="replace", **options), shape)
 
 
 def padding_mask(batch, seq, lengths):

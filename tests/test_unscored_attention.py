@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers as tf
 from helpers import BERT_COMMON, TINY_DECODER, VOCAB, perturb_scorers, tiny_gpt2, tiny_llama, tiny_vit
+from helpers import padded_inputs as shared_padded_inputs
 
 import hf_neural_attn
 from hf_neural_attn.families.base import call_argument
@@ -38,15 +39,8 @@ def build(family: str, base: str, **overrides):
 
 
 def padded_inputs(family: str) -> dict[str, torch.Tensor]:
-    """Two examples; text with padding as its tokenizers pad (left for decoders, right for BERT)."""
-    generator = torch.Generator().manual_seed(1)
-    if family == "vit":
-        return {"pixel_values": torch.randn(2, 3, 16, 16, generator=generator)}
-    ids = torch.randint(3, VOCAB, (2, 10), generator=generator)
-    mask = torch.ones(2, 10, dtype=torch.long)
-    padding = slice(6, 10) if family == "bert" else slice(0, 4)
-    ids[1, padding], mask[1, padding] = 1, 0
-    return {"input_ids": ids, "attention_mask": mask}
+    kind = {"vit": "image", "bert": "right-padded"}.get(family, "left-padded")
+    return shared_padded_inputs(kind)
 
 
 def output(model, inputs: dict, **kwargs) -> torch.Tensor:
