@@ -46,6 +46,7 @@ from .checkpoint_io import (
     check_record,
     load_config,
     load_patched_model,
+    loaded_parameter,
     names_on_disk,
     read_tensors,
     report_base_loading,
@@ -328,11 +329,16 @@ def _warn_if_base_was_trained(model: PreTrainedModel, base: str, revision: str |
     changed = []
     for name, candidates in on_disk.items():
         found = next((files[c] for c in candidates if c in files), None)
-        parameter = parameters[name]
-        if found is not None and (
-            found.shape != parameter.shape or not torch.equal(found.to(parameter.dtype), parameter.detach().cpu())
-        ):
-            changed.append(name)
+        with loaded_parameter(model, name) as parameter:
+            if (
+                found is not None
+                and not parameter.is_meta
+                and (
+                    found.shape != parameter.shape
+                    or not torch.equal(found.to(parameter.dtype), parameter.detach().cpu())
+                )
+            ):
+                changed.append(name)
     if changed:
         warnings.warn(
             f"The base weights of this model differ from those of its base model {base!r} ({len(changed)} checked "

@@ -27,6 +27,7 @@ from transformers.utils import cached_file
 
 from . import __version__
 from .families import find_attention
+from .families.base import offloaded_weights_loaded
 from .ops import IMPL_OPTIONS
 from .patched_config import read_record
 from .patching import patch_model, scorer_parameters
@@ -317,10 +318,28 @@ def tensor_checksum(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> s
 def base_checksums(model) -> dict[str, dict[str, str]]:
     """``{name: {"dtype": ..., "sha256": ...}}`` of :func:`base_checksum_names`, for an adapter's JSON."""
     parameters = dict(model.named_parameters())
-    return {
-        name: {"dtype": str(parameters[name].dtype).removeprefix("torch."), "sha256": tensor_checksum(parameters[name])}
-        for name in base_checksum_names(model)
-    }
+    checksums = {}
+    for name in base_checksum_names(model):
+        digest = _parameter_checksum(model, name)
+        if digest is not None:
+            checksums[name] = {"dtype": str(parameters[name].dtype).removeprefix("torch."), "sha256": digest}
+    return checksums
+
+
+@contextmanager
+def loaded_parameter(model, name: str):
+    """``model``'s parameter ``name``, loaded for the block when accelerate offloaded it (only its own module's
+    tensors, so the model never has to fit at once); a meta tensor where it has no values anywhere."""
+    owner_name, _, attribute = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    with offloaded_weights_loaded(owner):
+        yield getattr(owner, attribute)
+
+
+def _parameter_checksum(model, name: str, dtype: torch.dtype | None = None) -> str | None:
+    """:func:`tensor_checksum` of ``model``'s parameter ``name``, offloaded or not; None where it has no values."""
+    with loaded_parameter(model, name) as parameter:
+        return None if parameter.is_meta else tensor_checksum(parameter, dtype)
 
 
 def changed_base_tensors(model, recorded: Mapping[str, Mapping[str, str]]) -> list[str]:
@@ -340,7 +359,8 @@ def changed_base_tensors(model, recorded: Mapping[str, Mapping[str, str]]) -> li
         )
         if not comparable:
             continue
-        if tensor_checksum(parameter, dtype) != entry.get("sha256"):
+        digest = _parameter_checksum(model, name, dtype)
+        if digest is not None and digest != entry.get("sha256"):
             changed.append(name)
     return changed
 

@@ -35,6 +35,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from . import __version__
 from .attention import EXTRAS_KWARG, FALLBACK_ATTR, SCORER_ATTR
 from .families import FAMILIES, ModelFamily, find_attention
+from .families.base import offloaded_weights_loaded
 from .ops import check_impl
 from .patched_config import BASE_MODEL_TYPE_FIELD, RECORD_KEY, make_patched, make_unpatched
 from .scorers import Scorer, ScorerConfig, scorer_class
@@ -100,10 +101,14 @@ def patch_model(
     # impl="triton" where Triton cannot run fails here, not at the first forward. Only the machine is checked:
     # models are often patched on the CPU and moved to the GPU afterwards.
     check_impl(getattr(config, "impl", "reference"))
+    # Build every new module before touching the model, so a failure here changes nothing. Offloaded weights
+    # are loaded while their module is read (as accelerate loads them for a call); the scorers are created on the
+    # module's execution device and stay there, outside the offloading.
+    new_scorers = {}
     for index in selected:
-        scorer_type.check_module(config, attention_modules[index])
-    # Build every new module before touching the model, so a failure here changes nothing.
-    new_scorers = {index: scorer_type(config, family.geometry(attention_modules[index])) for index in selected}
+        with offloaded_weights_loaded(attention_modules[index]):
+            scorer_type.check_module(config, attention_modules[index])
+            new_scorers[index] = scorer_type(config, family.geometry(attention_modules[index]))
 
     base_implementation = model.config._attn_implementation or "eager"
     record = {

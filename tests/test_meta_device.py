@@ -5,8 +5,7 @@
   alone by transformers' ``init_weights()``, so the materialised patched model equals the unpatched one.
 * Mirrors of transformers' common model tests that failed on patched models: ``test_can_be_initialized_on_meta``,
   ``test_init_weights_can_init_buffers``, ``test_all_tensors_are_parameter_or_buffer``.
-* Offloaded weights (accelerate's hooks) are not supported: patching raises an error naming offloading and
-  leaves the model as it was, and so does loading a checkpoint with a device_map that offloads.
+* Offloaded models (accelerate's hooks over meta tensors) are in ``test_offloading.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from accelerate import cpu_offload, dispatch_model, init_empty_weights
+from accelerate import init_empty_weights
 from helpers import TINY_DECODER, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_vit
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 
@@ -165,58 +164,3 @@ def test_init_empty_weights_then_load_state_dict_with_assign():
     model.load_state_dict(source.state_dict(), assign=True)
     assert not any(p.is_meta for p in model.parameters())
     torch.testing.assert_close(_output(model.eval(), inputs), _output(source, inputs), atol=0, rtol=0)
-
-
-DISK_LAYER_1 = {
-    "model.embed_tokens": "cpu",
-    "model.rotary_emb": "cpu",
-    "model.layers.0": "cpu",
-    "model.layers.1": "disk",
-    "model.norm": "cpu",
-    "lm_head": "cpu",
-}
-
-
-def _assert_offload_error_leaves_model(model, inputs, reference, scorer):
-    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    implementation = model.config._attn_implementation
-    with pytest.raises(ValueError, match="offload"):
-        hf_neural_attn.patch_model(model, scorer)
-    assert not hf_neural_attn.is_patched(model)
-    assert model.config._attn_implementation == implementation
-    assert not hasattr(model.config, "hf_neural_attn")
-    after = model.state_dict()
-    assert sorted(after) == sorted(state)
-    assert all(torch.equal(after[name], value) for name, value in state.items() if value.device.type != "meta")
-    torch.testing.assert_close(_output(model, inputs), reference, atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("scorer", ["qana", "neural"])
-def test_patching_a_disk_offloaded_model_raises_and_changes_nothing(scorer, tmp_path):
-    model = tiny_llama()
-    inputs = _inputs("llama")
-    reference = _output(model, inputs)
-    dispatch_model(model, DISK_LAYER_1, offload_dir=str(tmp_path))
-    _assert_offload_error_leaves_model(model, inputs, reference, scorer)
-
-
-def test_patching_a_cpu_offloaded_model_raises_and_changes_nothing():
-    model = tiny_llama()
-    inputs = _inputs("llama")
-    reference = _output(model, inputs)
-    cpu_offload(model, execution_device="cpu")
-    _assert_offload_error_leaves_model(model, inputs, reference, "qana")
-
-
-def test_from_pretrained_with_offloading_device_map(tmp_path):
-    """hf_neural_attn.from_pretrained with a device_map: all "cpu" loads and matches the saved model; a "disk"
-    entry (offloading) raises an error that names offloading."""
-    model = hf_neural_attn.patch_model(tiny_llama(), "qana")
-    perturb_scorers(model)
-    inputs = _inputs("llama")
-    reference = _output(model, inputs)
-    model.save_pretrained(tmp_path / "checkpoint")
-    on_cpu = hf_neural_attn.from_pretrained(tmp_path / "checkpoint", device_map=dict.fromkeys(DISK_LAYER_1, "cpu"))
-    torch.testing.assert_close(_output(on_cpu, inputs), reference, atol=1e-6, rtol=0)
-    with pytest.raises(ValueError, match="offloaded"):
-        hf_neural_attn.from_pretrained(tmp_path / "checkpoint", device_map=DISK_LAYER_1, offload_folder=tmp_path / "off")

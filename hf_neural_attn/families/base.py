@@ -9,10 +9,11 @@ masks) stays the model's own: the patch only swaps the attention function throug
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import ClassVar
 
 import torch
@@ -134,24 +135,21 @@ def query_weight_std(module: nn.Module, weight: torch.Tensor) -> float:
     std transformers' init draws W_Q at, the config's ``initializer_range`` (0.02 when the config names none);
     the scorer's parameters are then created on meta as well and drawn when the model is materialised
     (``Scorer._apply``). The init stays function-preserving either way: the std only sets the scale of the
-    mirrored pairs, which cancel at any scale.
+    mirrored pairs, which cancel at any scale. (Offloaded weights are read for real: ``patch_model`` loads
+    them for the time it reads the geometry, see :func:`offloaded_weights_loaded`.)
 
     Raises:
-        ValueError: the weights are on meta because accelerate offloaded them (its hooks sit on the module or its
-            submodules). Offloaded models are not supported: accelerate loads a module's own tensors only while
-            that module is called, and the attention functions read the scorers' parameters without calling
-            the scorer modules.
+        ValueError: the weights are on meta and accelerate's hooks sit on the module, but loading them did not
+            give them values (a hook of a kind :func:`offloaded_weights_loaded` does not know).
     """
     if not weight.is_meta:
         return float(weight.detach().float().std())
     if any(hasattr(part, "_hf_hook") for part in module.modules()):
         raise ValueError(
-            f"Cannot patch {type(module).__name__}: its weights are offloaded by accelerate (a device_map with "
-            '"cpu"/"disk" entries next to an accelerator, or "disk" entries; offload_folder; cpu_offload; '
-            "disk_offload), and hf_neural_attn does not support offloaded models: the module holds meta tensors that "
-            "accelerate's hooks fill only while a submodule is called, which the scorers' parameters are not. Load "
-            "the model without offloading (every device_map entry an accelerator, or all \"cpu\"), then patch it. "
-            "The model was not changed."
+            f"Cannot patch {type(module).__name__}: its weights are offloaded by accelerate, and its hooks did not "
+            "load them for patching (hf_neural_attn knows accelerate's AlignDevicesHook, which cpu_offload, "
+            "disk_offload, dispatch_model and from_pretrained(device_map=..., offload_folder=...) attach). Load "
+            "the model without offloading, patch it, then offload it. The model was not changed."
         )
     # Attention modules of transformers models keep their config; a bare projection has none (default std).
     config = getattr(module, "config", None)
@@ -159,3 +157,35 @@ def query_weight_std(module: nn.Module, weight: torch.Tensor) -> float:
     if std is None and config is not None and hasattr(config, "get_text_config"):
         std = getattr(config.get_text_config(), "initializer_range", None)
     return float(std or _DEFAULT_INITIALIZER_RANGE)
+
+
+def _offloading_hooks(hook) -> list:
+    """The hooks inside accelerate hook ``hook`` that keep a module's tensors elsewhere (an ``AlignDevicesHook``
+    with ``offload=True`` and its ``weights_map``); ``SequentialHook`` is looked into."""
+    if hasattr(hook, "hooks"):
+        return [inner for part in hook.hooks for inner in _offloading_hooks(part)]
+    return [hook] if getattr(hook, "offload", False) and getattr(hook, "weights_map", None) is not None else []
+
+
+@contextlib.contextmanager
+def offloaded_weights_loaded(module: nn.Module) -> Iterator[None]:
+    """Within the block, the tensors accelerate offloaded from ``module`` and its submodules are loaded on their
+    execution device, as they are while the module runs; afterwards they go back to meta.
+
+    accelerate offloads a module's weights (``cpu_offload``, ``disk_offload``, ``dispatch_model``, and
+    transformers' ``from_pretrained(device_map=..., offload_folder=...)``) by leaving meta tensors in it and
+    an ``AlignDevicesHook`` that fills them from its ``weights_map`` just for each call of the module. Patching
+    reads the query weights (their std, dtype and device), so it loads them the same way for that moment.
+    Only hooks that offload are driven; others (a plain device alignment, ``cpu_offload_with_hook``'s hook,
+    which would move the whole model) are left alone.
+    """
+    loaded = []
+    try:
+        for part in module.modules():
+            for hook in _offloading_hooks(getattr(part, "_hf_hook", None)):
+                hook.pre_forward(part)
+                loaded.append((hook, part))
+        yield
+    finally:
+        for hook, part in reversed(loaded):
+            hook.post_forward(part, None)
