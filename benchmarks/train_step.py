@@ -44,12 +44,14 @@ def measure(args) -> dict:
     model = GPT2LMHeadModel(config).to(device)
     if args.scorer != "none":
         options = {"proj_dim": args.proj_dim} if args.scorer == "neural" else {}
-        hf_neural_attn.patch_model(model, args.scorer, h=args.h, impl=args.impl, **options)
+        if args.impl != "default":  # "default": what patch_model(model, scorer) gives, no impl named
+            options["impl"] = args.impl
+        hf_neural_attn.patch_model(model, args.scorer, h=args.h, **options)
     model.train()
     ids = torch.randint(0, 512, (1, args.seq), device=device)
     dtype = getattr(torch, AUTOCAST_DTYPES[args.dtype]) if AUTOCAST_DTYPES[args.dtype] else None
     resolved = args.impl
-    if args.scorer != "none" and args.impl == "auto":
+    if args.scorer != "none" and args.impl in ("auto", "default"):
         from hf_neural_attn.ops import resolve_impl
         from hf_neural_attn.scorers import Scorer
 
@@ -57,7 +59,7 @@ def measure(args) -> dict:
         head_dim = args.width // args.heads
         resolved = resolve_impl(
             "auto", scorer, device=device, dtype=dtype or torch.float32, q_len=args.seq, kv_len=args.seq,
-            head_dim=head_dim, is_causal=True,
+            head_dim=head_dim, is_causal=True, batch=1, heads=args.heads,
         )  # fmt: skip
 
     def step():
@@ -85,7 +87,8 @@ def measure(args) -> dict:
 
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
-IMPLS = ("reference", "chunked", "triton", "auto")
+# "default" names no impl (what a user gets from patch_model(model, scorer)); "auto" names the same rule.
+IMPLS = ("default", "reference", "chunked", "triton", "auto")
 # Model shapes: (layers, width, heads). cpu-small is the shape of the issue's CPU targets, gpt2-small the
 # GPU targets' GPT-2 small.
 PRESETS = {"cpu-small": (4, 256, 4), "gpt2-small": (12, 768, 12)}
@@ -102,7 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         nargs="+",
         default=None,
         choices=IMPLS,
-        help="default: reference chunked on CPU, triton chunked on CUDA",
+        help="default: default reference chunked on CPU, default triton chunked on CUDA",
     )
     parser.add_argument(
         "--preset",
@@ -145,7 +148,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.width % args.heads:
         parser.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
     args.seq = args.seq or ([1024, 2048, 4096, 8192] if cuda else [256, 512, 1024, 2048])
-    args.impls = args.impls or (["triton", "chunked"] if cuda else ["reference", "chunked"])
+    args.impls = args.impls or (["default", "triton", "chunked"] if cuda else ["default", "reference", "chunked"])
     args.steps = args.steps or (10 if cuda else 3)
     if not cuda and "triton" in args.impls and not args.child:
         print("note: impl=triton runs on CUDA only; on CPU its rows will report the error", file=sys.stderr)
@@ -208,7 +211,8 @@ def main() -> None:
 def label(result: dict) -> str:
     """The impl, with the path ``auto`` chose."""
     resolved = result.get("resolved_impl")
-    return f"auto -> {resolved}" if result["impl"] == "auto" and resolved else result["impl"]
+    chosen = result["impl"] in ("auto", "default") and resolved
+    return f"{result['impl']} -> {resolved}" if chosen else result["impl"]
 
 
 def report(results, args) -> str:

@@ -19,6 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from .families import FAMILIES
 from .ops import scored_attention
+from .ops.masks import as_additive_mask
 from .patched_config import ATTN_IMPLEMENTATION, read_record
 from .scorers import Scorer
 
@@ -79,7 +80,7 @@ def hf_neural_attention_forward(
         )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    mask = _additive_mask(attention_mask, query, key, is_causal)
+    mask = _scoring_mask(attention_mask, query, key, is_causal)
     return scored_attention(
         scorer,
         query,
@@ -108,35 +109,41 @@ def wants_attention_weights(kwargs: dict) -> bool:
     return bool(collected) and any(key.endswith("attentions") for key in collected)
 
 
-def _additive_mask(attention_mask, query: torch.Tensor, key: torch.Tensor, is_causal: bool) -> torch.Tensor | None:
-    """The call's mask as an additive float mask (0 = attend, large negative = blocked), (batch or 1, 1, q_len,
-    kv_len), or None for full attention.
+def _scoring_mask(attention_mask, query: torch.Tensor, key: torch.Tensor, is_causal: bool) -> torch.Tensor | None:
+    """The call's mask in a form the scoring paths take (see :mod:`hf_neural_attn.ops.masks`), without a copy.
 
-    It accepts every form :func:`hf_neural_attention_mask` hands out: the eager float mask (returned as it
-    is), SDPA's boolean mask (True = attend), or None. None on a causal module means what it means to SDPA,
-    which is where transformers leaves it out (its ``is_causal``): causal aligned to the first query, and
-    nothing to mask for a single query. A direct call without a mask is treated the same, so the causal
-    mask is never silently dropped.
+    It accepts every form :func:`hf_neural_attention_mask` hands out: the eager float mask, SDPA's boolean mask
+    (True = attend), or None. None on a causal module means what it means to SDPA, which is where
+    transformers leaves it out (its ``is_causal``): causal aligned to the first query. transformers does that
+    only when there are as many keys as queries or a single query, where that is the paths' own causal
+    alignment (to the end of the keys), so None stays None and the paths build the causal part block by block.
+    A direct call without a mask and with more keys than queries gets SDPA's alignment as an explicit mask, so
+    the causal mask is never silently dropped or shifted.
     """
     q_len, kv_len = query.shape[-2], key.shape[-2]
     if attention_mask is None:
-        if not is_causal or q_len == 1:
-            return None
-        # SDPA's is_causal (transformers also cuts the keys to the first q_len when there are more).
-        allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
-        attention_mask = allowed[None, None]
-    elif not isinstance(attention_mask, torch.Tensor):
+        if is_causal and 1 < q_len != kv_len:
+            return torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()[None, None]
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
         raise TypeError(
             f"hf_neural_attn needs a tensor attention mask, got {type(attention_mask).__name__}; "
             "flex-attention block masks are not supported."
         )
-    attention_mask = attention_mask[..., :kv_len]
-    if attention_mask.dtype == torch.bool:
-        blocked = torch.finfo(query.dtype).min
-        return torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
-            ~attention_mask, blocked
-        )
-    return attention_mask
+    return attention_mask[..., :kv_len]
+
+
+def _additive_mask(attention_mask, query: torch.Tensor, key: torch.Tensor, is_causal: bool) -> torch.Tensor | None:
+    """The call's mask as an additive float mask, (batch or 1, 1, q_len, kv_len), or None for full attention
+    (for the eager implementation of the modules the patch does not score)."""
+    return as_additive_mask(
+        _scoring_mask(attention_mask, query, key, is_causal),
+        q_len=query.shape[-2],
+        kv_len=key.shape[-2],
+        is_causal=is_causal,
+        dtype=query.dtype,
+        device=query.device,
+    )
 
 
 def hf_neural_attention_mask(*args, config=None, **kwargs):

@@ -222,14 +222,19 @@ def resolve(scorer, impl, device="cpu", dtype=torch.float32, q_len=8, kv_len=8, 
 
 
 @pytest.mark.parametrize("name", ["qana", "neural"])
-def test_auto_picks_chunked_off_cuda_and_triton_on_cuda(monkeypatch, name):
+def test_auto_takes_triton_on_cuda_only_once_switched_on(monkeypatch, name):
+    """Until the kernels are verified on a GPU (ops.TRITON_IN_AUTO), CUDA calls get the CPU's rule; once it is
+    set, CUDA calls the kernels support go to them. CPU calls never do."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     scorer = make_scorer(name, 2, 1)
-    assert resolve(scorer, "auto", device="cpu") == "chunked"
-    assert resolve(scorer, "auto", device="cpu", q_len=4096, kv_len=4096) == "chunked"
+    long = {"q_len": 4096, "kv_len": 4096}
+    assert resolve(scorer, "auto", device="cuda") == "reference"
+    assert resolve(scorer, "auto", device="cuda", **long) == "chunked"
+    monkeypatch.setattr(ops, "TRITON_IN_AUTO", True)
     expected = "triton" if HAS_TRITON else "chunked"
-    assert resolve(scorer, "auto", device="cuda") == expected
-    assert resolve(scorer, "auto", device=torch.device("cuda", 1), dtype=torch.bfloat16) == expected
+    assert resolve(scorer, "auto", device="cuda", **long) == expected
+    assert resolve(scorer, "auto", device=torch.device("cuda", 1), dtype=torch.bfloat16, **long) == expected
+    assert resolve(scorer, "auto", device="cpu", **long) == "chunked"
     # Calls that need the probabilities or dropout go to the reference path, whatever impl says.
     for impl in ("auto", "triton", "chunked"):
         assert resolve(scorer, impl, device="cuda", need_weights=True) == "reference"
@@ -240,18 +245,19 @@ def test_auto_picks_chunked_off_cuda_and_triton_on_cuda(monkeypatch, name):
         resolve(scorer, "fused")
 
 
-def test_auto_runs_the_chunked_path_on_cpu(monkeypatch):
+def test_auto_runs_the_chunked_path_above_the_threshold(monkeypatch):
     calls = []
 
     def spy(*args, **kwargs):
-        calls.append(args[2].shape)  # the keys it was given: repeated to the query heads
+        calls.append(args[2].shape)  # the keys it was given: their kv heads, not repeated
         return chunked_attention(*args, **kwargs)
 
     monkeypatch.setitem(ops.IMPLEMENTATIONS, "chunked", spy)
+    monkeypatch.setattr(ops, "REFERENCE_MAX_SCORES", 0)
     scorer = make_scorer("neural", 2, 1, impl="auto")
     _, query, key, value, mask, _ = attention_case(2, 1, 5, 5, "causal")
     output, probs = scored_attention(scorer, query, key, value, mask, scaling=D**-0.5, is_causal=True)
-    assert calls == [(2, 2, 5, D)] and output.shape == (2, 5, 2, D) and probs is None
+    assert calls == [(2, 1, 5, D)] and output.shape == (2, 5, 2, D) and probs is None
     # Calls that need the probabilities still get them, from the reference path.
     _, probs = scored_attention(scorer, query, key, value, mask, scaling=D**-0.5, is_causal=True, need_weights=True)
     assert len(calls) == 1 and probs.shape == (2, 2, 5, 5)
@@ -260,17 +266,18 @@ def test_auto_runs_the_chunked_path_on_cpu(monkeypatch):
 @needs_triton
 def test_unsupported_configs_fall_back_under_auto_and_raise_under_triton(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(ops, "TRITON_IN_AUTO", True)
     deep = make_scorer("neural", 2, 1, h=4, depth=2)
     cases = [
         (deep, {}, "depth=2"),
         (make_scorer("qana", 2, 1, h=32), {}, "h=32"),
         (make_scorer("qana", 2, 1), {"dtype": torch.float64}, "float64"),
         (make_scorer("qana", 2, 1), {"q_len": 9, "kv_len": 8}, "at least as many keys"),
-        (make_scorer("qana", 2, 1), {"attention_mask": torch.zeros(1, 1, 8, 8, dtype=torch.bool)}, "additive float"),
+        (make_scorer("qana", 2, 1), {"attention_mask": torch.zeros(1, 1, 8, 8, dtype=torch.int8)}, "additive float"),
         (make_scorer("qana", 2, 1), {"value_head_dim": D + 2}, "one head_dim"),
     ]
     for scorer, overrides, message in cases:
-        assert resolve(scorer, "auto", device="cuda", **overrides) == "chunked"
+        assert resolve(scorer, "auto", device="cuda", **overrides) == "reference"  # the CPU rule, at these sizes
         with pytest.raises(ValueError, match=message):
             resolve(scorer, "triton", device="cuda", **overrides)
     # CPU tensors outside the interpreter: say that the kernels need CUDA.
@@ -288,10 +295,11 @@ def test_triton_error_reaches_the_caller_through_a_patched_model(interpreter):
 
 def test_without_triton_auto_falls_back_and_triton_says_how_to_install(monkeypatch):
     monkeypatch.setattr(ops_triton, "triton_available", lambda: False)
+    monkeypatch.setattr(ops, "TRITON_IN_AUTO", True)
     monkeypatch.setattr(ops, "_WARNED", set())
     scorer = make_scorer("qana", 2, 1)
     with pytest.warns(UserWarning, match="pip install triton"):
-        assert resolve(scorer, "auto", device="cuda") == "chunked"
+        assert resolve(scorer, "auto", device="cuda", q_len=4096, kv_len=4096) == "chunked"
     with pytest.raises(ImportError, match="pip install triton"):
         resolve(scorer, "triton", device="cuda")
     hidden, query, key, value, mask, _ = attention_case(2, 1, 4, 4, "causal")

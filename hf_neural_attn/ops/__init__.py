@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from .chunked import chunked_attention
+from .chunked import chunked_attention, repeat_kv
+from .masks import as_additive_mask
 from .reference import reference_attention
 from .triton import TRITON_INSTALL_HINT, check_triton, triton_attention, triton_unsupported_reason
 
@@ -28,6 +29,17 @@ def check_impl(impl: str, device: torch.device | None = None) -> None:
         check_triton(device)
 
 
+# impl="auto" on CUDA picks the fused Triton kernels only once they are verified on a GPU (they have run
+# under Triton's CPU interpreter only). Until then CUDA gets the same rule as the CPU. The GPU work flips this.
+TRITON_IN_AUTO = False
+
+# impl="auto" materialises the scores (the reference path) while batch * heads * q_len * kv_len * h is at most
+# this many numbers, and computes them blockwise (the chunked path) above. Measured (docs/benchmarks.md, 2-core
+# CPU, fp32, one attention call forward + backward, 4 heads of 64, h = 4): the reference path was faster up to
+# 256 x 256 tokens (2^20 numbers), the chunked one from 320 x 320 on, for QANA and Neural Attention alike.
+REFERENCE_MAX_SCORES = 2**20
+
+
 def resolve_impl(
     impl: str,
     scorer,
@@ -38,6 +50,8 @@ def resolve_impl(
     kv_len: int,
     head_dim: int,
     is_causal: bool,
+    batch: int = 1,
+    heads: int = 1,
     attention_mask: torch.Tensor | None = None,
     value_head_dim: int | None = None,
     need_weights: bool = False,
@@ -47,14 +61,11 @@ def resolve_impl(
 
     * Calls that need the probabilities or attention dropout go to ``"reference"``, the only path that
       materialises them, whatever ``impl`` says.
-    * ``"auto"``: ``"triton"`` for CUDA tensors when triton is installed and the kernels support the scorer
-      and inputs (see :func:`~hf_neural_attn.ops.triton.triton_unsupported_reason`), otherwise
-      ``"chunked"``. Off CUDA that is ``"chunked"`` at every length: in docs/benchmarks.md (2-core CPU,
-      batch 1) the reference path was faster below ~1024 tokens for QANA, but not for Neural Attention,
-      where chunked was as fast or faster at every length measured; those are single runs on a machine
-      whose run-to-run spread the same page shows to be large; and the reference path's n² * h memory
-      grows with the batch where the chunked path's does not. One rule with bounded memory is the safer
-      default.
+    * ``"auto"`` (the default): with :data:`TRITON_IN_AUTO` set, ``"triton"`` for CUDA tensors when triton is
+      installed and the kernels support the scorer and inputs. Otherwise ``"reference"`` when the call's score
+      tensor, ``batch * heads * q_len * kv_len`` numbers times the scorer's hidden width h, is at most
+      :data:`REFERENCE_MAX_SCORES` (materialising it is then the faster choice), else ``"chunked"``, whose
+      memory grows linearly in the sequence length.
     * ``"triton"`` raises a clear error when the kernels cannot run (ImportError without triton,
       ValueError otherwise) instead of silently falling back.
 
@@ -68,30 +79,30 @@ def resolve_impl(
     if impl not in ("auto", "triton"):
         return impl
     on_cuda = torch.device(device).type == "cuda"
-    if impl == "auto" and not on_cuda:
-        return "chunked"  # without importing triton, which is not free
-    reason = triton_unsupported_reason(
-        scorer,
-        device=device,
-        dtype=dtype,
-        q_len=q_len,
-        kv_len=kv_len,
-        head_dim=head_dim,
-        is_causal=is_causal,
-        attention_mask=attention_mask,
-        value_head_dim=value_head_dim,
-    )
-    if impl == "triton":
+    if impl == "triton" or (on_cuda and TRITON_IN_AUTO):
+        reason = triton_unsupported_reason(
+            scorer,
+            device=device,
+            dtype=dtype,
+            q_len=q_len,
+            kv_len=kv_len,
+            head_dim=head_dim,
+            is_causal=is_causal,
+            attention_mask=attention_mask,
+            value_head_dim=value_head_dim,
+        )
+        if impl == "triton":
+            if reason == TRITON_INSTALL_HINT:
+                raise ImportError(reason)
+            if reason is not None:
+                raise ValueError(f"impl='triton' cannot run this call: {reason}.")
+            return "triton"
+        if reason is None:
+            return "triton"
         if reason == TRITON_INSTALL_HINT:
-            raise ImportError(reason)
-        if reason is not None:
-            raise ValueError(f"impl='triton' cannot run this call: {reason}.")
-        return "triton"
-    if reason is None:
-        return "triton"
-    if reason == TRITON_INSTALL_HINT:
-        _warn_once("impl='auto' on CUDA found no triton and uses the slower chunked path: pip install triton")
-    return "chunked"
+            _warn_once("impl='auto' on CUDA found no triton and uses the slower chunked path: pip install triton")
+    hidden = getattr(scorer.config, "h", None) or 1
+    return "reference" if batch * heads * q_len * kv_len * hidden <= REFERENCE_MAX_SCORES else "chunked"
 
 
 def _resolve_call(
@@ -107,6 +118,8 @@ def _resolve_call(
         kv_len=key.shape[-2],
         head_dim=query.shape[-1],
         is_causal=is_causal,
+        batch=query.shape[0],
+        heads=query.shape[1],
         attention_mask=attention_mask,
         value_head_dim=value.shape[-1],
         need_weights=need_weights,
@@ -133,14 +146,6 @@ IMPLEMENTATIONS = {
 IMPL_OPTIONS = ("auto", *IMPLEMENTATIONS)
 
 
-def repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
-    """(batch, kv_heads, seq, dim) -> (batch, kv_heads * groups, seq, dim), each kv head repeated for its
-    group of query heads (grouped-query attention)."""
-    if groups == 1:
-        return states
-    return states.repeat_interleave(groups, dim=1)
-
-
 def scored_attention(
     scorer,
     query: torch.Tensor,
@@ -159,8 +164,10 @@ def scored_attention(
 
     Args:
         query: (batch, heads, q_len, head_dim); key, value: (batch, kv_heads, kv_len, head_dim).
-        attention_mask: additive float mask broadcastable to (batch, heads, q_len, kv_len), or None.
-        is_causal: whether the mask is causal (lets a path skip blocks the mask hides entirely).
+        attention_mask: None, boolean (True = attend) or additive float, broadcastable to
+            (batch, heads, q_len, kv_len) (see :mod:`.masks`).
+        is_causal: causal, queries aligned to the end of the keys. With a mask it is a hint (paths skip the
+            blocks it hides); with ``attention_mask`` None it is the mask, built by each path where needed.
         need_weights: the caller wants the probabilities (``output_attentions``).
 
     Only the reference path materialises the probabilities, so it also serves calls that need them
@@ -170,15 +177,20 @@ def scored_attention(
         output (batch, q_len, heads, head_dim), the layout transformers' attention functions return,
         and the attention probabilities (batch, heads, q_len, kv_len) when the path keeps them.
     """
-    groups = query.shape[1] // key.shape[1]
     if not scorer.uses_softmax:
+        groups = query.shape[1] // key.shape[1]
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-        # NSEA, HEA: the weights are not a softmax of logits, so none of the paths below applies.
+        # NSEA, HEA: the weights are not a softmax of logits, so none of the paths below applies. Their
+        # math takes one additive mask.
+        mask = as_additive_mask(
+            attention_mask, q_len=query.shape[-2], kv_len=key.shape[-2], is_causal=is_causal, dtype=query.dtype,
+            device=query.device,
+        )  # fmt: skip
         output, weights = scorer.attend(
             query,
             key,
             value,
-            attention_mask,
+            mask,
             scaling=scaling,
             dropout=dropout if training else 0.0,
             is_causal=is_causal,
@@ -188,8 +200,7 @@ def scored_attention(
     impl = _resolve_call(
         scorer.config.impl, scorer, query, key, value, attention_mask, is_causal, training and dropout > 0, need_weights
     )
-    if impl != "triton":  # the Triton kernels read kv head (head // groups) themselves
-        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    # Every path takes keys and values with their kv heads (grouped-query attention) and any mask form.
     output, probs = IMPLEMENTATIONS[impl](
         scorer,
         query,

@@ -1,5 +1,9 @@
 """Chunked attention: O(n · block) memory for any scorer, on any device.
 
+Scorers with a fused form (QANA, one-layer Neural Attention) run the blockwise pair-MLP path
+(:mod:`.blockwise`), which computes the same thing with a hand-written backward. Every other scorer runs
+the generic path below, through the scorer's own autograd.
+
 The reference path keeps every (query, key) activation of the scoring MLP for backward:
 batch × heads × n × n × h numbers per patched layer. Here queries are processed in blocks of
 ``QUERY_BLOCK``; forward keeps only the inputs and two numbers per query row, the row maximum and the
@@ -13,7 +17,7 @@ than their log-sum-exp keeps fp32 results as accurate as the reference: rebuildi
 would add an error proportional to |lse|.
 
 Under a causal mask, the keys after a block's last query are masked for the whole block and are not
-scored at all.
+scored at all; a purely causal call (no mask tensor) masks each block's diagonal here.
 
 Queries that may attend to no key (left-padding rows) get uniform weights over the keys a path visits,
 which here can be fewer than the reference visits; their outputs carry no information on either path.
@@ -26,7 +30,25 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
+from .blockwise import blockwise_attention, blockwise_unsupported_reason
+from .masks import apply_mask, block_mask, query_blocks
+
 QUERY_BLOCK = 128
+
+
+def repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
+    """(batch, kv_heads, seq, dim) -> (batch, kv_heads * groups, seq, dim), each kv head repeated for its
+    group of query heads (grouped-query attention), for the paths that score through the scorer's own math."""
+    if groups == 1:
+        return states
+    return states.repeat_interleave(groups, dim=1)
+
+
+def has_blockwise_form(scorer) -> bool:
+    """Whether ``scorer`` runs on the blockwise pair-MLP path (it has a fused term whose activation is known)."""
+    if scorer.fused_unsupported_reason() is not None:
+        return False
+    return blockwise_unsupported_reason(getattr(scorer.config, "activation", None)) is None
 
 
 def chunked_attention(
@@ -46,6 +68,13 @@ def chunked_attention(
     without returning probabilities (the dispatcher sends those cases to the reference path)."""
     if training and dropout > 0:
         raise ValueError("The chunked path applies no attention dropout; use the reference path for it.")
+    if has_blockwise_form(scorer):
+        inputs = scorer.fused_inputs(query, key, extras)
+        return blockwise_attention(
+            inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal
+        ), None
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     named = list(scorer.named_parameters())
     names, parameters = tuple(name for name, _ in named), tuple(parameter for _, parameter in named)
     extras_tensors = tuple(extras) if extras is not None else ()
@@ -66,24 +95,13 @@ def chunked_attention(
     return output, None
 
 
-def _blocks(q_len: int, kv_len: int, is_causal: bool):
-    """(start, end, kv_end) per query block; queries are aligned to the end of the keys (KV cache)."""
-    for start in range(0, q_len, QUERY_BLOCK):
-        end = min(start + QUERY_BLOCK, q_len)
-        kv_end = min(kv_len, end + kv_len - q_len) if is_causal else kv_len
-        yield start, end, kv_end
-
-
-def _block_scores(score, query, key, extras, attention_mask, start, end, kv_end, scaling) -> torch.Tensor:
+def _block_scores(score, query, key, extras, mask, is_causal, start, end, kv_end, scaling) -> torch.Tensor:
     """Masked logits of queries ``start:end`` against keys ``:kv_end``, in at least fp32."""
     block_extras = extras.query_block(start, end) if extras is not None else None
     scores = score(query[:, :, start:end], key[:, :, :kv_end], block_extras, scaling)
-    dtype = torch.promote_types(scores.dtype, torch.float32)
-    scores = scores.to(dtype)
-    if attention_mask is not None:
-        rows = attention_mask[..., start:end, :kv_end] if attention_mask.shape[-2] > 1 else attention_mask[..., :kv_end]
-        scores = (scores + rows).clamp(min=torch.finfo(dtype).min)
-    return scores
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    rows = block_mask(mask, is_causal, start, end, kv_end, query.shape[-2], key.shape[-2], query.device)
+    return apply_mask(scores, rows)
 
 
 class _BlockwiseAttention(torch.autograd.Function):
@@ -97,8 +115,8 @@ class _BlockwiseAttention(torch.autograd.Function):
         stats_dtype = torch.promote_types(query.dtype, torch.float32)
         row_max = torch.empty(query.shape[:-1], dtype=stats_dtype, device=query.device)
         row_sum = torch.empty_like(row_max)
-        for start, end, kv_end in _blocks(q_len, kv_len, is_causal):
-            scores = _block_scores(scorer, query, key, extras, attention_mask, start, end, kv_end, scaling)
+        for start, end, kv_end in query_blocks(q_len, kv_len, is_causal, QUERY_BLOCK):
+            scores = _block_scores(scorer, query, key, extras, attention_mask, is_causal, start, end, kv_end, scaling)
             block_max = scores.amax(dim=-1, keepdim=True)
             exps = torch.exp(scores - block_max)
             block_sum = exps.sum(dim=-1, keepdim=True)
@@ -129,9 +147,9 @@ class _BlockwiseAttention(torch.autograd.Function):
                 return functional_call(ctx.scorer, parameters, args)
 
             grad_value = torch.zeros_like(value, dtype=row_max.dtype)
-            for start, end, kv_end in _blocks(query.shape[-2], key.shape[-2], ctx.is_causal):
+            for start, end, kv_end in query_blocks(query.shape[-2], key.shape[-2], ctx.is_causal, QUERY_BLOCK):
                 scores = _block_scores(
-                    score, query_leaf, key_leaf, extras, attention_mask, start, end, kv_end, ctx.scaling
+                    score, query_leaf, key_leaf, extras, attention_mask, ctx.is_causal, start, end, kv_end, ctx.scaling
                 )
                 with torch.no_grad():
                     rows = slice(start, end)

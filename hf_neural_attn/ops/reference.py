@@ -11,6 +11,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .chunked import repeat_kv
+from .masks import apply_mask, block_mask
+
 
 def reference_attention(
     scorer,
@@ -29,23 +32,25 @@ def reference_attention(
 
     Args:
         query: (batch, heads, q_len, head_dim).
-        key, value: (batch, heads, kv_len, head_dim), already repeated for grouped-query attention.
-        attention_mask: additive float (batch or 1, 1, q_len, kv_len) with large negatives where
-            attention is not allowed, or None for full attention. It carries the causal structure too, so
-            ``is_causal`` (a hint other paths use to skip work) is not needed here.
+        key, value: (batch, kv_heads, kv_len, head_dim); repeated here for grouped-query attention (the
+            scorers' math is per query head).
+        attention_mask: None, boolean (True = attend) or additive float, broadcastable to
+            (batch, heads, q_len, kv_len), see :mod:`.masks`.
+        is_causal: with ``attention_mask`` None, the call is causal (queries aligned to the end of the keys)
+            and the mask is built here; with a mask, that mask says everything.
 
     Returns:
         output (batch, heads, q_len, head_dim) and probabilities (batch, heads, q_len, kv_len).
     """
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    q_len, kv_len = query.shape[-2], key.shape[-2]
     scores = scorer.scores(query, key, extras, scaling)
     # Softmax in at least fp32 (half-precision scores are upcast, as transformers' eager path does;
     # fp64 stays fp64, so this path can serve as a float64 oracle).
     softmax_dtype = torch.promote_types(scores.dtype, torch.float32)
-    scores = scores.to(softmax_dtype)
-    if attention_mask is not None:
-        # Clamped so a row masked with -inf everywhere gives uniform weights, not NaN, like the finite
-        # masks transformers builds.
-        scores = (scores + attention_mask).clamp(min=torch.finfo(softmax_dtype).min)
+    mask = block_mask(attention_mask, is_causal, 0, q_len, kv_len, q_len, kv_len, query.device)
+    scores = apply_mask(scores.to(softmax_dtype), mask)
     probs = F.softmax(scores, dim=-1).to(value.dtype)
     probs = F.dropout(probs, p=dropout, training=training)
     return torch.matmul(probs, value), probs

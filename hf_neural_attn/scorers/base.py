@@ -57,10 +57,11 @@ class ScorerConfig:
     scorer_name: ClassVar[str] = ""
 
     impl: str = option(
-        "reference",
-        "how scores become attention outputs: reference materialises the score matrix (the test oracle); chunked "
-        "recomputes blocks of queries in backward (memory linear in n); triton runs fused CUDA kernels (QANA, "
-        "Neural Attention with depth 1); auto picks triton where it can run, else chunked",
+        "auto",
+        "how scores become attention outputs: auto (the default) picks per call, the reference path for small "
+        "score tensors and chunked above (see ops.resolve_impl); reference materialises the score matrix (the test "
+        "oracle); chunked computes blocks of queries and recomputes them in backward (memory linear in n); triton "
+        "runs fused CUDA kernels (QANA, Neural Attention with depth 1)",
         choices=IMPL_OPTIONS,
     )
 
@@ -287,9 +288,10 @@ class Scorer(nn.Module):
         return ", ".join(f"{k}={v}" for k, v in self.config.to_dict().items())
 
     def fused_unsupported_reason(self) -> str | None:
-        """Why this scorer's configuration cannot run on the fused Triton kernels (``impl="triton"``), or
-        None if it can; scorers with a fused form override this and :meth:`fused_inputs`."""
-        return f"scorer {self.name!r} has no Triton kernel (only 'qana' and 'neural' do); use impl='chunked'"
+        """Why this scorer's configuration has no fused form (a pair-MLP term, :meth:`fused_inputs`), or None
+        if it has one. The fused form is what the Triton kernels and the blockwise chunked path compute;
+        scorers with one override this and :meth:`fused_inputs`."""
+        return f"scorer {self.name!r} has no fused form (only 'qana' and one-layer 'neural' do)"
 
     def fused_inputs(self, query: torch.Tensor, key: torch.Tensor, extras: Any):
         """What the fused kernels need for one call: a :class:`hf_neural_attn.ops.triton.FusedInputs` of

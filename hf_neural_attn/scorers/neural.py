@@ -181,14 +181,9 @@ class NeuralAttentionScorer(Scorer):
         return dot + self.gate.view(1, -1, 1, 1) * mlp
 
     def fused_unsupported_reason(self) -> str | None:
-        from ..ops.triton import mlp_unsupported_reason
-
         if self.config.depth != 1:
-            return (
-                f"the Neural Attention kernel fuses one hidden layer, this scorer has depth={self.config.depth}; "
-                "use impl='chunked'"
-            )
-        return mlp_unsupported_reason(self.config.activation, self.config.h)
+            return f"the fused Neural Attention term has one hidden layer, this scorer has depth={self.config.depth}"
+        return None
 
     def fused_inputs(self, query, key, extras):
         """The pair-MLP term: the first layer's query half P (batch, heads, q_len, h) and key half

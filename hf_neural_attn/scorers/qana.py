@@ -124,9 +124,7 @@ class QanaScorer(Scorer):
         return dot + self.gate.view(1, -1, 1, 1) * mlp
 
     def fused_unsupported_reason(self) -> str | None:
-        from ..ops.triton import mlp_unsupported_reason
-
-        return mlp_unsupported_reason(self.config.activation, self.config.h)
+        return None
 
     def fused_inputs(self, query, key, extras: QanaQueryParts):
         """The query-network term: the query slices U, V, b, c and the gate (the kernels read the keys)."""

@@ -109,7 +109,10 @@ def triton_unsupported_reason(scorer, *, device: torch.device | str, **call: Any
             f"the Triton kernels run on CUDA tensors, these are on {device.type!r}; use impl='auto' or "
             "impl='chunked' (or set TRITON_INTERPRET=1 to run them, slowly, in Triton's CPU interpreter)"
         )
-    return scorer.fused_unsupported_reason() or inputs_unsupported_reason(**call)
+    reason = scorer.fused_unsupported_reason()
+    if reason is not None:
+        return f"{reason}; use impl='chunked'"
+    return mlp_unsupported_reason(scorer.config.activation, scorer.config.h) or inputs_unsupported_reason(**call)
 
 
 def triton_attention(
@@ -131,8 +134,9 @@ def triton_attention(
         query: (batch, heads, q_len, head_dim).
         key, value: (batch, kv_heads, kv_len, head_dim), kv_heads dividing heads (grouped-query
             attention); repeated keys (kv_heads == heads) work too.
-        attention_mask: additive float mask broadcastable to (batch, heads, q_len, kv_len), or None.
-        is_causal: the mask is causal, with queries aligned to the end of the keys.
+        attention_mask: None, boolean (True = attend) or additive float, broadcastable to
+            (batch, heads, q_len, kv_len).
+        is_causal: causal, with queries aligned to the end of the keys (the kernels mask the diagonal).
 
     Returns:
         output (batch, heads, q_len, head_dim) and None (no probabilities are materialised).
@@ -160,6 +164,11 @@ def triton_attention(
         raise ValueError(f"impl='triton' cannot run this call: {reason}.")
     # Under autocast everything arrives in the autocast dtype already; otherwise align on the query's.
     key, value = key.to(query.dtype), value.to(query.dtype)
+    if attention_mask is not None and attention_mask.dtype == torch.bool:  # the kernels add a float mask
+        blocked = torch.finfo(query.dtype).min
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~attention_mask, blocked
+        )
     inputs = scorer.fused_inputs(query, key, extras)
     output = fused_attention(inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal)
     return output, None

@@ -101,8 +101,8 @@ def inputs_unsupported_reason(
             f"keys), got q_len={q_len}, kv_len={kv_len}"
         )
     if attention_mask is not None:
-        if not attention_mask.is_floating_point():
-            return f"the attention mask must be an additive float tensor, got dtype {attention_mask.dtype}"
+        if attention_mask.dtype != torch.bool and not attention_mask.is_floating_point():
+            return f"the attention mask must be boolean or an additive float tensor, got dtype {attention_mask.dtype}"
         if attention_mask.requires_grad:
             return "the kernels give no gradient to the attention mask, and this one requires grad"
     return None

@@ -1,0 +1,72 @@
+"""The mask forms the attention paths accept, and the one conversion to an additive mask.
+
+A call's mask reaches the paths as it came from transformers' mask builder (see
+:func:`hf_neural_attn.attention.hf_neural_attention_mask`), without an n x n copy:
+
+* ``None`` with ``is_causal`` False: full attention;
+* ``None`` with ``is_causal`` True: causal, queries aligned to the end of the keys. Every path builds the
+  causal part itself (the chunked paths block by block), so a plain causal batch never materialises a mask;
+* a boolean tensor (True = attend), as SDPA's builder returns with padding or a sliding window;
+* an additive float tensor (0 = attend, large negative = blocked), as the eager builder returns.
+
+Tensors have shape (batch or 1, heads or 1, q_len or 1, kv_len).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def as_additive_mask(
+    attention_mask: torch.Tensor | None, *, q_len: int, kv_len: int, is_causal: bool, dtype: torch.dtype, device
+) -> torch.Tensor | None:
+    """Any accepted form as an additive float mask of ``dtype`` (None where nothing is masked), for the code
+    that needs one tensor (the NSEA/HEA scorers, the Triton kernels, the eager fallback)."""
+    if attention_mask is None:
+        if not is_causal or q_len == 1:
+            return None
+        attention_mask = causal_allowed(0, q_len, kv_len, q_len, device)[None, None]
+    if attention_mask.dtype == torch.bool:
+        blocked = torch.finfo(dtype).min
+        return torch.zeros(attention_mask.shape, dtype=dtype, device=device).masked_fill_(~attention_mask, blocked)
+    return attention_mask
+
+
+def causal_allowed(start: int, end: int, kv_len: int, q_len: int, device) -> torch.Tensor:
+    """(end - start, kv_len) booleans, True where query rows ``start:end`` of ``q_len`` may see a key: keys up to
+    the query's own position, queries aligned to the end of the keys (a KV cache holds earlier positions)."""
+    rows = torch.arange(start, end, device=device)[:, None] + (kv_len - q_len)
+    return torch.arange(kv_len, device=device)[None, :] <= rows
+
+
+def apply_mask(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Add (float) or apply (bool) ``mask`` to ``scores``. Blocked logits sit at the dtype's minimum, not -inf,
+    so a row with nothing allowed (left padding) gets uniform weights rather than NaN, like transformers'
+    finite masks."""
+    if mask is None:
+        return scores
+    lowest = torch.finfo(scores.dtype).min
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask, lowest)
+    return (scores + mask).clamp(min=lowest)
+
+
+def block_mask(
+    mask: torch.Tensor | None, is_causal: bool, start: int, end: int, kv_end: int, q_len: int, kv_len: int, device
+) -> torch.Tensor | None:
+    """The mask of query rows ``start:end`` against keys ``:kv_end``: the given mask's rows, or with none given
+    and ``is_causal`` the causal part, built for this block only."""
+    if mask is not None:
+        return mask[..., start:end, :kv_end] if mask.shape[-2] > 1 else mask[..., :kv_end]
+    if not is_causal:
+        return None
+    return causal_allowed(start, end, kv_len, q_len, device)[:, :kv_end]
+
+
+def query_blocks(q_len: int, kv_len: int, is_causal: bool, block: int):
+    """(start, end, kv_end) per block of ``block`` queries. Under a causal mask (queries aligned to the end of
+    the keys) the keys after a block's last query are hidden from the whole block: ``kv_end`` stops there."""
+    for start in range(0, q_len, block):
+        end = min(start + block, q_len)
+        kv_end = min(kv_len, end + kv_len - q_len) if is_causal else kv_len
+        yield start, end, kv_end

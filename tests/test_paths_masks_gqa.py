@@ -1,0 +1,226 @@
+"""Every compute path gives the reference's outputs and gradients on every mask form and on grouped-query attention.
+
+The oracle is the reference path with an explicit additive float mask built here, and keys repeated here for
+their query heads. Each path (``reference``, ``chunked`` and ``auto``) then runs the same call with the mask in
+the form transformers hands it (None for a purely causal batch, SDPA's boolean mask, the eager float mask) and
+the keys in their kv heads. The chunked path runs in blocks of 3 queries, so lengths are not block multiples
+and causal blocks are skipped. fp32, 1e-5 absolute on outputs and on every gradient (hidden states, q, k, v,
+each scorer parameter). Rows with no key to attend to (left padding) are left out of the comparison: their
+output is uniform over whichever keys a path visits.
+
+The last tests check which path a call takes: the ``impl="auto"`` rule by shape, and that it is the default.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import F64, HIDDEN, geometry, logits, model_inputs, perturb_scorers, randomise, tiny_gpt2
+
+import hf_neural_attn
+from hf_neural_attn import ops
+from hf_neural_attn.ops import chunked, scored_attention
+from hf_neural_attn.ops.chunked import has_blockwise_form
+from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
+
+D = 4
+SCALING = D**-0.5
+ACTIVATIONS = ["gelu", "relu", "silu", "tanh", "sigmoid"]
+# name -> config maker; "neural-deep" (two hidden layers) has no fused form and runs the generic chunked path.
+TERMS = {
+    "qana": lambda activation: QanaConfig(h=3, activation=activation),
+    "neural-residual": lambda activation: NeuralAttentionConfig(h=4, proj_dim=2, activation=activation),
+    "neural-replace": lambda activation: NeuralAttentionConfig(h=3, mode="replace", activation=activation),
+    "neural-deep": lambda activation: NeuralAttentionConfig(h=4, depth=2, activation=activation),
+}
+# (q_len, kv_len, mask): "none" = None with is_causal (a purely causal batch, no mask tensor), "bool" = SDPA's
+# form, "float" = the eager form; "padded" left-pads the second sequence, "sliding" is a window of 3 keys.
+MASKS = [
+    (7, 7, "causal-none"),
+    (7, 7, "causal-float"),
+    (7, 7, "padded-bool"),
+    (7, 7, "padded-float"),
+    (8, 8, "sliding-bool"),
+    (6, 6, "full-none"),
+    (5, 9, "cache-bool"),  # five new queries after four cached positions
+    (1, 9, "decode-none"),
+]
+
+
+def make_scorer(term: str, activation: str, heads: int, kv_heads: int, dtype=torch.float32):
+    shape = geometry(num_heads=heads, num_kv_heads=kv_heads, head_dim=D, dtype=dtype)
+    config = TERMS[term](activation)
+    scorer_class = QanaScorer if term == "qana" else NeuralAttentionScorer
+    scorer = scorer_class(config, shape)
+    randomise(scorer, std=0.5)
+    return scorer.to(dtype)
+
+
+def allowed_keys(q_len: int, kv_len: int, kind: str, batch: int = 2) -> torch.Tensor | None:
+    """(batch, 1, q_len, kv_len) booleans, True = attend (queries aligned to the end of the keys); None = all."""
+    if kind.startswith("full"):
+        return None
+    offset = kv_len - q_len
+    allowed = torch.ones(q_len, kv_len, dtype=torch.bool).tril(offset)
+    if kind.startswith("sliding"):
+        allowed &= ~torch.ones(q_len, kv_len, dtype=torch.bool).tril(offset - 3)
+    allowed = allowed.expand(batch, 1, -1, -1).clone()
+    if kind.startswith("padded"):
+        allowed[1, ..., :3] = False
+    return allowed
+
+
+def as_given(allowed: torch.Tensor | None, kind: str, dtype) -> torch.Tensor | None:
+    """The mask in the form named by ``kind``'s suffix."""
+    if kind.endswith("none"):
+        return None
+    if kind.endswith("bool"):
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def inputs(q_len, kv_len, heads, kv_heads, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=dtype).requires_grad_()
+
+    return (
+        randn(2, q_len, HIDDEN),
+        randn(2, heads, q_len, D),
+        randn(2, kv_heads, kv_len, D),
+        randn(2, kv_heads, kv_len, D),
+    )
+
+
+def run(scorer, impl, hidden, query, key, value, mask, is_causal, valid_rows):
+    """Output (valid rows) and the gradients of hidden, q, k, v and every scorer parameter."""
+    scorer.config.impl = impl
+    tensors = [hidden, query, key, value, *scorer.parameters()]
+    for tensor in tensors:
+        tensor.grad = None
+    extras = scorer.query_extras(hidden, None) if scorer.needs_hidden_states else None
+    output, _ = scored_attention(scorer, query, key, value, mask, scaling=SCALING, extras=extras, is_causal=is_causal)
+    keep = valid_rows.transpose(1, 2)  # (batch, q_len, 1, 1) against output (batch, q_len, heads, D)
+    weights = torch.linspace(-1, 1, output.numel(), dtype=output.dtype).view_as(output) * keep
+    (output * weights).sum().backward()
+    return output.detach() * keep, [tensor.grad for tensor in tensors]
+
+
+def oracle(scorer, hidden, query, key, value, allowed, valid_rows):
+    """The reference path on an explicit float mask and keys repeated for their query heads (as leaves, whose
+    gradients are summed back over each group)."""
+    groups = query.shape[1] // key.shape[1]
+    repeated_key, repeated_value = (
+        tensor.detach().repeat_interleave(groups, dim=1).requires_grad_() for tensor in (key, value)
+    )
+    float_mask = as_given(allowed, "float", query.dtype) if allowed is not None else None
+    output, grads = run(scorer, "reference", hidden, query, repeated_key, repeated_value, float_mask, False, valid_rows)
+    per_kv_head = [grad.unflatten(1, (key.shape[1], groups)).sum(2) for grad in grads[2:4]]
+    return output, grads[:2] + per_kv_head + grads[4:]
+
+
+def assert_same(result, expected, atol):
+    (output, grads), (ref_output, ref_grads) = result, expected
+    torch.testing.assert_close(output, ref_output, rtol=0, atol=atol)
+    for index, (grad, ref_grad) in enumerate(zip(grads, ref_grads, strict=True)):
+        assert (grad is None) == (ref_grad is None), index
+        if grad is not None:
+            torch.testing.assert_close(grad, ref_grad, rtol=0, atol=atol, msg=lambda m, i=index: f"tensor {i}: {m}")
+
+
+@pytest.mark.parametrize("q_len,kv_len,kind", MASKS)
+@pytest.mark.parametrize("term", list(TERMS))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
+@pytest.mark.parametrize("impl", ["reference", "chunked", "auto"])
+def test_every_path_matches_the_reference_on_every_mask(monkeypatch, impl, heads, kv_heads, term, q_len, kv_len, kind):
+    monkeypatch.setattr(chunked, "QUERY_BLOCK", 3)
+    scorer = make_scorer(term, "gelu", heads, kv_heads)
+    hidden, query, key, value = inputs(q_len, kv_len, heads, kv_heads)
+    allowed = allowed_keys(q_len, kv_len, kind)
+    valid_rows = allowed.any(-1, keepdim=True) if allowed is not None else torch.ones(2, 1, q_len, 1, dtype=torch.bool)
+    expected = oracle(scorer, hidden, query, key, value, allowed, valid_rows)
+    mask = as_given(allowed, kind, query.dtype)
+    is_causal = not kind.startswith("full")
+    assert_same(run(scorer, impl, hidden, query, key, value, mask, is_causal, valid_rows), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("term", ["qana", "neural-residual", "neural-replace"])
+def test_blockwise_path_matches_the_reference_for_every_activation(monkeypatch, term, activation):
+    """The blockwise pair-MLP path has each activation's derivative of its own: check them all."""
+    monkeypatch.setattr(chunked, "QUERY_BLOCK", 3)
+    scorer = make_scorer(term, activation, 4, 2)
+    assert has_blockwise_form(scorer)
+    hidden, query, key, value = inputs(7, 7, 4, 2, seed=3)
+    allowed = allowed_keys(7, 7, "padded")
+    valid_rows = allowed.any(-1, keepdim=True)
+    expected = oracle(scorer, hidden, query, key, value, allowed, valid_rows)
+    result = run(scorer, "chunked", hidden, query, key, value, allowed, True, valid_rows)
+    assert_same(result, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("term", ["qana", "neural-residual", "neural-replace"])
+def test_blockwise_gradcheck_in_float64(monkeypatch, term):
+    """float64 gradcheck of the blockwise path (GQA, padding, blocks of 2) against finite differences."""
+    monkeypatch.setattr(chunked, "QUERY_BLOCK", 2)
+    scorer = make_scorer(term, "gelu", 4, 2, dtype=F64)
+    scorer.config.impl = "chunked"
+    hidden, query, key, value = inputs(5, 5, 4, 2, dtype=F64, seed=1)
+    allowed = allowed_keys(5, 5, "padded")
+    allowed[1, ..., :] |= torch.eye(5, dtype=torch.bool)  # every row attends somewhere: a smooth function
+
+    def attention(hidden, query, key, value, *parameters):
+        # The scorer's own parameters are gradcheck's inputs: it perturbs them in place.
+        extras = scorer.query_extras(hidden, None) if scorer.needs_hidden_states else None
+        return scored_attention(scorer, query, key, value, allowed, scaling=SCALING, extras=extras, is_causal=True)[0]
+
+    parameters = list(scorer.parameters())
+    assert torch.autograd.gradcheck(attention, (hidden, query, key, value, *parameters), eps=1e-6, atol=1e-6)
+
+
+# --- which path a call takes ---------------------------------------------------------------------------
+
+
+def test_auto_rule_by_shape():
+    """impl="auto" materialises scores up to REFERENCE_MAX_SCORES numbers (batch x heads x q x kv x h), then
+    goes blockwise; on CUDA too while the Triton kernels are not switched on."""
+    scorer = make_scorer("qana", "gelu", 4, 4)  # h = 3
+
+    def path(batch, q_len, kv_len, device="cpu", **flags):
+        return ops.resolve_impl(
+            "auto", scorer, device=device, dtype=torch.float32, q_len=q_len, kv_len=kv_len, head_dim=D,
+            is_causal=True, batch=batch, heads=4, **flags,
+        )  # fmt: skip
+
+    largest = int((ops.REFERENCE_MAX_SCORES / (4 * 3)) ** 0.5)  # the longest square call kept whole, batch 1
+    assert path(1, largest, largest) == "reference"
+    assert path(1, largest + 1, largest + 1) == "chunked"
+    assert path(2, largest, largest) == "chunked"  # the batch counts: the score tensor doubles
+    assert path(1, 1, 8192) == "reference"  # a decode step scores one row
+    assert path(1, 4096, 4096, device="cuda") == "chunked"
+    assert path(8, 4096, 4096, need_weights=True) == "reference"  # only the reference path returns maps
+
+
+def test_patch_model_defaults_to_auto_and_auto_follows_the_call(monkeypatch):
+    """What a user gets without naming impl: "auto"; short calls run the reference path, long ones (here: any,
+    with the threshold at 0) the chunked one, with the same logits."""
+    model = hf_neural_attn.patch_model(tiny_gpt2(), "qana")
+    perturb_scorers(model)
+    assert model.config.hf_neural_attn["options"]["impl"] == "auto"
+    taken = []
+    for name in ("reference", "chunked"):
+        original = ops.IMPLEMENTATIONS[name]
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            taken.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setitem(ops.IMPLEMENTATIONS, name, spy)
+    inputs = model_inputs("gpt2")
+    short = logits(model, inputs)
+    assert taken and set(taken) == {"reference"}
+    taken.clear()
+    monkeypatch.setattr(ops, "REFERENCE_MAX_SCORES", 0)
+    torch.testing.assert_close(logits(model, inputs), short, atol=1e-5, rtol=0)
+    assert taken and set(taken) == {"chunked"}
