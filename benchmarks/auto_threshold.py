@@ -63,7 +63,9 @@ def main(argv=None) -> None:
     print(
         f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     )
-    print(f"# batch {args.batch}, {args.heads} heads of {args.head_dim}, h = {args.h}; REFERENCE_MAX_SCORES = 2^20")
+    print(
+        f"# batch {args.batch}, {args.heads} heads of {args.head_dim}, h = {args.h}; REFERENCE_MAX_SCORES = {REFERENCE_MAX_SCORES:,}"
+    )
     print("| scorer | n | scores (batch x heads x n x n x h) | reference ms | chunked ms | chunked / reference |")
     print("|---|---|---|---|---|---|")
     for scorer_name in args.scorers:

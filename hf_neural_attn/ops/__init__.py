@@ -34,10 +34,12 @@ def check_impl(impl: str, device: torch.device | None = None) -> None:
 TRITON_IN_AUTO = False
 
 # impl="auto" materialises the scores (the reference path) while batch * heads * q_len * kv_len * h is at most
-# this many numbers, and computes them blockwise (the chunked path) above. Measured (docs/benchmarks.md, 2-core
-# CPU, fp32, one attention call forward + backward, 4 heads of 64, h = 4): the reference path was faster up to
-# 256 x 256 tokens (2^20 numbers), the chunked one from 320 x 320 on, for QANA and Neural Attention alike.
-REFERENCE_MAX_SCORES = 2**20
+# this many numbers, and computes them blockwise (the chunked path) above. Measured with
+# benchmarks/auto_threshold.py (docs/benchmarks.md, 2-core CPU, fp32, one causal call forward + backward, 4 heads
+# of 64, h = 4): the paths cross between 256 and 320 tokens for QANA (1.0M and 1.6M numbers) and between 384
+# and 448 for Neural Attention (2.4M and 3.2M); 2^21 (362 tokens there) is within 11 % of the faster path
+# at every length measured, for both.
+REFERENCE_MAX_SCORES = 2**21
 
 
 def resolve_impl(
