@@ -9,7 +9,10 @@ One forward + backward of a GPT-2-shaped model on random tokens, batch 1, every 
 configuration runs in its own process so peak memory (resident set size on CPU, the allocator's peak
 on CUDA) belongs to it alone. Reports the median step time, peak memory, and both as ratios to the
 unpatched model (transformers' SDPA) at the same sequence length; writes a markdown table and, with
-matplotlib installed, a plot of how each grows with n. ``--dtype bf16``/``fp16`` runs the step under
+matplotlib installed, a plot of how each grows with n. ``--interleave`` takes the step times from one more
+process per length that runs a step of every configuration in turn, so that a machine whose speed drifts
+(a shared VM) slows them all alike; peak memory still comes from the separate processes.
+``--dtype bf16``/``fp16`` runs the step under
 autocast (fp32 weights, half-precision matmuls), as mixed-precision training does. ``impl=auto`` rows
 also say which path it chose. ``--dry_run`` prints the child commands without running them.
 """
@@ -28,8 +31,9 @@ import time
 from pathlib import Path
 
 
-def measure(args) -> dict:
-    """Run in a child process: build, patch, warm up, time ``--steps`` training steps."""
+def build(args, scorer_name: str, impl: str):
+    """The model of one configuration, patched as asked: (a function running one training step, the path
+    ``auto``/``default`` resolves to, or ``impl``)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -42,16 +46,16 @@ def measure(args) -> dict:
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
     model = GPT2LMHeadModel(config).to(device)
-    if args.scorer != "none":
-        options = {"proj_dim": args.proj_dim} if args.scorer == "neural" else {}
-        if args.impl != "default":  # "default": what patch_model(model, scorer) gives, no impl named
-            options["impl"] = args.impl
-        hf_neural_attn.patch_model(model, args.scorer, h=args.h, **options)
+    if scorer_name != "none":
+        options = {"proj_dim": args.proj_dim} if scorer_name == "neural" else {}
+        if impl != "default":  # "default": what patch_model(model, scorer) gives, no impl named
+            options["impl"] = impl
+        hf_neural_attn.patch_model(model, scorer_name, h=args.h, **options)
     model.train()
     ids = torch.randint(0, 512, (1, args.seq), device=device)
     dtype = getattr(torch, AUTOCAST_DTYPES[args.dtype]) if AUTOCAST_DTYPES[args.dtype] else None
-    resolved = args.impl
-    if args.scorer != "none" and args.impl in ("auto", "default"):
+    resolved = impl
+    if scorer_name != "none" and impl in ("auto", "default"):
         from hf_neural_attn.ops import resolve_impl
         from hf_neural_attn.scorers import Scorer
 
@@ -67,23 +71,46 @@ def measure(args) -> dict:
             loss = model(ids, labels=ids).loss
         loss.backward()
         model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
+    return step, resolved
+
+
+def measure(args) -> dict:
+    """Run in a child process: build, patch, warm up, time ``--steps`` training steps; peak memory."""
+    import torch
+
+    device = torch.device(args.device)
+    step, resolved = build(args, args.scorer, args.impl)
     step()  # warm-up
     if device.type == "cuda":
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(args.steps):
         started = time.perf_counter()
         step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return {"time_s": statistics.median(times), "peak_bytes": peak, "resolved_impl": resolved}
+
+
+def measure_interleaved(args, runs: list[tuple[str, str]]) -> dict[str, float]:
+    """Run in a child process: every configuration's model, one step each in turn for ``--steps`` rounds, so
+    that the machine's drifts in speed hit all of them alike; the median step time of each."""
+    steps = {f"{scorer}/{impl}": build(args, scorer, impl)[0] for scorer, impl in runs}
+    for step in steps.values():
+        step()  # warm-up
+    times = {name: [] for name in steps}
+    for _ in range(args.steps):
+        for name, step in steps.items():
+            started = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(samples) for name, samples in times.items()}
 
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
@@ -128,10 +155,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--bf16", action="store_true", help="same as --dtype bf16 (kept for old command lines)")
     parser.add_argument("--output_dir", default="benchmarks/results")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="time every configuration of a length in one process, a step of each in turn (memory still comes "
+        "from one process per configuration): ratios that hold on a machine whose speed drifts",
+    )
     parser.add_argument("--dry_run", action="store_true", help="print the child commands, run nothing")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--scorer", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--impl", default="reference", help=argparse.SUPPRESS)
+    parser.add_argument("--runs", default=None, help=argparse.SUPPRESS)  # interleaved child: scorer/impl,...
     args = parser.parse_args(argv)
 
     cuda = args.device.startswith("cuda")
@@ -155,11 +189,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def interleave(args, seq: int, runs, shared: list[str], results: list[dict]) -> None:
+    """Replace the step times of length ``seq`` in ``results`` by those of one interleaved child."""
+    listed = ",".join(f"{scorer}/{impl}" for scorer, impl in runs)
+    command = [sys.executable, __file__, "--child", f"--seq={seq}", f"--runs={listed}", *shared]
+    if args.dry_run:
+        print(" ".join(command))
+        return
+    finished = subprocess.run(command, check=False, capture_output=True, text=True)
+    if finished.returncode != 0:
+        sys.exit(f"n={seq}: the interleaved timing failed: {finished.stderr.strip()[-2000:]}")
+    times = json.loads(finished.stdout.strip().splitlines()[-1])
+    for result in results:
+        if result["seq"] == seq and "error" not in result:
+            result["time_s"] = times[f"{result['scorer']}/{result['impl']}"]
+            result["timed"] = "interleaved"
+    print(f"n={seq:5d} interleaved times: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()))
+
+
 def main() -> None:
     args = parse_args()
     if args.child:
         args.seq = args.seq[0]
-        print(json.dumps(measure(args)))
+        if args.runs:
+            runs = [tuple(run.split("/")) for run in args.runs.split(",")]
+            print(json.dumps(measure_interleaved(args, runs)))
+        else:
+            print(json.dumps(measure(args)))
         return
     if args.device.startswith("cuda") and not args.dry_run:
         import torch
@@ -190,6 +246,8 @@ def main() -> None:
                 f"{result['peak_bytes'] / 2**20:8.0f} MiB",
                 flush=True,
             )
+        if args.interleave:
+            interleave(args, seq, runs, shared, results)
     if args.dry_run:
         return
 
@@ -219,9 +277,12 @@ def report(results, args) -> str:
     baseline = {r["seq"]: r for r in results if r["scorer"] == "none" and "error" not in r}
     machine = describe_machine(args.device)
     precision = "fp32" if args.dtype == "fp32" else f"{args.dtype} autocast"
+    timing = (
+        ", timed interleaved (one process per length, a step of each configuration in turn)" if args.interleave else ""
+    )
     setup = (
         f"GPT-2 shape {args.layers} layers x {args.width} wide x {args.heads} heads, batch 1, all layers patched, "
-        f"h={args.h}, neural proj_dim={args.proj_dim}, {precision}; median of {args.steps} steps; machine: {machine}."
+        f"h={args.h}, neural proj_dim={args.proj_dim}, {precision}; median of {args.steps} steps{timing}; machine: {machine}."
     )
     lines = [
         setup,
