@@ -18,6 +18,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from .families import FAMILIES
+from .families.base import offloaded_weights_loaded
 from .ops import scored_attention
 from .ops.masks import as_additive_mask
 from .patched_config import ATTN_IMPLEMENTATION, read_record
@@ -81,19 +82,22 @@ def hf_neural_attention_forward(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     mask = _scoring_mask(attention_mask, query, key, is_causal)
-    return scored_attention(
-        scorer,
-        query,
-        key,
-        value,
-        mask,
-        scaling=scaling,
-        dropout=dropout,
-        training=module.training,
-        extras=extras,
-        is_causal=is_causal,
-        need_weights=need_weights,
-    )
+    # The paths read the scorer's parameters without calling it as a module, so when accelerate offloaded the
+    # scorer (a model patched, then dispatched with offloading) its tensors are loaded here for the call.
+    with offloaded_weights_loaded(scorer):
+        return scored_attention(
+            scorer,
+            query,
+            key,
+            value,
+            mask,
+            scaling=scaling,
+            dropout=dropout,
+            training=module.training,
+            extras=extras,
+            is_causal=is_causal,
+            need_weights=need_weights,
+        )
 
 
 def wants_attention_weights(kwargs: dict) -> bool:

@@ -241,7 +241,8 @@ def _add_query_extras(family: ModelFamily, module: nn.Module, args: tuple, kwarg
     """Forward pre-hook of a patched module whose scorer reads hidden states: compute its per-query inputs."""
     scorer: Scorer = getattr(module, SCORER_ATTR)
     hidden_states = family.hidden_states(module, args, kwargs)
-    kwargs[EXTRAS_KWARG] = scorer.query_extras(hidden_states, family.rotary(module, args, kwargs))
+    with offloaded_weights_loaded(scorer):  # a scorer accelerate offloaded (patched, then dispatched)
+        kwargs[EXTRAS_KWARG] = scorer.query_extras(hidden_states, family.rotary(module, args, kwargs))
     return args, kwargs
 
 

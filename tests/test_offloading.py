@@ -3,7 +3,8 @@
 accelerate offloads a module by leaving meta tensors in it and a hook that loads them for each call
 (``cpu_offload``, ``dispatch_model`` with "disk" entries, ``from_pretrained(device_map=..., offload_folder=...)``).
 Patching such a model works: the query weights are loaded while the patch reads them, the new scorers live on the
-module's execution device, and the base weights stay offloaded. Checkpoints and adapters load with an offloading
+module's execution device, and the base weights stay offloaded. A model patched first and offloaded afterwards
+has its scorers offloaded with their layers, and loaded for each call. Checkpoints and adapters load with an offloading
 ``device_map`` and reproduce the saved model; saving from an offloaded model round-trips.
 """
 
@@ -58,6 +59,23 @@ def test_patching_a_disk_offloaded_model(scorer, tmp_path):
     assert (_logits(model) - reference).abs().max() > 1e-4
     hf_neural_attn.unpatch_model(model)
     torch.testing.assert_close(_logits(model), reference, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("scorer", ["qana", "neural"])
+def test_patched_model_offloaded_afterwards(scorer, tmp_path):
+    """Patch first, then dispatch with a disk layer: accelerate offloads the scorer with its layer, the
+    attention function loads it for each call, and the logits and greedy generation stay the same."""
+    model = hf_neural_attn.patch_model(tiny_llama(), scorer)
+    perturb_scorers(model)
+    reference = _logits(model)
+    prompt = INPUTS["input_ids"][:1]
+    expected = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    dispatch_model(model, DISK_LAYER_1, offload_dir=str(tmp_path))
+    offloaded_scorer = model.model.layers[1].self_attn.attn_scorer
+    assert all(p.is_meta for p in offloaded_scorer.parameters())
+    torch.testing.assert_close(_logits(model), reference, atol=1e-6, rtol=0)
+    assert torch.equal(model.generate(prompt, max_new_tokens=4, do_sample=False), expected)
+    assert all(p.is_meta for p in offloaded_scorer.parameters())  # back on disk after each call
 
 
 def test_patching_a_cpu_offloaded_model_reads_the_real_query_weights():

@@ -149,7 +149,7 @@ def query_weight_std(module: nn.Module, weight: torch.Tensor) -> float:
             f"Cannot patch {type(module).__name__}: its weights are offloaded by accelerate, and its hooks did not "
             "load them for patching (hf_neural_attn knows accelerate's AlignDevicesHook, which cpu_offload, "
             "disk_offload, dispatch_model and from_pretrained(device_map=..., offload_folder=...) attach). Load "
-            "the model without offloading, patch it, then offload it. The model was not changed."
+            "the model without offloading and patch it, or offload it with one of those. The model was not changed."
         )
     # Attention modules of transformers models keep their config; a bare projection has none (default std).
     config = getattr(module, "config", None)

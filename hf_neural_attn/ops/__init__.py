@@ -102,7 +102,7 @@ def resolve_impl(
         if reason is None:
             return "triton"
         if reason == TRITON_INSTALL_HINT:
-            _warn_once("impl='auto' on CUDA found no triton and uses the slower chunked path: pip install triton")
+            _warn_once("impl='auto' on CUDA found no triton and uses the torch paths instead: pip install triton")
     hidden = getattr(scorer.config, "h", None) or 1
     return "reference" if batch * heads * q_len * kv_len * hidden <= REFERENCE_MAX_SCORES else "chunked"
 
