@@ -104,6 +104,30 @@ def model_inputs(family: str, batch: int = 2, seq: int = 12, seed: int = 1) -> d
     return {"input_ids": torch.randint(2, VOCAB, (batch, seq), generator=generator)}
 
 
+def tokens(batch: int, seq: int, seed: int = 3) -> torch.Tensor:
+    """(batch, seq) random token ids of the tiny vocabulary (0 and 1 left out: pad and special ids)."""
+    return torch.randint(2, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_left_padding_and_cache_exact(model, atol: float = 1e-4) -> None:
+    """A decoder with live scorers: a left-padded batch gives each sequence's own logits, and logits computed
+    from the KV cache (two steps after a 7-token prefix) equal those of the full sequence."""
+    long, short = tokens(1, 9, seed=4), tokens(1, 6, seed=5)
+    ids = torch.zeros(2, 9, dtype=torch.long)
+    ids[0], ids[1, 3:] = long[0], short[0]
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    batched = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    torch.testing.assert_close(batched[0], model(long).logits[0], rtol=0, atol=atol)
+    torch.testing.assert_close(batched[1, 3:], model(short).logits[0], rtol=0, atol=atol)
+    ids = tokens(2, 10)
+    full = model(ids).logits
+    prefix = model(ids[:, :7], use_cache=True)
+    step = model(ids[:, 7:9], past_key_values=prefix.past_key_values, use_cache=True)
+    torch.testing.assert_close(prefix.logits, full[:, :7], rtol=0, atol=atol)
+    torch.testing.assert_close(step.logits, full[:, 7:9], rtol=0, atol=atol)
+
+
 def perturb_scorers(model, std: float = 0.3, seed: int = 0) -> None:
     """Move every new parameter away from its init, so the scorer's nonlinear path is live."""
     generator = torch.Generator().manual_seed(seed)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers as tf
 from helpers import TINY_DECODER as COMMON
-from helpers import VOCAB, perturb_scorers
+from helpers import assert_left_padding_and_cache_exact, perturb_scorers, tokens
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.olmo.modeling_olmo import OlmoAttention, apply_rotary_pos_emb, eager_attention_forward
 
@@ -85,10 +85,6 @@ def patch(model, name, scorer, **options):
     return model
 
 
-def tokens(batch, seq, seed=3):
-    return torch.randint(2, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
 def test_registry_has_an_entry_for_every_explicit_model_and_none_for_the_generic_ones():
     assert set(EXPLICIT) <= set(FAMILIES)
     assert not GENERIC & set(FAMILIES)
@@ -134,22 +130,8 @@ def test_qana_positions_left_padding_and_kv_cache(name):
     base = model(ids, position_ids=positions).logits
     torch.testing.assert_close(model(ids, position_ids=positions + 13).logits, base, rtol=0, atol=1e-4)
 
-    long, short = tokens(1, 9, seed=4), tokens(1, 6, seed=5)
-    ids = torch.zeros(2, 9, dtype=torch.long)
-    ids[0], ids[1, 3:] = long[0], short[0]
-    mask = torch.ones(2, 9, dtype=torch.long)
-    mask[1, :3] = 0
-    batched = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
-    torch.testing.assert_close(batched[0], model(long).logits[0], rtol=0, atol=1e-4)
-    torch.testing.assert_close(batched[1, 3:], model(short).logits[0], rtol=0, atol=1e-4)
-
-    # With a live scorer: logits from the KV cache equal those of the full sequence.
-    ids = tokens(2, 10)
-    full = model(ids).logits
-    prefix = model(ids[:, :7], use_cache=True)
-    step = model(ids[:, 7:9], past_key_values=prefix.past_key_values, use_cache=True)
-    torch.testing.assert_close(prefix.logits, full[:, :7], rtol=0, atol=1e-4)
-    torch.testing.assert_close(step.logits, full[:, 7:9], rtol=0, atol=1e-4)
+    # Left padding, and (with a live scorer) logits from the KV cache equal those of the full sequence.
+    assert_left_padding_and_cache_exact(model)
 
 
 @pytest.mark.parametrize("name", CASES)

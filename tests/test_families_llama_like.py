@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 from helpers import TINY_DECODER as COMMON
-from helpers import VOCAB, perturb_scorers
+from helpers import assert_left_padding_and_cache_exact, perturb_scorers, tokens
 from transformers import (
     GemmaConfig,
     GemmaForCausalLM,
@@ -32,10 +32,6 @@ def build(name):
     model_class, config = MODELS[name]
     torch.manual_seed(0)
     return model_class(copy.deepcopy(config)).eval()
-
-
-def tokens(batch, seq, seed=3):
-    return torch.randint(2, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture(params=list(MODELS))
@@ -72,20 +68,7 @@ def test_left_padding_cache_and_generate(name, scorer_name):
     model = build(name)
     hf_neural_attn.patch_model(model, scorer_name)
     perturb_scorers(model, std=0.5)
-    long, short = tokens(1, 9, seed=4), tokens(1, 6, seed=5)
-    ids = torch.zeros(2, 9, dtype=torch.long)
-    ids[0], ids[1, 3:] = long[0], short[0]
-    mask = torch.ones(2, 9, dtype=torch.long)
-    mask[1, :3] = 0
-    batched = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
-    torch.testing.assert_close(batched[0], model(long).logits[0], rtol=0, atol=1e-4)
-    torch.testing.assert_close(batched[1, 3:], model(short).logits[0], rtol=0, atol=1e-4)
-
-    ids = tokens(2, 10)
-    full = model(ids).logits
-    prefix = model(ids[:, :7], use_cache=True)
-    step = model(ids[:, 7:8], past_key_values=prefix.past_key_values, use_cache=True)
-    torch.testing.assert_close(step.logits[:, -1], full[:, 7], rtol=0, atol=1e-4)
+    assert_left_padding_and_cache_exact(model)
     settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
     prompt = tokens(2, 5)
     with_cache = model.generate(prompt, use_cache=True, **settings)

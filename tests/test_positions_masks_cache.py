@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import FACTORIES, VOCAB, perturb_scorers
+from helpers import FACTORIES, VOCAB, perturb_scorers, tokens
 
 import hf_neural_attn
 from hf_neural_attn.attention import hf_neural_attention_forward
@@ -19,10 +19,6 @@ def live_model(family, scorer_name, **options):
     hf_neural_attn.patch_model(model, scorer_name, **options)
     perturb_scorers(model)
     return model
-
-
-def tokens(batch, seq, seed=3):
-    return torch.randint(2, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("shift", [1, 17, 50])
