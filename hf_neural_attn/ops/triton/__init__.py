@@ -164,7 +164,8 @@ def triton_attention(
         raise ValueError(f"impl='triton' cannot run this call: {reason}.")
     # Under autocast everything arrives in the autocast dtype already; otherwise align on the query's.
     key, value = key.to(query.dtype), value.to(query.dtype)
-    if attention_mask is not None and attention_mask.dtype == torch.bool:  # the kernels add a float mask
+    # The kernels add a float mask. (Converted here rather than with ops.masks: this package imports on its own.)
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
         blocked = torch.finfo(query.dtype).min
         attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
             ~attention_mask, blocked
