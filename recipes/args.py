@@ -99,6 +99,16 @@ def scorer_flags() -> dict[str, ScorerFlag]:
     return flags
 
 
+def parse_bool(value: str) -> bool:
+    """A true/false flag value (``--skip false``); argparse's ``type=bool`` would read any non-empty text as True."""
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
 def _value_type(annotation) -> type:
     """``int`` for ``int | None``, ``str`` for ``str``."""
     values = [value for value in typing.get_args(annotation) if value is not type(None)] or [annotation]
@@ -287,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--layers", type=str, default=None, help='Layers to patch: "all" (default), or indices like "0" or "0,1".')
     # One flag per scorer option, generated from the scorer configs (hf_neural_attn.scorers.*Config fields).
     for spec in scorer_flags().values():
-        add(f"--{spec.flag}", type=spec.type, default=None, choices=spec.choices, help=spec.help)
+        kind = parse_bool if spec.type is bool else spec.type
+        add(f"--{spec.flag}", type=kind, default=None, choices=spec.choices, help=spec.help)
     add(
         "--train_only_new_params",
         action="store_true",
@@ -475,7 +486,7 @@ def _check_types_and_choices(args: argparse.Namespace, parser: argparse.Argument
         value = getattr(args, dest, None)
         if value is None:
             continue
-        if declared.get("action") == "store_true":
+        if declared.get("action") == "store_true" or declared.get("type") is parse_bool:
             if not isinstance(value, bool):
                 raise RecipeError(f"{dest} must be true or false, got {value!r}.")
             continue
