@@ -38,6 +38,10 @@ SCHEDULERS = (
 TEXT_EXTENSIONS = {"txt": "text", "text": "text", "csv": "csv", "json": "json", "jsonl": "json"}
 CONFIG_EXTENSIONS = (".yaml", ".yml", ".json")
 EMBEDDED_CORPUS = "pydoc_data"  # --dataset_name of the demo's text (recipes.tasks loads it)
+# --gate_schedule: how the scorers' per-head gates alpha move during training (recipes.finetune.GateSchedule).
+GATE_SCHEDULES = ("learned", "fixed", "warmup")
+# The settings that make up the gate schedule; like the patch settings, a baseline run has none of them.
+GATE_SETTINGS = ("gate_schedule", "gate_warmup_steps")
 
 
 class RecipeError(ValueError):
@@ -304,6 +308,24 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Freeze the pretrained weights; train the scorers (and a newly initialised task head) only.",
     )
+    add(
+        "--gate_schedule",
+        type=str,
+        default="learned",
+        choices=GATE_SCHEDULES,
+        help=(
+            "The scorers' per-head gates alpha (qana; neural and additive in mode residual): learned (default) "
+            "trains them like any parameter; fixed holds them at their initial value for the whole run; warmup "
+            "holds them at min(1, step / --gate_warmup_steps) for that many optimizer steps, then trains them "
+            "from 1 (QANA paper, section 4)."
+        ),
+    )
+    add(
+        "--gate_warmup_steps",
+        type=int,
+        default=None,
+        help="--gate_schedule warmup: the optimizer steps over which alpha rises from 0 to 1.",
+    )
     return parser
 
 
@@ -323,6 +345,34 @@ def parse_args(argv: list[str] | None = None, output_dir_template: str = "{task}
     if args.output_dir is None:
         args.output_dir = os.path.join("outputs", output_dir_template.format(**vars(args)))
     return args
+
+
+def parse_values(
+    values: dict[str, Any], source: str = "the settings", output_dir_template: str = "{task}-{scorer}"
+) -> argparse.Namespace:
+    """Like :func:`parse_args` with ``values`` as the config file and no command line: the same key, type, choice
+    and consistency checks (``recipes.sweep`` parses every run of a sweep this way before starting any).
+    ``source`` names where the values came from, for the error messages."""
+    parser = build_parser()
+    parser.set_defaults(**check_config_values(dict(values), parser, source))
+    args = parser.parse_args([])
+    args.config = None
+    validate_args(args, parser)
+    if args.output_dir is None:
+        args.output_dir = os.path.join("outputs", output_dir_template.format(**vars(args)))
+    return args
+
+
+_NOT_GIVEN = object()
+
+
+def given_flags(argv: list[str]) -> dict[str, Any]:
+    """The recipe flags given in ``argv`` and their values (typed by the parser), without the defaults of the
+    flags that were not given. Bad flags exit with argparse's usage message, as on any recipe command line."""
+    parser = build_parser()
+    parser.set_defaults(**{name: _NOT_GIVEN for name in parser.recipe_flags})
+    namespace = parser.parse_args(list(argv))
+    return {name: value for name, value in vars(namespace).items() if value is not _NOT_GIVEN}
 
 
 def _config_path(argv: list[str]) -> str | None:
@@ -352,11 +402,17 @@ def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, An
         raise RecipeError(
             f"Config file {path} must hold a mapping of flag names to values, got {type(values).__name__}."
         )
+    return check_config_values(values, parser, f"Config file {path}")
+
+
+def check_config_values(values: dict[str, Any], parser: argparse.ArgumentParser, source: str) -> dict[str, Any]:
+    """Flag names as keys (dashes allowed): unknown ones are an error naming ``source``. Returns the values
+    under their flag names, without ``config``."""
     known = set(parser.recipe_flags)
     values = {str(key).lstrip("-").replace("-", "_"): value for key, value in values.items()}
     unknown = sorted(set(values) - known - {"config"})
     if unknown:
-        raise RecipeError(f"Config file {path} has unknown key(s) {unknown}. Keys are flag names, e.g. learning_rate.")
+        raise RecipeError(f"{source} has unknown key(s) {unknown}. Keys are flag names, e.g. learning_rate.")
     values.pop("config", None)
     return values
 
@@ -478,6 +534,65 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
             SCORER_REGISTRY[args.scorer].config_class.from_options(scorer_options(args))
         except ValueError as error:
             raise RecipeError(f"Invalid patch options for --scorer {args.scorer}: {error}") from error
+    _check_gate_schedule(args)
+
+
+def _check_gate_schedule(args: argparse.Namespace) -> None:
+    """--gate_schedule and --gate_warmup_steps fit together and the patch has gates to hold."""
+    schedule, steps = args.gate_schedule, args.gate_warmup_steps
+    if schedule == "warmup":
+        if steps is None or steps < 1:
+            raise RecipeError(
+                f"--gate_schedule warmup needs --gate_warmup_steps N > 0 (the optimizer steps over which alpha "
+                f"rises from 0 to 1), got {steps}."
+            )
+    elif steps is not None:
+        raise RecipeError(f"--gate_warmup_steps is for --gate_schedule warmup only (got --gate_schedule {schedule}).")
+    if schedule == "learned":
+        return
+    if args.scorer == "none":
+        raise RecipeError(
+            f"--gate_schedule {schedule} holds the scorers' gates, and --scorer none (the baseline) has no scorer: "
+            "pass --scorer qana, or neural/additive with --mode residual."
+        )
+    if scorer_has_gates(args.scorer, scorer_options(args)) is False:
+        raise RecipeError(
+            f"--gate_schedule {schedule} holds the scorers' gates alpha, but --scorer {args.scorer} with these options "
+            f"({scorer_options(args) or 'defaults'}) has none (only qana, and neural/additive in mode residual, do). "
+            "Drop --gate_schedule or use a gated scorer."
+        )
+
+
+def scorer_has_gates(scorer: str, options: dict[str, Any]) -> bool | None:
+    """Whether a scorer with these options has a ``gate`` parameter: one is built on the meta device (no memory,
+    no model) for a generous head size. None when that cannot tell (options that need a real model); the run
+    then checks the patched model itself."""
+    import warnings
+
+    import torch
+
+    from hf_neural_attn.scorers.base import AttentionGeometry
+
+    try:
+        with warnings.catch_warnings():  # validate_args has already shown the options' warnings once
+            warnings.simplefilter("ignore")
+            config = SCORER_REGISTRY[scorer].config_class.from_options(dict(options))
+        geometry = AttentionGeometry(
+            hidden_size=1024,
+            num_heads=4,
+            num_kv_heads=4,
+            head_dim=256,
+            query_bias=False,
+            query_weight_std=0.02,
+            dtype=torch.float32,
+            device=torch.device("meta"),
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = SCORER_REGISTRY[scorer](config, geometry)
+    except (ValueError, TypeError, RuntimeError, NotImplementedError):  # options that need a real model
+        return None
+    return any(name == "gate" or name.endswith(".gate") for name, _ in module.named_parameters())
 
 
 def _check_types_and_choices(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

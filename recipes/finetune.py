@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from recipes import checkpointing, hub, modeling, report, scorer_plots
-from recipes.args import RecipeError, build_parser, parse_args, patch_settings
+from recipes.args import GATE_SETTINGS, RecipeError, build_parser, parse_args, patch_settings
 from recipes.tasks import Task, get_task
 
 logger = logging.getLogger("recipes")
@@ -58,6 +58,7 @@ RESUME_RUN_SETTINGS = (
     "weight_decay",
     "lr_scheduler_type",
     "num_warmup_steps",
+    *GATE_SETTINGS,
 )
 SECRET_SETTINGS = ("hub_token",)
 
@@ -153,6 +154,83 @@ def build_optimizer(model, args: argparse.Namespace):
     return torch.optim.AdamW(param_groups, lr=args.learning_rate)
 
 
+class GateSchedule:
+    """Holds the scorers' per-head gates alpha where ``--gate_schedule`` says so (fixed, or warmup).
+
+    * fixed: every gate keeps its initial value for the whole run;
+    * warmup: alpha = min(1, step / N) while ``step`` (completed optimizer steps) < N, so alpha is 0 for the first
+      step; at step N it is set to 1 and from then on trained like any parameter, its Adam state cleared so that
+      the optimizer starts fresh for it.
+
+    The gates stay trainable (``requires_grad`` is never toggled: DDP only synchronises the parameters that required
+    a gradient when it wrapped the model, and FSDP flattens by that flag). While a gate is held, its gradient is
+    dropped (``.grad = None``) before clipping and ``optimizer.step()``: AdamW skips a parameter without a gradient,
+    weight decay included, and clipping does not count it. The held value is written under ``torch.no_grad()``
+    before every forward pass and after every optimizer step (so logs and checkpoints show it), and it depends only
+    on the number of completed steps: a resumed run holds exactly what an uninterrupted one would.
+    """
+
+    def __init__(self, schedule: str, warmup_steps: int | None, gates: dict[str, Any], optimizer) -> None:
+        self.schedule = schedule
+        self.warmup_steps = warmup_steps
+        self.gates = gates
+        self.optimizer = optimizer
+        with torch.no_grad():
+            self.initial = {name: gate.detach().clone() for name, gate in gates.items()}
+
+    def held(self, step: int) -> bool:
+        """Whether the gates are held (not learned) for the optimizer step that follows ``step`` completed ones."""
+        return self.schedule == "fixed" or (self.schedule == "warmup" and step < self.warmup_steps)
+
+    @torch.no_grad()
+    def hold(self, step: int) -> None:
+        """Write the value the schedule prescribes after ``step`` completed optimizer steps, if any."""
+        if self.schedule == "fixed":
+            for name, gate in self.gates.items():
+                gate.copy_(self.initial[name])
+        elif self.schedule == "warmup" and step <= self.warmup_steps:
+            for gate in self.gates.values():
+                gate.fill_(min(1.0, step / self.warmup_steps))
+            if step == self.warmup_steps:  # the end of the warmup: learned from 1.0 on, with fresh Adam moments
+                optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate's wrapper
+                for gate in self.gates.values():
+                    optimizer.state.pop(gate, None)
+
+    def drop_gradients(self, step: int) -> None:
+        """Before clipping and the optimizer step: no update for a held gate."""
+        if self.held(step):
+            for gate in self.gates.values():
+                gate.grad = None
+
+    def describe(self) -> str:
+        return report.describe_gate_schedule(self.schedule, self.warmup_steps)
+
+
+def gate_schedule(args: argparse.Namespace, accelerator, model, optimizer) -> GateSchedule | None:
+    """The run's GateSchedule, or None for --gate_schedule learned; refuses a patch without gates."""
+    import hf_neural_attn
+
+    if args.gate_schedule in (None, "learned"):
+        return None
+    if str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)).upper() == "DEEPSPEED":
+        raise RecipeError(
+            f"--gate_schedule {args.gate_schedule} is not supported under DeepSpeed, whose optimizer keeps its own "
+            "copies of the weights and gradients; use DDP or FSDP, or --gate_schedule learned."
+        )
+    gates = {
+        name: parameter
+        for name, parameter in hf_neural_attn.scorer_parameters(accelerator.unwrap_model(model)).items()
+        if name.endswith(".gate")
+    }
+    if not gates:
+        raise RecipeError(
+            f"--gate_schedule {args.gate_schedule} holds the scorers' gates alpha, but this patch has none (only "
+            "qana, and neural/additive in mode residual, have gates; under FSDP1 the parameters must keep their "
+            "names: use_orig_params). Drop --gate_schedule or use a gated scorer."
+        )
+    return GateSchedule(args.gate_schedule, args.gate_warmup_steps, gates, optimizer)
+
+
 def public_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {key: value for key, value in vars(args).items() if key not in SECRET_SETTINGS}
 
@@ -186,6 +264,7 @@ class TrainingRun:
     progress: checkpointing.TrainingProgress
     resumed: bool
     track_scorers: bool
+    gates: GateSchedule | None = None  # --gate_schedule fixed or warmup
     probe: Any = None
     probe_described: str = ""
     # Loss since the last log: this process's sum and micro-batch count. A checkpoint stores the totals over
@@ -200,6 +279,8 @@ def setup(args: argparse.Namespace) -> TrainingRun:
     from accelerate.utils import set_seed
     from torch.utils.data import DataLoader
     from transformers import get_scheduler
+
+    import hf_neural_attn
 
     task: Task = get_task(args.task)
     accelerator = make_accelerator(args)
@@ -230,6 +311,14 @@ def setup(args: argparse.Namespace) -> TrainingRun:
     raw = task.load_raw(args)
     labels = task.check_raw(args, raw)
     bundle = modeling.build_model(args, config, preprocessor, labels)
+    if args.gate_schedule not in (None, "learned") and not any(
+        name.endswith(".gate") for name in hf_neural_attn.scorer_parameters(bundle.model)
+    ):
+        raise RecipeError(
+            f"--gate_schedule {args.gate_schedule} holds the scorers' gates alpha, but the patch "
+            f"({report.describe_patch(bundle.patch)}) has none: only qana, and neural/additive in mode residual, "
+            "have gates. Drop --gate_schedule or use a gated scorer."
+        )
     data = task.prepare(args, raw, preprocessor, bundle.model.config, labels, accelerator)
     parameters = modeling.count_parameters(bundle.model)
     logger.info(
@@ -266,6 +355,8 @@ def setup(args: argparse.Namespace) -> TrainingRun:
         num_training_steps=max_train_steps * accelerator.num_processes,
     )
     model, optimizer, scheduler = accelerator.prepare(bundle.model, optimizer, scheduler)
+    # Before a checkpoint is loaded: a fixed gate keeps the value the model was built (or loaded) with.
+    gates = gate_schedule(args, accelerator, model, optimizer)
 
     os.makedirs(args.output_dir, exist_ok=True)
     settings = public_settings(args)
@@ -310,7 +401,11 @@ def setup(args: argparse.Namespace) -> TrainingRun:
         progress=progress,
         resumed=resume_path is not None,
         track_scorers=track_scorers,
+        gates=gates,
     )
+    if gates is not None:
+        logger.info("Gate schedule: %s, %d gate parameters", gates.describe(), len(gates.gates))
+        gates.hold(progress.completed_steps)
     if track_scorers:
         state.probe, state.probe_described = scorer_plots.probe_inputs(data, task, args)
         if progress.completed_steps == 0 and not progress.scorer_history:
@@ -390,9 +485,13 @@ def train(state: TrainingRun) -> TrainingRun:
         finished_epoch = True
         for batch in batches:
             reseed(args.seed, progress.micro_steps)
+            if state.gates is not None:
+                state.gates.hold(progress.completed_steps)
             with accelerator.accumulate(model):
                 loss = model(**state.task.training_inputs(batch, epoch, args)).loss
                 accelerator.backward(loss)
+                if accelerator.sync_gradients and state.gates is not None:
+                    state.gates.drop_gradients(progress.completed_steps)  # a held gate: no update, not clipped
                 if accelerator.sync_gradients and args.max_grad_norm:
                     # All of model.parameters() (frozen ones have no gradient): under FSDP Accelerate then
                     # clips with the sharded model's own clip_grad_norm_.
@@ -408,6 +507,8 @@ def train(state: TrainingRun) -> TrainingRun:
                 continue
             progress.completed_steps += 1
             step = progress.completed_steps
+            if state.gates is not None:  # logs, evaluations and checkpoints see the value of the next step
+                state.gates.hold(step)
             bar.update(1)
             if step % args.logging_steps == 0 or step == state.max_train_steps:
                 bar.set_postfix_str(log_training_loss(state, step))

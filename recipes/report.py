@@ -141,14 +141,109 @@ def comparison_table(
     return "\n".join(lines) + "\n"
 
 
+def seeds_comparison_table(groups: list[dict[str, Any]], metrics: list[str], greater_is_better: bool) -> str:
+    """A markdown table of runs repeated over seeds: one row per run (the first is the baseline), each metric as
+    mean ± sample standard deviation, and the primary metric's paired difference to the baseline (seed by seed)
+    with its 95 % confidence interval and the verdict of :func:`recipes.stats.verdict`.
+
+    ``groups``: ``{"label", "patch", "runs"}``, ``runs`` the ``all_results`` of each seed, in the same seed order
+    in every group.
+    """
+    from recipes import stats
+
+    primary = metrics[0]
+    seeds = len(groups[0]["runs"])
+    header = ["run", "patch", "params added"]
+    header += [f"{METRIC_LABELS.get(m, m)} (mean ± std, {seeds} seeds)" for m in metrics]
+    header += [f"Δ {METRIC_LABELS.get(primary, primary)} vs baseline, paired (95 % CI)", "verdict", "train time (s)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    baseline = [run[primary] for run in groups[0]["runs"]]
+    for group in groups:
+        runs = group["runs"]
+        row = [group["label"], group["patch"], f"{runs[0].get('parameters', {}).get('added_by_patch', 0):,}"]
+        row += [stats.format_mean_std([run[m] for run in runs]) if m in runs[0] else "—" for m in metrics]
+        if group is groups[0]:
+            row += ["—", "—"]
+        else:
+            difference = stats.paired_difference([run[primary] for run in runs], baseline)
+            row += [stats.format_difference(difference), stats.verdict(difference, greater_is_better)]
+        row.append(stats.format_mean_std([run.get("train_runtime_s", 0.0) for run in runs], digits=1))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def per_seed_table(groups: list[dict[str, Any]], seeds: list[int], metric: str) -> str:
+    """One row per seed: each run's ``metric`` and each patched run's difference to the baseline."""
+    label = METRIC_LABELS.get(metric, metric)
+    header = ["seed"] + [f"{group['label']} {label}" for group in groups]
+    header += [f"{group['label']} − baseline" for group in groups[1:]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for index, seed in enumerate(seeds):
+        values = [group["runs"][index][metric] for group in groups]
+        row = [str(seed)] + [format_value(value) for value in values]
+        row += [f"{value - values[0]:+.4f}" for value in values[1:]]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def seeds_note(seeds: list[int]) -> str:
+    """What the seed table's spread, interval and verdict mean."""
+    return (
+        f"Each run was repeated with seeds {', '.join(map(str, seeds))} (the same seeds, so the same data order "
+        "and initial weights, for baseline and patched). ± is the sample standard deviation over seeds. The "
+        "difference is patched − baseline seed by seed; its 95 % confidence interval uses Student's t with "
+        f"{len(seeds) - 1} degree{'s' if len(seeds) != 2 else ''} of freedom. When the interval excludes 0 the difference is called larger than "
+        "the seed noise, otherwise within it; a few seeds give wide intervals, and with many comparisons about one "
+        "in twenty excludes 0 by chance."
+    )
+
+
+def plot_comparison_seeds(groups: list[dict[str, Any]], metric: str, path: str | os.PathLike, title: str) -> None:
+    """Evaluation curves of runs repeated over seeds: the mean over seeds per run, the band from the lowest to
+    the highest seed. ``groups``: ``{"label", "histories"}`` (one training history per seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for group in groups:
+        curves = [{e["step"]: e[metric] for e in h["evaluations"] if metric in e} for h in group["histories"]]
+        steps = sorted(set.intersection(*(set(curve) for curve in curves))) if curves else []
+        if not steps:
+            continue
+        values = [[curve[step] for curve in curves] for step in steps]
+        means = [sum(v) / len(v) for v in values]
+        (line,) = axis.plot(steps, means, marker="o", label=f"{group['label']} (mean of {len(curves)} seeds)")
+        axis.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=line.get_color(), alpha=0.2)
+    axis.set(title=title + " (band: min–max over seeds)", xlabel="step", ylabel=METRIC_LABELS.get(metric, metric))
+    if metric == "perplexity":
+        _log_scale(axis)
+    axis.grid(alpha=0.3, which="both")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
 def no_difference_note(no_difference_below: float) -> str:
     """What "no difference" in the comparison table means."""
     return (
         f'Changes smaller than {no_difference_below:g}% of the baseline\'s value read "no difference": one run per '
         "model cannot tell them from seed noise (a different seed, or only a different floating-point summation "
         "order, moves a result by about that much). Set the threshold with --no_difference_below, ideally to the "
-        "spread of a few baseline runs with different seeds."
+        "spread of a few baseline runs with different seeds. One seed gives no error bar: --seeds N (N >= 2) "
+        "repeats both runs over N seeds and reports mean ± std and a confidence interval of the difference."
     )
+
+
+def describe_gate_schedule(schedule: str | None, warmup_steps: int | None) -> str:
+    """``--gate_schedule`` in words, for logs and the model card."""
+    if schedule == "fixed":
+        return "fixed (held at its initial value, never learned)"
+    if schedule == "warmup":
+        return f"warmup (held at min(1, step/{warmup_steps}) for {warmup_steps} steps, then learned from 1)"
+    return "learned"
 
 
 def describe_patch(patch: dict[str, Any] | None) -> str:
@@ -230,6 +325,9 @@ def model_card(results: dict[str, Any], output_dir: str | os.PathLike) -> str:
         for key, value in patch["options"].items():
             patch_rows += f"| {key} | {value} |\n"
         patch_rows += f"| new parameters | {results['parameters']['added_by_patch']:,} |\n"
+        if settings.get("gate_schedule") not in (None, "learned"):
+            schedule = describe_gate_schedule(settings["gate_schedule"], settings.get("gate_warmup_steps"))
+            patch_rows += f"| gate α schedule | {schedule} |\n"
         patch_rows += (
             f"| trained | {'new parameters only' if settings.get('train_only_new_params') else 'all parameters'} |\n"
         )

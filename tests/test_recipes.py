@@ -303,6 +303,22 @@ def bad_input_cases(assets, tmp_path):
             "nsea cannot serve GPT2Attention, a causal",
         ),
         "nsea without mode replace": (["--task", "clm", "--scorer", "nsea"], "mode='replace'"),
+        "gate schedule on the baseline": (
+            ["--task", "clm", "--scorer", "none", "--gate_schedule", "fixed"],
+            "--scorer none \\(the baseline\\) has no scorer",
+        ),
+        "gate schedule for a patch without gates": (
+            ["--task", "clm", "--scorer", "neural", "--mode", "replace", "--gate_schedule", "fixed"],
+            "--scorer neural with these options .* has none",
+        ),
+        "gate warmup without its length": (
+            ["--task", "clm", "--gate_schedule", "warmup"],
+            "needs --gate_warmup_steps N > 0",
+        ),
+        "gate warmup length without warmup": (
+            ["--task", "clm", "--gate_warmup_steps", "3"],
+            "--gate_warmup_steps is for --gate_schedule warmup only",
+        ),
     }
 
 
@@ -618,6 +634,85 @@ def test_train_only_new_params_keeps_pretrained_weights(assets, tmp_path):
     for name in gates:
         assert not torch.equal(after[name], torch.ones_like(after[name])), f"{name}: the scorer did not train"
     assert results["parameters"]["trainable"] < results["parameters"]["total"]
+
+
+@pytest.mark.parametrize("schedule", ["warmup", "fixed", "learned"])
+def test_gate_schedule_holds_the_gates_as_asked(schedule, assets, tmp_path):
+    from huggingface_hub import ModelCard
+    from safetensors.torch import load_file
+
+    flags = {"warmup": ["--gate_schedule", "warmup", "--gate_warmup_steps", "4"], "fixed": ["--gate_schedule", "fixed"]}
+    out = tmp_path / schedule
+    outcome = finetune(
+        out,
+        *clm_flags(assets, "--max_train_steps", "6", "--logging_steps", "1", "--attention_map_layer", "none"),
+        *flags.get(schedule, []),
+    )
+    # Per step: every gate of both layers (2 heads each), and the norm of the other scorer parameters.
+    gates = {
+        entry["step"]: [g for layer in entry["layers"] for g in layer["gate"]] for entry in outcome["scorer_history"]
+    }
+    norms = {entry["step"]: [layer["param_norm"] for layer in entry["layers"]] for entry in outcome["scorer_history"]}
+    assert sorted(gates) == list(range(7))
+    saved = load_file(out / "model.safetensors")
+    saved_gates = torch.cat([saved[name] for name in sorted(saved) if name.endswith("attn_scorer.gate")])
+    assert saved_gates.tolist() == pytest.approx(gates[6], abs=1e-7)
+    card = ModelCard.load(out / "README.md").text
+    assert outcome["settings"]["gate_schedule"] == schedule
+    if schedule == "warmup":
+        # alpha = step / 4, exactly, while held (0 for the first step), then trained from 1.
+        for step in range(5):
+            assert gates[step] == [step / 4] * 4, step
+        assert all(g != 1.0 for g in gates[5]) and gates[6] != gates[5]
+        assert outcome["settings"]["gate_warmup_steps"] == 4
+        assert "| gate α schedule | warmup (held at min(1, step/4) for 4 steps, then learned from 1) |" in card
+    elif schedule == "fixed":
+        assert all(gates[step] == [1.0] * 4 for step in gates), gates
+        assert norms[6] != norms[0], "the other scorer parameters did not train"
+        assert "| gate α schedule | fixed (held at its initial value, never learned) |" in card
+    else:  # learned: the gate gets its first gradient on the second step (see docs/scorers.md), then moves
+        assert gates[1] == [1.0] * 4 and all(g != 1.0 for g in gates[6])
+        assert "gate α schedule" not in card
+
+
+def test_gate_warmup_resumes_exactly(assets, tmp_path, monkeypatch):
+    from recipes import finetune as finetune_module
+
+    original = finetune_module.save_checkpoint
+
+    def save_then_die(state, name):
+        original(state, name)
+        raise KeyboardInterrupt("killed after the first checkpoint")
+
+    common = clm_flags(assets, "--max_train_steps", "5", "--logging_steps", "1", "--checkpointing_steps", "2")
+    common += ["--gate_schedule", "warmup", "--attention_map_layer", "none"]
+    flags = [*common, "--gate_warmup_steps", "3"]
+    monkeypatch.setattr(finetune_module, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        finetune(tmp_path / "run", *flags)
+    monkeypatch.setattr(finetune_module, "save_checkpoint", original)
+    assert checkpointing.find_latest(tmp_path / "run") == tmp_path / "run" / "step_2"
+    # Resumed at step 2 of a 3-step warmup: alpha 2/3, then 1 at step 3 and learned from there.
+    resumed = finetune(tmp_path / "run", *flags, "--resume_from_checkpoint", "latest")
+    reference = finetune(tmp_path / "reference", *flags)
+    assert resumed["scorer_history"] == reference["scorer_history"]
+    assert resumed["perplexity"] == reference["perplexity"]
+    gates = [entry["layers"][0]["gate"][0] for entry in resumed["scorer_history"]]
+    assert gates[:4] == pytest.approx([0.0, 1 / 3, 2 / 3, 1.0], abs=1e-7) and gates[5] != 1.0
+    with pytest.raises(RecipeError, match="different settings.*gate_warmup_steps"):
+        finetune(tmp_path / "run", *common, "--gate_warmup_steps", "2", "--resume_from_checkpoint", "latest")
+
+
+def test_gate_schedule_refuses_a_model_without_gates_even_when_the_options_cannot_tell(assets, tmp_path, monkeypatch):
+    # The flags are checked by building the scorer on the meta device; where that cannot tell (None), the patched
+    # model is checked before any data is prepared or anything written.
+    from recipes import args as recipe_args
+
+    monkeypatch.setattr(recipe_args, "scorer_has_gates", lambda scorer, options: None)
+    out = tmp_path / "run"
+    with pytest.raises(RecipeError, match=r"patch \(neural, .*mode=replace.*\) has none"):
+        finetune(out, *clm_flags(assets, "--scorer", "neural", "--mode", "replace", "--gate_schedule", "fixed"))
+    assert not out.exists()
 
 
 def test_new_parameters_suit_ddp_and_fsdp_wrapping(assets):
