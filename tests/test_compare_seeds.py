@@ -1,0 +1,158 @@
+"""recipes/stats.py against values computed by hand or from tables, and ``recipes.compare --seeds N`` end to end on
+the tiny assets of recipes_helpers."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+from recipes_helpers import (  # fresh_accelerate_state: an autouse fixture
+    fresh_accelerate_state,  # noqa: F401
+    read_results,
+    save_tiny_gpt2,
+    write_text_files,
+)
+
+from recipes import report, stats
+from recipes.args import RecipeError, parse_args
+
+# ------------------------------------------------------------------------------------------------ stats
+
+
+@pytest.mark.parametrize(
+    "p, dof, expected",
+    [
+        # Two-sided 95 % critical values as printed in every t table, and a few more.
+        (0.975, 1, 12.7062047),
+        (0.975, 2, 4.3026527),
+        (0.975, 4, 2.7764451),
+        (0.975, 9, 2.2621572),
+        (0.975, 30, 2.0422725),
+        (0.995, 2, 9.9248432),
+        (0.95, 1, 6.3137515),  # Cauchy: tan(0.45 pi)
+        (0.975, 10**8, 1.9599640),  # the normal quantile in the limit
+    ],
+)
+def test_student_t_quantile_matches_tables(p, dof, expected):
+    assert stats.student_t_quantile(p, dof) == pytest.approx(expected, abs=2e-7)
+    assert stats.student_t_quantile(1 - p, dof) == pytest.approx(-expected, abs=2e-7)
+
+
+def test_student_t_cdf_closed_forms():
+    # dof = 1 is the Cauchy distribution: F(t) = 1/2 + atan(t)/pi; dof = 2: F(t) = 1/2 + t / (2 sqrt(2 + t^2)).
+    for t in (-3.0, -0.5, 0.0, 0.7, 4.0):
+        assert stats.student_t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, abs=1e-12)
+        assert stats.student_t_cdf(t, 2) == pytest.approx(0.5 + t / (2 * math.sqrt(2 + t * t)), abs=1e-12)
+    assert stats.student_t_quantile(0.5, 7) == 0.0
+    # I_x(1, 1) = x (uniform); I_x(2, 1) = x^2.
+    assert stats.regularized_incomplete_beta(0.3, 1, 1) == pytest.approx(0.3)
+    assert stats.regularized_incomplete_beta(0.3, 2, 1) == pytest.approx(0.09)
+    with pytest.raises(ValueError):
+        stats.student_t_quantile(1.0, 3)
+
+
+def test_mean_std_and_paired_difference_by_hand():
+    assert stats.mean([1.0, 2.0, 6.0]) == 3.0
+    # Deviations -2, -1, 3: squares 4 + 1 + 9 = 14, / (3 - 1) = 7.
+    assert stats.sample_std([1.0, 2.0, 6.0]) == pytest.approx(math.sqrt(7))
+    assert stats.sample_std([5.0]) is None
+    assert stats.format_mean_std([1.0, 2.0, 6.0]) == f"3.0000 ± {math.sqrt(7):.4f}"
+    assert stats.format_mean_std([2.5]) == "2.5000"
+
+    # Differences patched - baseline: -0.5, -0.3, -0.4 -> mean -0.4, std 0.1, half-width t(0.975, 2) 0.1 / sqrt 3.
+    baseline, patched = [10.0, 11.0, 12.0], [9.5, 10.7, 11.6]
+    difference = stats.paired_difference(patched, baseline)
+    half = 4.30265273 * 0.1 / math.sqrt(3)
+    assert (difference.n, difference.mean, difference.std) == (3, pytest.approx(-0.4), pytest.approx(0.1))
+    assert difference.ci_low == pytest.approx(-0.4 - half) and difference.ci_high == pytest.approx(-0.4 + half)
+    assert difference.relative == pytest.approx(-0.4 / 11 * 100)
+    # Lower is better (perplexity): the interval [-0.648, -0.152] excludes 0.
+    assert stats.verdict(difference, greater_is_better=False) == "difference larger than seed noise (better)"
+    assert stats.verdict(difference, greater_is_better=True) == "difference larger than seed noise (worse)"
+    assert stats.format_difference(difference) == (
+        f"-0.4000 [{-0.4 - half:+.4f}, {-0.4 + half:+.4f}] ({-0.4 / 11 * 100:+.2f} %)"
+    )
+
+    # Differences +0.2 and -0.4: mean -0.1, std 0.4243, half-width 12.706 * 0.3 = 3.81: within the noise.
+    noisy = stats.paired_difference([10.2, 10.6], [10.0, 11.0])
+    assert noisy.ci_low == pytest.approx(-0.1 - 12.7062047 * 0.3, abs=1e-6)
+    assert stats.verdict(noisy, greater_is_better=False) == "within seed noise"
+    one = stats.paired_difference([9.0], [10.0])
+    assert one.ci_low is None and stats.verdict(one, False) == "one seed: no error bar"
+    with pytest.raises(ValueError, match="same seeds"):
+        stats.paired_difference([1.0, 2.0], [1.0])
+
+
+# ---------------------------------------------------------------------------------------------- compare
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compare_seeds_assets")
+    train, validation = write_text_files(root / "text")
+    return {"gpt2": save_tiny_gpt2(root / "tiny-gpt2"), "train_txt": train, "validation_txt": validation}
+
+
+def tiny_flags(assets, output_dir) -> list[str]:
+    return [
+        *("--task", "clm", "--model_name_or_path", str(assets["gpt2"]), "--train_file", str(assets["train_txt"])),
+        *("--validation_file", str(assets["validation_txt"]), "--block_size", "32"),
+        *("--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8", "--learning_rate", "1e-2"),
+        *("--max_train_steps", "3", "--eval_steps", "3", "--scorer", "qana", "--attention_map_layer", "none"),
+        *("--output_dir", str(output_dir)),
+    ]
+
+
+def test_compare_with_two_seeds_reports_mean_std_and_the_paired_interval(assets, tmp_path, capsys):
+    from recipes.compare import compare, main
+
+    out = tmp_path / "compare"
+    runs = compare(parse_args(tiny_flags(assets, out)), seeds=2)
+    assert [(run["label"], run["seed"]) for run in runs] == [
+        ("baseline", 42),
+        ("qana", 42),
+        ("baseline", 43),
+        ("qana", 43),
+    ]
+    values = {}
+    for seed in (42, 43):
+        for name in ("baseline", "qana"):
+            results = read_results(out / f"seed_{seed}" / name)
+            assert results["settings"]["seed"] == seed
+            values[name, seed] = results["perplexity"]
+    assert values["baseline", 42] != values["baseline", 43], "the seeds made no difference"
+    assert not (out / "baseline").exists()
+
+    table = (out / report.COMPARISON_TABLE).read_text()
+    baseline = [values["baseline", 42], values["baseline", 43]]
+    patched = [values["qana", 42], values["qana", 43]]
+    assert f"| baseline | none (baseline) | 0 | {stats.format_mean_std(baseline)} |" in table
+    difference = stats.paired_difference(patched, baseline)
+    assert f"| {stats.format_difference(difference)} | {stats.verdict(difference, False)} |" in table
+    # The interval is Student's t with one degree of freedom around the mean difference.
+    qana_row = next(line for line in table.splitlines() if line.startswith("| qana |"))
+    low, high = map(float, re.search(r"\[([-+]\d[.\d]*), ([-+]\d[.\d]*)\]", qana_row).groups())
+    half = 12.7062047 * abs((patched[0] - baseline[0]) - (patched[1] - baseline[1])) / 2
+    assert (high - low) / 2 == pytest.approx(half, abs=1e-4)
+    assert "perplexity (mean ± std, 2 seeds)" in table and "## Per seed" in table
+    assert f"| 43 | {report.format_value(baseline[1])} | {report.format_value(patched[1])} |" in table
+    assert "Student's t with 1 degree of freedom" in table
+    assert (out / report.COMPARISON_PLOT).stat().st_size > 5_000
+    assert "± " in capsys.readouterr().out
+
+    assert main([*tiny_flags(assets, tmp_path / "bad"), "--seeds", "0"]) == 2
+    assert "--seeds must be at least 1" in capsys.readouterr().err
+    with pytest.raises(RecipeError, match="--seeds must be at least 1"):
+        compare(parse_args(tiny_flags(assets, tmp_path / "bad")), seeds=0)
+
+
+def test_compare_with_one_seed_says_there_is_no_error_bar(assets, tmp_path):
+    from recipes.compare import compare
+
+    out = tmp_path / "one"
+    compare(parse_args(tiny_flags(assets, out)))
+    table = (out / report.COMPARISON_TABLE).read_text()
+    assert (out / "baseline" / "all_results.json").is_file() and (out / "qana" / "all_results.json").is_file()
+    assert "read \"no difference\"" in table and "One seed gives no error bar" in table
+    assert not list(out.glob("seed_*"))
