@@ -54,7 +54,7 @@ from .checkpoint_io import (
     unreadable_weights_are_errors,
 )
 from .patched_config import base_config, read_record
-from .patching import is_patched, scorer_parameters
+from .patching import is_patched, patched_key_dim, scorer_parameters
 
 ADAPTER_CONFIG_NAME = "hf_neural_attn_adapter.json"
 ADAPTER_WEIGHTS_NAME = "hf_neural_attn_adapter.safetensors"
@@ -286,6 +286,11 @@ def _adapter_contents(
         raise ValueError(
             "This model is not patched by hf_neural_attn, so it has no adapter to save. "
             "Patch it with hf_neural_attn.patch_model, or save it with model.save_pretrained."
+        )
+    if patched_key_dim(model) is not None:
+        raise ValueError(
+            f"This model was patched with key_dim={patched_key_dim(model)}: its query and key projections are new "
+            "too, so no base model on disk holds the rest of it. Save the full model with model.save_pretrained."
         )
     architecture = type(model).__name__
     if getattr(transformers, architecture, None) is not type(model):

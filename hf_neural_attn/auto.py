@@ -85,11 +85,13 @@ def _loader_for(auto_class: type[_BaseAutoModelClass]) -> type:
         @classmethod
         def _from_config(cls, config, **kwargs):
             from .patching import patch_model
+            from .scorers import SCORERS
 
             plain = base_config(config)
             record = read_record(config)
             model = _base_model_class(auto_class, plain)._from_config(plain, **kwargs)
-            return patch_model(model, record["scorer"], layers=record["layers"], **record["options"])
+            scorer = SCORERS[record["scorer"]].config_class.from_record(record["options"])
+            return patch_model(model, scorer, layers=record["layers"])
 
     PatchedModelLoader.__name__ = PatchedModelLoader.__qualname__ = f"{auto_class.__name__}PatchedLoader"
     return PatchedModelLoader

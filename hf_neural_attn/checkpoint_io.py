@@ -130,7 +130,7 @@ def scorer_config(record: dict[str, Any], source: str, filename: str, impl: str 
     """
     config_class = SCORERS[record["scorer"]].config_class
     try:
-        config = config_class.from_options(record["options"])
+        config = config_class.from_record(record["options"])
     except (TypeError, ValueError) as error:
         raise damaged(
             source, filename, "options", f"does not describe a {record['scorer']!r} scorer: {str(error).rstrip('.')}"
@@ -448,6 +448,11 @@ def load_patched_model(
     # Unpatched layers (and unpatch_model) should run what the saved model ran, unless told otherwise.
     if record.get("base_attn_implementation") in ("eager", "sdpa"):
         loading_kwargs.setdefault("attn_implementation", record["base_attn_implementation"])
+    narrow_keys = getattr(scorer, "key_dim", None) is not None
+    if narrow_keys:
+        # QANA's key_dim saved narrower q_proj/k_proj than the base class builds: transformers may not load them
+        # into the full-width layers; the patch below puts the narrow ones in place and they are filled from disk.
+        loading_kwargs["ignore_mismatched_sizes"] = True
     with unreadable_weights_are_errors(weights_source), quiet_transformers():
         model, info = model_class.from_pretrained(
             weights_source, config=config, output_loading_info=True, **loading_kwargs
@@ -467,7 +472,16 @@ def load_patched_model(
     info["unexpected_keys"] = type(info.get("unexpected_keys", []))(
         key for key in info.get("unexpected_keys", []) if key not in all_names
     )
+    if narrow_keys:  # the narrow projections were filled above; any other mismatch stays reported
+        info["mismatched_keys"] = type(info.get("mismatched_keys", []))(
+            entry for entry in info.get("mismatched_keys", []) if _key_name(entry) not in all_names
+        )
     return model, info
+
+
+def _key_name(entry) -> str:
+    """The tensor name of an entry of transformers' ``mismatched_keys`` (a name, or (name, shape, shape))."""
+    return entry[0] if isinstance(entry, tuple) else entry
 
 
 def report_base_loading(info: dict, source: str, missing_hint: str = "", stacklevel: int = 3) -> None:

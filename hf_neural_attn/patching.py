@@ -40,6 +40,10 @@ from .ops import check_impl
 from .patched_config import BASE_MODEL_TYPE_FIELD, RECORD_KEY, make_patched, make_unpatched
 from .scorers import Scorer, ScorerConfig, scorer_class
 
+# On modules the patch put in place of the model's own (QANA's key_dim projections): their parameters are new,
+# like the scorers' (scorer_parameters lists them; they train, save and load with the patch).
+ADDED_MODULE_ATTR = "_hf_neural_attn_added"
+
 # Unpatched modules of a patched model keep running their own implementation when it is one of these two, with
 # the mask it would get unpatched (see attention.hf_neural_attention_mask). Flash and flex need masks of their
 # own, so those modules run SDPA.
@@ -104,12 +108,25 @@ def patch_model(
     # Build every new module before touching the model, so a failure here changes nothing. Offloaded weights
     # are loaded while their module is read (as accelerate loads them for a call); the scorers are created on the
     # module's execution device and stay there, outside the offloading.
-    new_scorers = {}
+    new_scorers, narrow_projections = {}, {}
+    key_dim = getattr(config, "key_dim", None)
     for index in selected:
         with offloaded_weights_loaded(attention_modules[index]):
             scorer_type.check_module(config, attention_modules[index])
-            new_scorers[index] = scorer_type(config, family.geometry(attention_modules[index]))
+            geometry = family.geometry(attention_modules[index])
+            scorer_type.check_geometry(config, geometry, attention_modules[index])
+            new_scorers[index] = scorer_type(config, geometry)
+            if key_dim is not None:
+                narrow_projections[index] = family.narrow_key_projections(attention_modules[index], key_dim)
 
+    from_scratch = config.from_scratch_reason()
+    if from_scratch:
+        warnings.warn(
+            f"{from_scratch}: the patched model's outputs differ from the original's from the start. This option is "
+            "for training from scratch (the papers' ablations); leave it out to fine-tune a pretrained model.",
+            UserWarning,
+            stacklevel=2,
+        )
     base_implementation = model.config._attn_implementation or "eager"
     record = {
         "scorer": config.scorer_name,
@@ -128,6 +145,10 @@ def patch_model(
     for index, scorer_module in new_scorers.items():
         module = attention_modules[index]
         module.add_module(SCORER_ATTR, scorer_module)
+        if index in narrow_projections:
+            family.use_narrow_keys(module, key_dim, narrow_projections[index])
+            for projection in narrow_projections[index].values():
+                setattr(projection, ADDED_MODULE_ATTR, True)
         if scorer_type.needs_hidden_states:
             module.register_forward_pre_hook(partial(_add_query_extras, family), with_kwargs=True)
     for config_object in _configs(model, config_readers):
@@ -144,6 +165,12 @@ def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
     """
     if not is_patched(model):
         raise ValueError("This model is not patched by hf_neural_attn; there is nothing to unpatch.")
+    key_dim = patched_key_dim(model)
+    if key_dim is not None:
+        raise ValueError(
+            f"This model was patched with key_dim={key_dim}, which replaced its query and key projections by narrower "
+            "ones: there is no original model to go back to. Reload the original checkpoint instead."
+        )
     config_readers = [module for module in model.modules() if hasattr(module, FALLBACK_ATTR)]
     for module in config_readers:
         if hasattr(module, SCORER_ATTR):
@@ -157,6 +184,14 @@ def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
+def patched_key_dim(model: nn.Module) -> int | None:
+    """The ``key_dim`` a model was patched with (QANA's narrower keys), or None: such a model has new query and key
+    projections, so it has no original to unpatch to and no base model an adapter could be applied to."""
+    record = getattr(getattr(model, "config", None), RECORD_KEY, None)
+    options = record.get("options") if isinstance(record, dict) else None
+    return options.get("key_dim") if isinstance(options, dict) else None
+
+
 def is_patched(model: nn.Module) -> bool:
     """Whether ``model`` carries a patch. Judged by its modules, not by ``config.hf_neural_attn``: a config
     loaded from a patched checkpoint by plain transformers carries the record over an unpatched model."""
@@ -164,9 +199,15 @@ def is_patched(model: nn.Module) -> bool:
 
 
 def scorer_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The parameters the patch added, by their names in ``model.named_parameters()``."""
+    """The parameters the patch added, by their names in ``model.named_parameters()``: the scorers', and those of
+    the narrower query and key projections that QANA's ``key_dim`` puts in place of the model's."""
     marker = f".{SCORER_ATTR}."
-    return {name: p for name, p in model.named_parameters() if marker in f".{name}"}
+    added = {name for name, module in model.named_modules() if getattr(module, ADDED_MODULE_ATTR, False)}
+    return {
+        name: p
+        for name, p in model.named_parameters()
+        if marker in f".{name}" or (added and name.rpartition(".")[0] in added)
+    }
 
 
 def _scorer_config(scorer: str | ScorerConfig, h: int | None, options: dict[str, Any]) -> ScorerConfig:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from .attention import SCORER_ATTR
-from .patching import is_patched
+from .patching import is_patched, patched_key_dim
 
 
 def peft_modules_to_save(model: nn.Module) -> list[str]:
@@ -41,6 +41,11 @@ def peft_modules_to_save(model: nn.Module) -> list[str]:
         raise ValueError(
             "This model is not patched by hf_neural_attn, so it has no scorer modules for PEFT to train. "
             "Call hf_neural_attn.patch_model(model, ...) before peft.get_peft_model."
+        )
+    if patched_key_dim(model) is not None:
+        raise ValueError(
+            f"This model was patched with key_dim={patched_key_dim(model)}, a from-scratch option whose new query and "
+            "key projections must train in full: train all its parameters rather than adapters."
         )
     suffix = f".{SCORER_ATTR}"
     return [name for name, _ in model.named_modules() if name.endswith(suffix)]

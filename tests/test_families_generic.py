@@ -8,6 +8,7 @@ two fp32 computations of the same logits by different routes (cache, shifted RoP
 import copy
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -64,6 +65,16 @@ MODELS = {
 GENERIC = {"starcoder2", "glm", "gemma2_no_softcap"}
 EXPLICIT = [name for name in MODELS if name not in GENERIC]
 CASES = [pytest.param(name, id=name) for name in MODELS]
+
+
+@pytest.fixture
+def without_family(monkeypatch):
+    """Take a family out of the registry for one test. The registry's order is restored afterwards too (the
+    generic fallback must stay last): monkeypatch.delitem alone would put the entry back after it."""
+    saved = dict(FAMILIES)
+    yield lambda name: monkeypatch.delitem(FAMILIES, name)
+    FAMILIES.clear()
+    FAMILIES.update(saved)
 
 
 def build(name, config_overrides=None):
@@ -147,14 +158,14 @@ def test_checkpoint_round_trip(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", [name for name in EXPLICIT if name != "phi3"])  # Phi-3 has no q_proj
-def test_generic_fallback_alone_serves_every_explicit_model_the_same_way(name, monkeypatch):
+def test_generic_fallback_alone_serves_every_explicit_model_the_same_way(name, monkeypatch, without_family):
     """The explicit entries are only names: with an entry removed, the fallback patches the model identically."""
     ids = tokens(2, 12)
     explicit = build(name)
     hf_neural_attn.patch_model(explicit, "qana")
     perturb_scorers(explicit, std=1.0)
 
-    monkeypatch.delitem(FAMILIES, name)
+    without_family(name)
     generic = build(name)
     original = generic(ids).logits
     with pytest.warns(UserWarning, match="generic standard-attention path"):
@@ -276,17 +287,17 @@ class TemperedAttention(OddAttention):
         (TemperedAttention, r"TemperedAttention .*not softmax\(scaling \* q k\^T\) v"),
     ],
 )
-def test_probe_refuses_modules_that_only_look_standard(attention_class, match, monkeypatch):
+def test_probe_refuses_modules_that_only_look_standard(attention_class, match, monkeypatch, without_family):
     monkeypatch.setitem(sys.modules, "odd_modeling", odd_modeling)
     monkeypatch.setattr(attention_class, "__module__", "odd_modeling")
     model = build("olmo", {"clip_qkv": None})
     for layer in model.model.layers:
         layer.self_attn.__class__ = attention_class
-    monkeypatch.delitem(FAMILIES, "olmo")
+    without_family("olmo")
     assert_refused(model, match)
 
 
-def test_the_odd_attention_itself_passes_the_probe(monkeypatch):
+def test_the_odd_attention_itself_passes_the_probe(monkeypatch, without_family):
     """The refusals above come from each module's one difference, not from the test's module as such."""
     monkeypatch.setitem(sys.modules, "odd_modeling", odd_modeling)
     monkeypatch.setattr(odd_modeling, "eager_attention_forward", eager_attention_forward)
@@ -297,7 +308,26 @@ def test_the_odd_attention_itself_passes_the_probe(monkeypatch):
     for layer in model.model.layers:
         layer.self_attn.__class__ = OddAttention
     torch.testing.assert_close(model(ids).logits, original, rtol=0, atol=1e-6)
-    monkeypatch.delitem(FAMILIES, "olmo")
+    without_family("olmo")
     with pytest.warns(UserWarning, match="OddAttention has no tested hf_neural_attn family"):
         hf_neural_attn.patch_model(model, "qana")
     torch.testing.assert_close(model(ids).logits, original, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_neural_attention_reads_relative_pairs_wherever_the_model_has_rope(name):
+    """Neural Attention's default input on RoPE models pairs the dimensions the model's own rotation turns together
+    (rotate-half, interleaved, partial; read off the rotation): every layer with RoPE scores relative positions,
+    a NoPE layer reads its (unrotated) q and k as they are."""
+    model = build(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an explicit entry must not fall to the generic path (which warns)
+        patch(model, name, "neural")
+    attention = [module for module in model.modules() if hasattr(module, "attn_scorer")]
+    inputs = {module.attn_scorer.pair_input for module in attention}
+    assert inputs == ({"relative", "concat"} if name == "smollm3" else {"relative"})
+    perturb_scorers(model, std=0.5)
+    ids = tokens(2, 12)
+    positions = torch.arange(12).expand(2, -1)
+    base = model(ids, position_ids=positions).logits
+    torch.testing.assert_close(model(ids, position_ids=positions + 13).logits, base, rtol=0, atol=1e-4)

@@ -37,6 +37,14 @@ def rope_vector(vector, position, base=10000.0):
 ACTIVATIONS = {"gelu": F.gelu, "tanh": torch.tanh, "relu": F.relu}
 
 
+def qana_case(batch: int = 2, q_len: int = 3, k_len: int = 5):
+    """Hidden states, the model's own query projection W_s, b_s, keys, and the query and key positions (float64)."""
+    hidden = torch.randn(batch, q_len, HIDDEN, dtype=F64)
+    w_s, b_s = torch.randn(HEADS * D, HIDDEN, dtype=F64), torch.randn(HEADS * D, dtype=F64)
+    keys = torch.randn(batch, HEADS, k_len, D, dtype=F64)
+    return hidden, w_s, b_s, keys, torch.arange(2, 2 + q_len), torch.arange(k_len)
+
+
 @pytest.mark.parametrize("h", [1, 3])
 @pytest.mark.parametrize("activation", ["gelu", "tanh"])
 @pytest.mark.parametrize("use_rope", [False, True])
@@ -44,11 +52,8 @@ def test_qana_matches_the_literal_widened_query(h, activation, use_rope):
     torch.manual_seed(0)
     scorer = QanaScorer(QanaConfig(h=h, activation=activation), geometry())
     randomise(scorer)
-    batch, q_len, k_len = 2, 3, 5
-    hidden = torch.randn(batch, q_len, HIDDEN, dtype=F64)
-    w_s, b_s = torch.randn(HEADS * D, HIDDEN, dtype=F64), torch.randn(HEADS * D, dtype=F64)
-    keys = torch.randn(batch, HEADS, k_len, D, dtype=F64)
-    q_positions, k_positions = torch.arange(2, 2 + q_len), torch.arange(k_len)
+    hidden, w_s, b_s, keys, q_positions, k_positions = qana_case()
+    (batch, q_len), k_len = hidden.shape[:2], keys.shape[2]
     scaling = D**-0.5
     sigma = ACTIVATIONS[activation]
 

@@ -73,10 +73,16 @@ def test_neural_first_backward_reaches_output_and_last_layer_then_everything(fam
     lm_loss(model, family, inputs).backward()
     for module in patched_attention_modules(model):
         scorer = module.attn_scorer
-        last = [scorer.deeper[-1]] if len(scorer.deeper) else [scorer.pair_query, scorer.pair_key]
+        # The first layer is pair_query/pair_key (concatenated input) or pair_weight (relative input, RoPE models).
+        first = (
+            [scorer.pair_weight]
+            if scorer.pair_weight is not None
+            else [scorer.pair_query.weight, scorer.pair_key.weight]
+        )
+        last = [scorer.deeper[-1].weight] if len(scorer.deeper) else first
         assert scorer.output.weight.grad.abs().max() > 0
-        for layer in last:
-            assert layer.weight.grad.abs().max() > 0
+        for weight in last:
+            assert weight.grad.abs().max() > 0
         # What feeds the pairs gets the two halves' gradients with opposite signs, which cancel; the gate
         # multiplies a term that is zero. All of it waits one step.
         waiting = [scorer.gate]
@@ -84,7 +90,7 @@ def test_neural_first_backward_reaches_output_and_last_layer_then_everything(fam
             if layer is not None:
                 waiting += layer.parameters()
         if len(scorer.deeper):
-            waiting += [*scorer.pair_query.parameters(), *scorer.pair_key.parameters()]
+            waiting += [p for name, p in scorer.named_parameters() if name.startswith("pair_")]
         for parameter in waiting:
             assert negligible(parameter.grad, scorer.output.weight.grad)
     optimizer.step()

@@ -70,6 +70,8 @@ class StandardAttentionFamily(ModelFamily):
         # its (query heads, key/value heads).
         self._rotates: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
         self._probed: weakref.WeakKeyDictionary[nn.Module, tuple[int, int]] = weakref.WeakKeyDictionary()
+        # Per module that turns its query under RoPE: the dimension each dimension turns with (see AttentionGeometry).
+        self._rope_partner: weakref.WeakKeyDictionary[nn.Module, tuple[int, ...]] = weakref.WeakKeyDictionary()
 
     # --- recognising modules -------------------------------------------------------------------------------
 
@@ -132,6 +134,7 @@ class StandardAttentionFamily(ModelFamily):
             query_weight_std=query_weight_std(module, weight),
             dtype=weight.dtype,
             device=weight.device,
+            rope_partner=self._rope_partner.get(module),
         )
 
     def rotary(self, module, args, kwargs) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -205,6 +208,9 @@ class StandardAttentionFamily(ModelFamily):
                     "(multimodal or 2-D RoPE, or a position-dependent query scale), so QANA's row-wise RoPE "
                     "would not match it."
                 )
+            partner = _rope_partner(rotation(module, *rotated["position_embeddings"]), head_dim, query)
+            if partner is not None:
+                self._rope_partner[module] = partner
         _check_plain_softmax(module, rotated, label)
         self._rotates[module] = rotates
         self._probed[module] = (heads, kv_heads)
@@ -371,3 +377,24 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float | None
         tolerance = 16 * torch.finfo(actual.dtype).eps if actual.is_floating_point() else 0.0
     scale = max(float(expected.abs().max()), 1.0)
     return bool((actual.float() - expected.float()).abs().max() <= tolerance * scale)
+
+
+def _rope_partner(rotate, head_dim: int, like: torch.Tensor) -> tuple[int, ...] | None:
+    """For each dimension of a head, the one ``rotate`` (a :func:`rotation` at the probe's angles) turns it with,
+    itself where it is left alone; None if some dimension mixes with more than one other (not a RoPE of pairs).
+
+    Read off the rotation itself, so Llama's rotate-half layout, interleaved RoPE (Cohere, GLM) and partial rotary
+    all come out right without the family naming its layout.
+    """
+    basis = torch.eye(head_dim, dtype=like.dtype, device=like.device)
+    turned = rotate(basis[None, :, None, :].expand(1, head_dim, PROBE_TOKENS, head_dim))
+    touches = (turned[0].abs() > 1e-6).any(dim=1)  # (head_dim, head_dim): where each basis vector ends up
+    partner = []
+    for dim in range(head_dim):
+        others = [other for other in touches[dim].nonzero().flatten().tolist() if other != dim]
+        if len(others) > 1:
+            return None
+        partner.append(others[0] if others else dim)
+    if any(partner[partner[dim]] != dim for dim in range(head_dim)):
+        return None
+    return tuple(partner)

@@ -139,7 +139,11 @@ class _BlockwiseAttention(torch.autograd.Function):
         with torch.enable_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast_enabled):
             query_leaf = query.detach().requires_grad_(needs[7])
             key_leaf = key.detach().requires_grad_(needs[8])
-            leaves = [t.detach().requires_grad_(needs[first_tensor + i]) for i, t in enumerate(tensors)]
+            # Optional extras (QANA's basis without u_rank) are None and stay None.
+            leaves = [
+                t.detach().requires_grad_(needs[first_tensor + i]) if t is not None else None
+                for i, t in enumerate(tensors)
+            ]
             extras = ctx.extras_type._make(leaves[: ctx.num_extras]) if ctx.extras_type is not None else None
             parameters = dict(zip(ctx.names, leaves[ctx.num_extras :]))
 
@@ -165,5 +169,5 @@ class _BlockwiseAttention(torch.autograd.Function):
             query_leaf.grad,
             key_leaf.grad,
             grad_value.to(value.dtype) if needs[9] else None,
-            *(leaf.grad for leaf in leaves),
+            *(leaf.grad if leaf is not None else None for leaf in leaves),
         )  # fmt: skip

@@ -55,6 +55,9 @@ class ScorerConfig:
     (:func:`option`); :meth:`option_fields` lists them."""
 
     scorer_name: ClassVar[str] = ""
+    # Options added after checkpoints were written with a different behaviour: a patch record without the option
+    # meant this value (see :meth:`from_record`).
+    record_defaults: ClassVar[dict[str, Any]] = {}
 
     impl: str = option(
         "auto",
@@ -95,8 +98,18 @@ class ScorerConfig:
             )
         return cls(**options)
 
+    @classmethod
+    def from_record(cls, options: dict[str, Any]) -> ScorerConfig:
+        """The config a saved patch record's options describe; options the record predates take the value that
+        reproduces what was saved (:attr:`record_defaults`), not today's default."""
+        return cls.from_options({**cls.record_defaults, **options})
+
     def to_dict(self) -> dict[str, Any]:
         return {name: _jsonable(getattr(self, name)) for name in self.option_names()}
+
+    def from_scratch_reason(self) -> str | None:
+        """Why these options cannot keep a pretrained model's outputs (``patch_model`` warns with it), or None."""
+        return None
 
 
 @dataclass
@@ -111,6 +124,18 @@ class MLPScorerConfig(ScorerConfig):
         "zero is the papers' literal all-zero init, under which no gradient ever reaches them (it warns)",
         choices=INITS,
     )
+
+
+def attention_head_dim(module: nn.Module) -> int | None:
+    """The per-head width an attention module states (``head_dim``; ``attention_head_size`` in BERT and ViT), or
+    the config's ``hidden_size // num_attention_heads``; None when it states none."""
+    for name in ("head_dim", "attention_head_size"):
+        value = getattr(module, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    config = getattr(module, "config", None)
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
 
 
 def _as_int(value: Any) -> int | None:
@@ -162,6 +187,9 @@ class AttentionGeometry:
             new query rows are drawn at; for weights on the meta device, the config's ``initializer_range``
             (see ``families.base.query_weight_std``).
         dtype, device: where the pretrained query projection lives; new parameters go there too.
+        rope_partner: for each dimension of a head, the dimension the model's RoPE turns it with (itself where RoPE
+            leaves it alone): ``p + head_dim/2`` in Llama's rotate-half layout, ``p ± 1`` in an interleaved one. None
+            for no RoPE, or a RoPE the family does not describe.
     """
 
     hidden_size: int
@@ -172,6 +200,7 @@ class AttentionGeometry:
     query_weight_std: float
     dtype: torch.dtype
     device: torch.device
+    rope_partner: tuple[int, ...] | None = None
 
 
 class Scorer(nn.Module):
@@ -231,6 +260,11 @@ class Scorer(nn.Module):
     def check_module(cls, config: ScorerConfig, module: nn.Module) -> None:
         """Raise ``ValueError`` if this scorer cannot serve the attention ``module`` (called by
         ``patch_model`` on every selected module before the model is changed)."""
+
+    @classmethod
+    def check_geometry(cls, config: ScorerConfig, geometry: AttentionGeometry, module: nn.Module) -> None:
+        """Raise ``ValueError`` if this scorer cannot serve an attention module of this ``geometry`` (called by
+        ``patch_model`` after :meth:`check_module`, before the model is changed)."""
 
     def query_extras(self, hidden_states: torch.Tensor, rotate: Callable[[torch.Tensor], torch.Tensor] | None) -> Any:
         """Per-query inputs computed from ``hidden_states`` (batch, seq, hidden); ``rotate`` applies the

@@ -20,19 +20,36 @@ receive a gradient, so it is left out.
 
 Shared across heads like the authors' code: one MLP (and one pair of projections) per layer.
 ``depth=2`` with ``h = proj_dim`` and ``activation="relu"`` gives the authors' 2d' -> d' -> d'/2 -> 1.
+
+**Relative input on RoPE models** (``pair_input="relative"``, the default there). q and k arrive rotated by the
+model's RoPE, so P_i + R_j above depends on the absolute positions i and j: shifting every position changes the
+scores. No first layer that adds a key term R_j can avoid that, and the model's KV cache holds only rotated keys.
+The relative input therefore makes the first layer bilinear in the rotated pair, through products that RoPE
+turns by the angle of j - i only. Per pair p of dimensions RoPE turns together (p and p + D/2 in Llama's
+rotate-half layout, as a complex number z), unit l reads
+
+    Z_ijl = sum_p Re( c_lp * z(q~_i)_p * conj z(k~_j)_p ) + b_l  =  (M_l q~_i) . k~_j + b_l
+
+with learned complex weights c_lp (dimensions RoPE does not turn get a real weight each). M_l is a complex scaling
+per pair, which commutes with every rotation, so Z_ijl is a function of q_i, k_j and j - i. Which dimensions pair
+up comes from the family (``AttentionGeometry.rope_partner``; read off the model's own rotation). The dot product is
+the case c = 1 (one unit, identity activation). The rest of the MLP is unchanged, and the skip path keeps the
+model's RoPE. ``pair_input="concat"`` is the paper's input, [q'_i ; k'_j] of the rotated vectors.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from .base import ACTIVATIONS, AttentionGeometry, MLPScorerConfig, Scorer, option
+from .base import ACTIVATIONS, AttentionGeometry, MLPScorerConfig, Scorer, attention_head_dim, option
 
 MODES = ("residual", "replace")
+PAIR_INPUTS = ("auto", "concat", "relative")
 
 
 @dataclass
@@ -40,6 +57,8 @@ class NeuralAttentionConfig(MLPScorerConfig):
     """Neural Attention options (each field's metadata has its meaning and constraints)."""
 
     scorer_name = "neural"
+    # Checkpoints written before pair_input existed scored the concatenated pair.
+    record_defaults: ClassVar[dict[str, str]] = {"pair_input": "concat"}
 
     proj_dim: int | None = option(
         None,
@@ -57,6 +76,14 @@ class NeuralAttentionConfig(MLPScorerConfig):
     depth: int = option(
         1, "hidden layers of the scoring MLP, widths h, h//2, h//4, ...; needs h >= 2**(depth-1)", minimum=1
     )
+    pair_input: str = option(
+        "auto",
+        "what the MLP's first layer reads: concat is the paper's [q'; k'] (on RoPE models the rotated vectors, so the "
+        "score depends on absolute position); relative reads RoPE-commuting products of q and k, so the whole score "
+        "depends on content and j - i only (RoPE models, without proj_dim); auto (default) is relative on RoPE "
+        "models when proj_dim is not given, concat elsewhere",
+        choices=PAIR_INPUTS,
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -64,6 +91,12 @@ class NeuralAttentionConfig(MLPScorerConfig):
             raise ValueError(
                 f"depth={self.depth} needs h >= {2 ** (self.depth - 1)}: the hidden widths halve from h={self.h} "
                 f"({self.h}, {self.h // 2}, ...) and a width below 1 is not possible. Raise h or lower depth."
+            )
+        if self.pair_input == "relative" and self.proj_dim is not None:
+            raise ValueError(
+                f"pair_input='relative' reads the full rotated q and k (a down-projection would mix RoPE's frequency "
+                f"pairs and bring absolute position back); proj_dim={self.proj_dim} applies to pair_input='concat'. "
+                "Drop one of them."
             )
         if self.mode == "replace" and self.init == "zero":
             raise ValueError(
@@ -74,22 +107,25 @@ class NeuralAttentionConfig(MLPScorerConfig):
     def hidden_widths(self) -> list[int]:
         return [self.h // 2**i for i in range(self.depth)]  # validate() keeps every width >= 1
 
-
-def attention_head_dim(module: nn.Module) -> int | None:
-    """The per-head width an attention module states (``head_dim``; ``attention_head_size`` in BERT and ViT), or
-    the config's ``hidden_size // num_attention_heads``; None when it states none."""
-    for name in ("head_dim", "attention_head_size"):
-        value = getattr(module, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    config = getattr(module, "config", None)
-    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
-    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+    def resolved_pair_input(self, rope_partner: tuple[int, ...] | None) -> str:
+        """``pair_input`` for a module with this RoPE pairing (``AttentionGeometry.rope_partner``; None: no RoPE)."""
+        if self.pair_input != "auto":
+            return self.pair_input
+        return "relative" if rope_partner is not None and self.proj_dim is None else "concat"
 
 
 class NeuralAttentionScorer(Scorer):
     name = "neural"
     config_class = NeuralAttentionConfig
+
+    @classmethod
+    def check_geometry(cls, config: NeuralAttentionConfig, geometry: AttentionGeometry, module: nn.Module) -> None:
+        if config.pair_input == "relative" and geometry.rope_partner is None:
+            raise ValueError(
+                f"pair_input='relative' reads products of q and k that RoPE turns by j - i; {type(module).__name__} "
+                "has no RoPE (or one hf_neural_attn cannot describe), so there is no relative position to keep. Use "
+                "pair_input='concat' (or 'auto')."
+            )
 
     @classmethod
     def check_module(cls, config: NeuralAttentionConfig, module: nn.Module) -> None:
@@ -106,15 +142,30 @@ class NeuralAttentionScorer(Scorer):
         factory = {"dtype": geometry.dtype, "device": geometry.device}
         d = geometry.head_dim
         widths = config.hidden_widths()
-        if config.proj_dim is not None:
-            self.query_down = nn.Linear(d, config.proj_dim, bias=False, **factory)
-            self.key_down = nn.Linear(d, config.proj_dim, bias=False, **factory)
-            d = config.proj_dim
+        self.pair_input = config.resolved_pair_input(geometry.rope_partner)
+        self.query_down = self.key_down = self.pair_query = self.pair_key = None
+        if self.pair_input == "relative":
+            partner = geometry.rope_partner
+            first = [dim for dim in range(d) if partner[dim] > dim]
+            # The pairs (first[p], second[p]), then the dimensions RoPE leaves alone; ``order`` undoes the grouping.
+            self.pairs = (first, [partner[dim] for dim in first], [dim for dim in range(d) if partner[dim] == dim])
+            grouped = [dim for part in self.pairs for dim in part]
+            order = sorted(range(d), key=grouped.__getitem__)
+            self.order = order if order != list(range(d)) else None  # None: Llama's layout needs no reordering
+            # Per unit: the real parts of c (one per pair), their imaginary parts, then one real weight per
+            # dimension RoPE leaves alone; the bias b_l. See the module doc.
+            self.pair_weight = nn.Parameter(torch.empty(widths[0], d, **factory))
+            self.pair_bias = nn.Parameter(torch.empty(widths[0], **factory))
         else:
-            self.query_down = self.key_down = None
-        # W_h split into its query and key halves; the key half carries b_h.
-        self.pair_query = nn.Linear(d, widths[0], bias=False, **factory)
-        self.pair_key = nn.Linear(d, widths[0], bias=True, **factory)
+            self.register_parameter("pair_weight", None)
+            self.register_parameter("pair_bias", None)
+            if config.proj_dim is not None:
+                self.query_down = nn.Linear(d, config.proj_dim, bias=False, **factory)
+                self.key_down = nn.Linear(d, config.proj_dim, bias=False, **factory)
+                d = config.proj_dim
+            # W_h split into its query and key halves; the key half carries b_h.
+            self.pair_query = nn.Linear(d, widths[0], bias=False, **factory)
+            self.pair_key = nn.Linear(d, widths[0], bias=True, **factory)
         self.deeper = nn.ModuleList(nn.Linear(a, b, **factory) for a, b in itertools.pairwise(widths))
         self.output = nn.Linear(widths[-1], 1, bias=False, **factory)  # w_a
         if config.mode == "residual":
@@ -134,7 +185,13 @@ class NeuralAttentionScorer(Scorer):
         # drops) plus a key bias. A typical q entry is estimated from the pretrained W_Q's scale,
         # assuming the unit-scale normalised hidden states that attention blocks read.
         q_scale = self.geometry.query_weight_std * self.geometry.hidden_size**0.5
-        if q_scale > 0:
+        if self.pair_weight is not None:
+            # Z = sum over d products of two entries of scale q_scale: unit scale with weights at
+            # 1 / (q_scale^2 sqrt(d)).
+            scale = 1.0 / (max(q_scale, 1e-6) ** 2 * self.geometry.head_dim**0.5)
+            nn.init.normal_(self.pair_weight, 0.0, scale)
+            nn.init.zeros_(self.pair_bias)
+        elif q_scale > 0:
             for layer in (
                 (self.query_down, self.key_down)
                 if self.query_down is not None
@@ -153,22 +210,42 @@ class NeuralAttentionScorer(Scorer):
         # Mirrored pairs on the last hidden layer: duplicate the rows that produce it, give the copies
         # opposite output weights. Each pair's terms cancel (outputs unchanged, to rounding) while the
         # output weights and the last layer's rows get a gradient on the first backward.
-        producers = [self.deeper[-1]] if len(self.deeper) else [self.pair_query, self.pair_key]
+        if len(self.deeper):
+            producers = [(self.deeper[-1].weight, self.deeper[-1].bias)]
+        elif self.pair_weight is not None:
+            producers = [(self.pair_weight, self.pair_bias)]
+        else:
+            producers = [(self.pair_query.weight, None), (self.pair_key.weight, self.pair_key.bias)]
         pairs = self.output.in_features // 2
         output = self.output.weight[0]
-        for layer in producers:
-            layer.weight[pairs : 2 * pairs] = layer.weight[:pairs]
-            if layer.bias is not None:
-                layer.bias[pairs : 2 * pairs] = layer.bias[:pairs]
+        for weight, bias in producers:
+            weight[pairs : 2 * pairs] = weight[:pairs]
+            if bias is not None:
+                bias[pairs : 2 * pairs] = bias[:pairs]
         output[pairs : 2 * pairs] = -output[:pairs]
         output[2 * pairs :] = 0.0  # an odd last unit has no partner
         self.gate.fill_(1.0)
 
+    def relative_units(self, query: torch.Tensor) -> torch.Tensor:
+        """M_l q~_i for every unit l: (batch, heads, q, d) -> (batch, heads, h, q, d). Z_ijl is then this row
+        dotted with k~_j (plus b_l), see the module doc."""
+        n = len(self.pairs[0])
+        real, imag, rest = self.pair_weight[:, :n], self.pair_weight[:, n : 2 * n], self.pair_weight[:, 2 * n :]
+        # c * z with z = x1 + i x2: (a x1 - b x2) + i (a x2 + b x1), per pair (x1, x2) = (q_first, q_second).
+        x1, x2, tail = (query[..., dims].unsqueeze(2) for dims in self.pairs)
+        real, imag, rest = (w[None, None, :, None, :] for w in (real, imag, rest))
+        parts = torch.cat([real * x1 - imag * x2, real * x2 + imag * x1, rest * tail], dim=-1)
+        return parts[..., self.order] if self.order is not None else parts
+
     def pair_scores(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         """A_ij for (batch, heads, q, d) queries and (batch, heads, k, d) keys -> (batch, heads, q, k)."""
-        if self.query_down is not None:
-            query, key = self.query_down(query), self.key_down(key)
-        hidden = self.act(self.pair_query(query).unsqueeze(-2) + self.pair_key(key).unsqueeze(-3))
+        if self.pair_weight is not None:
+            units = self.relative_units(query)
+            hidden = self.act(torch.einsum("bnlqd,bnkd->bnqkl", units, key) + self.pair_bias)
+        else:
+            if self.query_down is not None:
+                query, key = self.query_down(query), self.key_down(key)
+            hidden = self.act(self.pair_query(query).unsqueeze(-2) + self.pair_key(key).unsqueeze(-3))
         for layer in self.deeper:
             hidden = self.act(layer(hidden))
         return self.output(hidden).squeeze(-1)
@@ -183,6 +260,8 @@ class NeuralAttentionScorer(Scorer):
     def fused_unsupported_reason(self) -> str | None:
         if self.config.depth != 1:
             return f"the fused Neural Attention term has one hidden layer, this scorer has depth={self.config.depth}"
+        if self.pair_weight is not None and self.gate is None:
+            return "relative-input Neural Attention in replace mode has no fused form (the fused QANA term is gated)"
         return None
 
     def fused_inputs(self, query, key, extras):
@@ -192,6 +271,15 @@ class NeuralAttentionScorer(Scorer):
         projections."""
         from ..ops.triton import FusedInputs
 
+        if self.pair_weight is not None:
+            # Relative input: QANA's fused term with U = M q~, V = w and b the same for every query, c = 0.
+            units = self.relative_units(query)
+            batch, heads, q_len, h = *query.shape[:3], self.config.h
+            per_query = (batch, heads, q_len, h)
+            V = self.output.weight[0].expand(per_query).contiguous()
+            b = self.pair_bias.expand(per_query).contiguous()
+            c = query.new_zeros(batch, heads, q_len, 1)
+            return FusedInputs("qana", (units, V, b, c, self.gate), self.config.activation, h)
         if self.query_down is not None:
             query, key = self.query_down(query), self.key_down(key)
         tensors = (self.pair_query(query), self.pair_key(key), self.output.weight[0], self.gate)
