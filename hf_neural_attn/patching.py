@@ -113,9 +113,7 @@ def patch_model(
     for index in selected:
         with offloaded_weights_loaded(attention_modules[index]):
             scorer_type.check_module(config, attention_modules[index])
-            geometry = family.geometry(attention_modules[index])
-            scorer_type.check_geometry(config, geometry, attention_modules[index])
-            new_scorers[index] = scorer_type(config, geometry)
+            new_scorers[index] = scorer_type(config, family.geometry(attention_modules[index]))
             if key_dim is not None:
                 narrow_projections[index] = family.narrow_key_projections(attention_modules[index], key_dim)
 

@@ -261,11 +261,6 @@ class Scorer(nn.Module):
         """Raise ``ValueError`` if this scorer cannot serve the attention ``module`` (called by
         ``patch_model`` on every selected module before the model is changed)."""
 
-    @classmethod
-    def check_geometry(cls, config: ScorerConfig, geometry: AttentionGeometry, module: nn.Module) -> None:
-        """Raise ``ValueError`` if this scorer cannot serve an attention module of this ``geometry`` (called by
-        ``patch_model`` after :meth:`check_module`, before the model is changed)."""
-
     def query_extras(self, hidden_states: torch.Tensor, rotate: Callable[[torch.Tensor], torch.Tensor] | None) -> Any:
         """Per-query inputs computed from ``hidden_states`` (batch, seq, hidden); ``rotate`` applies the
         model's RoPE at the query positions to a (batch, n, seq, head_dim) tensor, or is None.

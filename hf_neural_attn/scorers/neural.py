@@ -119,15 +119,6 @@ class NeuralAttentionScorer(Scorer):
     config_class = NeuralAttentionConfig
 
     @classmethod
-    def check_geometry(cls, config: NeuralAttentionConfig, geometry: AttentionGeometry, module: nn.Module) -> None:
-        if config.pair_input == "relative" and geometry.rope_partner is None:
-            raise ValueError(
-                f"pair_input='relative' reads products of q and k that RoPE turns by j - i; {type(module).__name__} "
-                "has no RoPE (or one hf_neural_attn cannot describe), so there is no relative position to keep. Use "
-                "pair_input='concat' (or 'auto')."
-            )
-
-    @classmethod
     def check_module(cls, config: NeuralAttentionConfig, module: nn.Module) -> None:
         head_dim = attention_head_dim(module)
         if config.proj_dim is not None and head_dim is not None and config.proj_dim > head_dim:
@@ -143,6 +134,12 @@ class NeuralAttentionScorer(Scorer):
         d = geometry.head_dim
         widths = config.hidden_widths()
         self.pair_input = config.resolved_pair_input(geometry.rope_partner)
+        if self.pair_input == "relative" and geometry.rope_partner is None:
+            raise ValueError(
+                "pair_input='relative' reads products of q and k that RoPE turns by j - i; this attention has no RoPE "
+                "(or one hf_neural_attn cannot describe), so there is no relative position to keep. Use "
+                "pair_input='concat' (or 'auto')."
+            )
         self.query_down = self.key_down = self.pair_query = self.pair_key = None
         if self.pair_input == "relative":
             partner = geometry.rope_partner
