@@ -61,7 +61,9 @@ def patch_model(
     """Replace the attention scoring of ``model`` in place and return it.
 
     Args:
-        model: a transformers model (any head) of a supported family, see ``docs/families.md``.
+        model: a transformers model (any head) of a supported family, see ``docs/families.md``, or a
+            sentence-transformers ``SentenceTransformer`` (its transformers model is patched in place; the
+            ``SentenceTransformer`` is returned).
         scorer: a name from ``hf_neural_attn.scorers.SCORERS`` (``"qana"``, ``"neural"``, ``"additive"``,
             ``"general"``, ``"nsea"``, ``"hea"``), or a ready config object (:class:`QanaConfig`, ...).
         h: hidden width of the scoring MLP (default 4).
@@ -80,6 +82,10 @@ def patch_model(
         ValueError: unknown scorer or option, invalid value, layer index out of range, already patched.
         TypeError: ``model`` is not a transformers model with a supported attention family.
     """
+    inner = sentence_transformer_model(model)
+    if inner is not None:  # patched in place: the SentenceTransformer runs, saves and loads it as its own
+        patch_model(inner, scorer, h=h, layers=layers, **options)
+        return model
     if not isinstance(model, PreTrainedModel):
         raise TypeError(
             f"patch_model expects a transformers PreTrainedModel, got {type(model).__name__}. "
@@ -161,6 +167,10 @@ def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
     Raises:
         ValueError: if ``model`` is not patched.
     """
+    inner = sentence_transformer_model(model)
+    if inner is not None:
+        unpatch_model(inner)
+        return model
     if not is_patched(model):
         raise ValueError("This model is not patched by hf_neural_attn; there is nothing to unpatch.")
     key_dim = patched_key_dim(model)
@@ -180,6 +190,16 @@ def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
     for config_object in _configs(model, config_readers):
         make_unpatched(config_object)
     return model
+
+
+def sentence_transformer_model(model: nn.Module) -> PreTrainedModel | None:
+    """The transformers model inside a sentence-transformers ``SentenceTransformer`` (its ``Transformer`` module's
+    ``auto_model``), or None for any other object. Looked up by shape, so sentence-transformers is never imported."""
+    if isinstance(model, PreTrainedModel) or not isinstance(model, nn.Sequential):
+        return None
+    inner = [getattr(part, "auto_model", None) for part in model.children()]
+    inner = [candidate for candidate in inner if isinstance(candidate, PreTrainedModel)]
+    return inner[0] if len(inner) == 1 else None
 
 
 def patched_key_dim(model: nn.Module) -> int | None:
