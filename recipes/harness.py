@@ -1,0 +1,93 @@
+"""Evaluation with EleutherAI's lm-evaluation-harness (``lm_eval``), on the model in memory.
+
+The harness's ``HFLM`` takes a model object, so a patched model is evaluated as it is: no save and reload, no
+``trust_remote_code``. The same function serves a saved checkpoint (load it with ``hf_neural_attn.from_pretrained``
+first) and the recipes' ``--lm_eval_tasks``::
+
+    import hf_neural_attn
+    from recipes.harness import evaluate_with_harness
+
+    model = hf_neural_attn.from_pretrained("outputs/clm-qana")
+    results = evaluate_with_harness(model, tokenizer, ["wikitext", "hellaswag"])
+
+Task names are the harness's own (its ``wikitext`` downloads WikiText-2 from the Hub). ``include_path`` adds a
+folder of task YAML files, which is how a task runs offline: a ``dataset_path: json`` task over a local file
+(``tests/test_harness.py`` writes one).
+
+Why the harness's ``wikitext`` numbers differ from the recipes' perplexity: the recipes report *token*
+perplexity, ``exp`` of the mean loss per token of the model's tokenizer, over sliding windows of
+``--block_size``. The harness's ``word_perplexity`` divides the same kind of total log-likelihood by the number of
+*words* of each document (``byte_perplexity`` by bytes, ``bits_per_byte`` in bits), scoring each whole document
+in rolling windows of the model's ``max_length``. Words are longer than tokens, so word perplexity is much
+larger; only the per-byte numbers compare across tokenizers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+HARNESS_INSTALL_HINT = "lm-evaluation-harness is not installed: pip install 'hf-neural-attn[recipes]' (or lm-eval)"
+
+
+def import_harness():
+    """``lm_eval``'s entry points, or an ImportError with the install hint."""
+    try:
+        from lm_eval import simple_evaluate
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+    except ImportError as error:
+        raise ImportError(HARNESS_INSTALL_HINT) from error
+    return simple_evaluate, HFLM, TaskManager
+
+
+def evaluate_with_harness(
+    model,
+    tokenizer,
+    tasks: list[str],
+    *,
+    include_path: str | None = None,
+    include_defaults: bool = True,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    limit: float | None = None,
+    device: str | None = None,
+) -> dict[str, dict[str, float]]:
+    """Run the harness's ``tasks`` on ``model`` (a transformers causal LM, patched or not) with ``tokenizer``.
+
+    Args:
+        include_path: a folder of extra task definitions (YAML), e.g. local-data tasks for offline runs.
+        include_defaults: also index the harness's own tasks (thousands of files: False saves seconds when every
+            task is in ``include_path``).
+        max_length: the context the harness gives the model (default: the model's ``max_position_embeddings`` or
+            ``n_positions``).
+        limit: evaluate only this many documents per task (or this fraction), as the harness's ``--limit``.
+        device: where the harness puts inputs (default: the model's device).
+
+    Returns:
+        task -> metric -> value: the harness's own metric names (``word_perplexity``, ``acc``, ``acc_norm``, ...),
+        with its filter suffix (``,none``) dropped; standard errors as ``<metric>_stderr`` where it gives one.
+    """
+    simple_evaluate, HFLM, TaskManager = import_harness()
+    model.eval()
+    if max_length is None:
+        config = model.config
+        max_length = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    device = device or str(next(model.parameters()).device)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length, device=device)
+    manager = TaskManager(include_path=include_path, include_defaults=include_defaults)
+    output = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit, log_samples=False)
+    return {task: _metrics(values) for task, values in output["results"].items()}
+
+
+def _metrics(values: dict[str, Any]) -> dict[str, float]:
+    """The numeric metrics of one task's harness results, names without the filter suffix."""
+    metrics = {}
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or name == "sample_len":
+            continue
+        metric, _, _filter = name.partition(",")
+        if isinstance(value, float) and math.isnan(value):
+            continue
+        metrics[metric] = float(value)
+    return metrics

@@ -1,0 +1,105 @@
+"""lm-evaluation-harness on patched models, offline: a local task (a ``dataset_path: json`` task over a file this test
+writes), the harness's own ``HFLM`` on the model in memory and on a checkpoint loaded back."""
+
+import json
+import math
+import textwrap
+from pydoc_data.topics import topics
+
+import pytest
+import torch
+from helpers import perturb_scorers
+from transformers import ByT5Tokenizer, GPT2Config, GPT2LMHeadModel
+
+import hf_neural_attn
+
+pytest.importorskip("lm_eval", reason="lm-evaluation-harness is a recipes extra")
+from recipes.harness import evaluate_with_harness
+
+TASK = "local_pydoc"
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    """A rolling-loglikelihood task (like the harness's wikitext) over five short documents."""
+    folder = tmp_path_factory.mktemp("harness_tasks")
+    documents = [topics[name][:160] for name in sorted(topics)[:5]]
+    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in documents))
+    (folder / "task.yaml").write_text(
+        textwrap.dedent(
+            f"""\
+            task: {TASK}
+            dataset_path: json
+            dataset_kwargs:
+              data_files:
+                test: {folder / "docs.jsonl"}
+            test_split: test
+            output_type: loglikelihood_rolling
+            doc_to_text: ""
+            doc_to_target: "{{{{text}}}}"
+            metric_list:
+              - metric: word_perplexity
+              - metric: byte_perplexity
+              - metric: bits_per_byte
+            metadata:
+              version: 1.0
+            """
+        )
+    )
+    return folder, documents
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return ByT5Tokenizer()  # byte-level: needs no files
+
+
+def tiny_lm(tokenizer):
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=256)
+    return GPT2LMHeadModel(config).eval()
+
+
+def harness(model, tokenizer, task_dir):
+    folder = str(task_dir[0])
+    return evaluate_with_harness(model, tokenizer, [TASK], include_path=folder, include_defaults=False, batch_size=2)[
+        TASK
+    ]
+
+
+@torch.no_grad()
+def byte_perplexity_by_hand(model, tokenizer, documents) -> float:
+    """What the harness should compute: each document, encoded with the tokenizer's defaults (ByT5 appends its
+    end-of-text token, which is scored too), scored after the end-of-text token, in one window."""
+    total, size = 0.0, 0
+    for text in documents:
+        ids = [tokenizer.eos_token_id, *tokenizer(text).input_ids]
+        logits = model(torch.tensor([ids])).logits[0, :-1].double()
+        total += logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None]).sum().item()
+        size += len(text.encode("utf-8"))
+    return math.exp(-total / size)
+
+
+def test_harness_scores_a_patched_model_in_memory_as_computed_by_hand(task_dir, tokenizer):
+    model = tiny_lm(tokenizer)
+    plain = harness(model, tokenizer, task_dir)
+    assert set(plain) >= {"word_perplexity", "byte_perplexity", "bits_per_byte"}
+    hf_neural_attn.patch_model(model, "qana", h=2)
+    patched = harness(model, tokenizer, task_dir)
+    for metric in ("byte_perplexity", "bits_per_byte", "word_perplexity"):  # the patch starts where the model is
+        assert patched[metric] == pytest.approx(plain[metric], rel=1e-5)
+    perturb_scorers(model)
+    moved = harness(model, tokenizer, task_dir)
+    assert moved["byte_perplexity"] != pytest.approx(plain["byte_perplexity"], rel=1e-4)
+    assert moved["byte_perplexity"] == pytest.approx(byte_perplexity_by_hand(model, tokenizer, task_dir[1]), rel=1e-5)
+    assert moved["bits_per_byte"] == pytest.approx(math.log2(moved["byte_perplexity"]), rel=1e-9)
+
+
+def test_harness_on_a_checkpoint_loaded_back(task_dir, tokenizer, tmp_path):
+    model = tiny_lm(tokenizer)
+    hf_neural_attn.patch_model(model, "neural", proj_dim=4)
+    perturb_scorers(model)
+    expected = harness(model, tokenizer, task_dir)
+    model.save_pretrained(tmp_path)
+    loaded = hf_neural_attn.from_pretrained(tmp_path)
+    assert harness(loaded, tokenizer, task_dir) == pytest.approx(expected, rel=1e-6)
