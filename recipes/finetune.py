@@ -7,6 +7,7 @@ Run from the repository root, as a module:
     accelerate launch -m recipes.finetune recipes/configs/qana_gpt2_sst2.yaml
     python -m recipes.finetune --help
     accelerate launch -m recipes.compare                     # the offline demo: baseline vs QANA, side by side
+    python -m recipes.sweep --config recipes/sweeps/qana_ablations.yaml --grid reduced   # ablations over seeds
 
 The flags follow the Hugging Face ``*_no_trainer.py`` example scripts; ``docs/recipes.md`` has the full guide.
 A run writes to ``--output_dir``: the model (loadable with ``hf_neural_attn.from_pretrained``), its tokenizer or
@@ -409,8 +410,19 @@ def setup(args: argparse.Namespace) -> TrainingRun:
     if track_scorers:
         state.probe, state.probe_described = scorer_plots.probe_inputs(data, task, args)
         if progress.completed_steps == 0 and not progress.scorer_history:
-            scorer_plots.record(progress, accelerator.unwrap_model(model), state.probe)
+            record_scorers(state)
     return state
+
+
+def record_scorers(state: TrainingRun) -> None:
+    """Add this step's scorer statistics to the history. A patch the statistics cannot handle (they compare with
+    the unpatched attention, which e.g. QANA's narrower keys do not have) stops the history and the pictures with a
+    warning: like a figure that fails to draw, it must not lose the run."""
+    try:
+        scorer_plots.record(state.progress, state.accelerator.unwrap_model(state.model), state.probe)
+    except (ValueError, RuntimeError, NotImplementedError) as error:
+        logger.warning("No scorer history or attention maps for this patch: %s", error)
+        state.track_scorers = False
 
 
 def evaluate(state: TrainingRun) -> dict[str, float]:
@@ -445,7 +457,7 @@ def log_training_loss(state: TrainingRun, step: int) -> str:
     if state.args.with_tracking:
         accelerator.log({"train/loss": mean_loss, "train/learning_rate": learning_rate}, step=step)
     if state.track_scorers:
-        scorer_plots.record(state.progress, accelerator.unwrap_model(state.model), state.probe)
+        record_scorers(state)
     return f"loss={mean_loss:.4f}, lr={learning_rate:.2e}"
 
 

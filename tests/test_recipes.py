@@ -715,6 +715,18 @@ def test_gate_schedule_refuses_a_model_without_gates_even_when_the_options_canno
     assert not out.exists()
 
 
+def test_scorer_statistics_that_fail_stop_the_pictures_not_the_run(assets, tmp_path, monkeypatch):
+    # e.g. QANA with key_dim has no unpatched attention to compare with: the run trains and saves without pictures.
+    def no_statistics(progress, model, probe):
+        raise ValueError("no original model to go back to")
+
+    monkeypatch.setattr(scorer_plots, "record", no_statistics)
+    out = tmp_path / "run"
+    results = finetune(out, *clm_flags(assets, "--scorer", "qana", "--logging_steps", "1"))
+    assert results["train_steps"] == 4 and results["plots"] == {} and results["scorer_history"] == []
+    assert (out / "all_results.json").is_file() and not (out / scorer_plots.SCORER_PLOT_FILE).exists()
+
+
 def test_new_parameters_suit_ddp_and_fsdp_wrapping(assets):
     # DDP (find_unused_parameters=False) and FSDP need every trainable parameter to take part in the loss and
     # one dtype per flattened group. Check it for each family and scorer, also in bfloat16.
