@@ -20,6 +20,7 @@ matplotlib is imported inside the drawing functions only (with the non-interacti
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -33,7 +34,8 @@ from torch import nn
 
 from .attention import SCORER_ATTR
 from .families import find_attention
-from .patching import RECORD_KEY, is_patched, unpatch_model
+from .patching import RECORD_KEY, is_patched, patched_key_dim, unpatch_model
+from .scorers import Scorer
 
 # Layout of the attention-map figure, in inches at ``dpi``: the image is
 # (panel_size * heads + MAP_EXTRA_WIDTH) x (panel_size * rows + MAP_EXTRA_HEIGHT) inches.
@@ -71,6 +73,15 @@ def unpatched_view(model: nn.Module) -> nn.Module:
         # A forward set on the instance (Accelerate's mixed-precision wrapper, say) may close over the original
         # module: the copy would silently run the patched model. Fall back to the class's own forward.
         module.__dict__.pop("forward", None)
+    if is_patched(view) and patched_key_dim(view) is not None:
+        # QANA's key_dim replaced the query and key projections, so there is no original model. The plain dot
+        # product of the same (narrower) queries and keys is the view's scorers with the query-network term off:
+        # score = s.k / sqrt(r) + 0. The scorers return probabilities on every path, as eager would.
+        for scorer in view.modules():
+            if isinstance(scorer, Scorer) and isinstance(getattr(scorer, "gate", None), nn.Parameter):
+                scorer.config = dataclasses.replace(scorer.config, skip=True)
+                scorer.gate = nn.Parameter(torch.zeros_like(scorer.gate), requires_grad=False)
+        return view.eval()
     if is_patched(view):
         unpatch_model(view)
     # Attention probabilities come only from the eager path (SDPA and flash return none).

@@ -458,3 +458,24 @@ def test_checkpoints_from_before_pair_input_load_as_they_were_saved(tmp_path):
     config_file.write_text(json.dumps(saved))
     for loaded in (hf_neural_attn.from_pretrained(tmp_path), transformers_auto(tmp_path)):
         torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)
+
+
+def test_pictures_of_a_key_dim_model_compare_with_its_own_dot_product(tmp_path):
+    """There is no original model behind key_dim: "unpatched" is the same narrow queries and keys scored by the plain
+    dot product, so the maps differ exactly by what the query networks add."""
+    from hf_neural_attn import plotting
+
+    model = patched(tiny_llama(), "qana", key_dim=4)
+    probe = {"input_ids": tokens(1, 8)}
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    stats = plotting.scorer_statistics(model, probe)
+    assert len(stats) == 2 and all(record["attention_change"] > 1e-4 for record in stats)
+    maps = plotting.attention_maps(model, probe, layer=0)
+    assert maps.patched.shape == maps.unpatched.shape == (4, 8, 8)
+    assert all(torch.equal(before[name], p) for name, p in model.named_parameters())  # the model is untouched
+    # with the query networks' gates at zero the patched maps are the dot product's
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "attn_scorer"):
+                module.attn_scorer.gate.zero_()
+    assert all(record["attention_change"] < 1e-6 for record in plotting.scorer_statistics(model, probe))

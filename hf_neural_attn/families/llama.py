@@ -12,7 +12,7 @@ import dataclasses
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import (  # noqa: F401  (eager: ModelFamily.original_attention)
+from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     apply_rotary_pos_emb,
     eager_attention_forward,
@@ -112,7 +112,9 @@ class NarrowKeyLlamaAttention(LlamaAttention):
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
         # A patched model runs attn_implementation "hf_neural_attn": this is its scoring path.
-        attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
