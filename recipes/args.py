@@ -295,6 +295,35 @@ def build_parser() -> argparse.ArgumentParser:
     add("--hub_token", type=str, default=None, help="Hub token (default: the logged-in one).")
     add("--hub_private_repo", action="store_true", help="Create the Hub repository as private.")
 
+    group = parser.add_argument_group("evaluation with lm-evaluation-harness (clm)")
+    add = recorder.adder(group)
+    add(
+        "--lm_eval_tasks",
+        type=str,
+        default=None,
+        help="Comma-separated lm-evaluation-harness tasks run on the trained model at the end, e.g. "
+        "wikitext,hellaswag (the harness downloads their data); results go into all_results.json (lm_eval) and the "
+        "model card.",
+    )
+    add(
+        "--lm_eval_include_path",
+        type=str,
+        default=None,
+        help="A folder of extra harness task definitions (YAML), e.g. a task over a local file for offline runs.",
+    )
+    add(
+        "--lm_eval_limit",
+        type=float,
+        default=None,
+        help="Harness: evaluate only this many documents per task (a fraction of them if below 1).",
+    )
+    add(
+        "--lm_eval_batch_size",
+        type=int,
+        default=None,
+        help="Harness batch size (default: --per_device_eval_batch_size).",
+    )
+
     group = parser.add_argument_group("attention patch (hf_neural_attn)")
     add = recorder.adder(group)
     add("--scorer", type=str, default="qana", choices=SCORERS, help="none = the unpatched baseline.")
@@ -423,6 +452,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     _check_types_and_choices(args, parser)
     args.layers = parse_layers(args.layers)
 
+    check_harness_args(args)
     if args.push_to_hub and not args.hub_model_id:
         raise RecipeError("--push_to_hub needs --hub_model_id (the repository to upload to, e.g. user/model-name).")
 
@@ -621,6 +651,37 @@ def _check_types_and_choices(args: argparse.Namespace, parser: argparse.Argument
         choices = declared.get("choices")
         if choices is not None and value not in choices:
             raise RecipeError(f"{dest}={value!r} is not one of {list(choices)}.")
+
+
+def harness_tasks(args: argparse.Namespace) -> list[str]:
+    """The lm-evaluation-harness tasks of ``--lm_eval_tasks`` (empty without it)."""
+    return [name.strip() for name in (args.lm_eval_tasks or "").split(",") if name.strip()]
+
+
+def check_harness_args(args: argparse.Namespace) -> None:
+    """The --lm_eval_* flags: a causal LM, an existing task folder, a positive limit, the harness installed."""
+    tasks = harness_tasks(args)
+    others = [flag for flag in ("lm_eval_include_path", "lm_eval_limit", "lm_eval_batch_size") if getattr(args, flag)]
+    if not tasks:
+        if others:
+            raise RecipeError(f"--{others[0]} applies to --lm_eval_tasks, which names no task.")
+        return
+    if args.task != "clm":
+        raise RecipeError(
+            f"--lm_eval_tasks evaluates causal language models (--task clm); --task {args.task} has its own metrics."
+        )
+    if args.lm_eval_include_path and not os.path.isdir(args.lm_eval_include_path):
+        raise RecipeError(f"--lm_eval_include_path {args.lm_eval_include_path} is not a folder of task definitions.")
+    if args.lm_eval_limit is not None and args.lm_eval_limit <= 0:
+        raise RecipeError(f"--lm_eval_limit must be positive, got {args.lm_eval_limit}.")
+    if args.lm_eval_batch_size is not None and args.lm_eval_batch_size < 1:
+        raise RecipeError(f"--lm_eval_batch_size must be at least 1, got {args.lm_eval_batch_size}.")
+    from recipes.harness import import_harness
+
+    try:
+        import_harness()
+    except ImportError as error:
+        raise RecipeError(str(error)) from error
 
 
 def parse_layers(value: Any) -> list[int] | None:

@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from recipes import checkpointing, hub, modeling, report, scorer_plots
-from recipes.args import GATE_SETTINGS, RecipeError, build_parser, parse_args, patch_settings
+from recipes import checkpointing, harness, hub, modeling, report, scorer_plots
+from recipes.args import GATE_SETTINGS, RecipeError, build_parser, harness_tasks, parse_args, patch_settings
 from recipes.tasks import Task, get_task
 
 logger = logging.getLogger("recipes")
@@ -605,6 +605,8 @@ def write_outputs(state: TrainingRun) -> dict[str, Any]:
     }
     if task.kind == "clm":
         results.update(block_size=task.block, stride=task.stride)
+    if harness_tasks(args):
+        results["lm_eval"] = evaluate_with_the_harness(state, unwrapped)
     history = {"train_loss": progress.train_loss, "evaluations": progress.evaluations}
     if accelerator.is_main_process:
         state.preprocessor.save_pretrained(args.output_dir)
@@ -625,6 +627,36 @@ def write_outputs(state: TrainingRun) -> dict[str, Any]:
         report.push_to_hub(args.output_dir, args.hub_model_id, token=args.hub_token, private=args.hub_private_repo)
     accelerator.wait_for_everyone()
     return {**results, "history": history, "scorer_history": progress.scorer_history}
+
+
+def evaluate_with_the_harness(state: TrainingRun, unwrapped) -> dict[str, dict[str, float]] | None:
+    """--lm_eval_tasks on the trained model, on the main process (None on the others). One process evaluates the
+    model in memory; under several processes (whose model may be sharded) the main process reloads the checkpoint
+    just saved, with hf_neural_attn.from_pretrained."""
+    args, accelerator = state.args, state.accelerator
+    scores = None
+    if accelerator.is_main_process:
+        model = unwrapped
+        if accelerator.num_processes > 1:
+            import hf_neural_attn
+
+            model = hf_neural_attn.from_pretrained(args.output_dir).to(accelerator.device)
+        limit = args.lm_eval_limit
+        if limit is not None and limit >= 1 and float(limit).is_integer():
+            limit = int(limit)  # the harness reads an int as a count and a float as a fraction
+        started = time.time()
+        scores = harness.evaluate_with_harness(
+            model,
+            state.preprocessor,
+            harness_tasks(args),
+            include_path=args.lm_eval_include_path,
+            batch_size=args.lm_eval_batch_size or args.per_device_eval_batch_size,
+            limit=limit,
+            device=str(accelerator.device),
+        )
+        logger.info("lm-evaluation-harness (%.1f s): %s", time.time() - started, scores)
+    accelerator.wait_for_everyone()
+    return scores
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -47,7 +47,7 @@ def evaluate_with_harness(
     tasks: list[str],
     *,
     include_path: str | None = None,
-    include_defaults: bool = True,
+    include_defaults: bool | None = None,
     batch_size: int = 8,
     max_length: int | None = None,
     limit: float | None = None,
@@ -57,8 +57,8 @@ def evaluate_with_harness(
 
     Args:
         include_path: a folder of extra task definitions (YAML), e.g. local-data tasks for offline runs.
-        include_defaults: also index the harness's own tasks (thousands of files: False saves seconds when every
-            task is in ``include_path``).
+        include_defaults: also index the harness's own tasks (thousands of files, which takes seconds); None (the
+            default) indexes them only when ``include_path`` does not define every task asked for.
         max_length: the context the harness gives the model (default: the model's ``max_position_embeddings`` or
             ``n_positions``).
         limit: evaluate only this many documents per task (or this fraction), as the harness's ``--limit``.
@@ -75,7 +75,13 @@ def evaluate_with_harness(
         max_length = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     device = device or str(next(model.parameters()).device)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length, device=device)
-    manager = TaskManager(include_path=include_path, include_defaults=include_defaults)
+    manager = None
+    if include_path and include_defaults is not True:
+        manager = TaskManager(include_path=include_path, include_defaults=False)
+        if include_defaults is None and not set(tasks) <= set(manager.all_tasks):
+            manager = None
+    if manager is None:
+        manager = TaskManager(include_path=include_path)
     output = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit, log_samples=False)
     return {task: _metrics(values) for task, values in output["results"].items()}
 

@@ -398,12 +398,31 @@ This model was {origin} {change}, with the `recipes/finetune.py` recipe.
 
 {training_rows}
 ![training curves]({PLOT_FILE})
-{scorer_section(results.get("plots"))}
+{harness_section(results.get("lm_eval"))}{scorer_section(results.get("plots"))}
 ## How to load
 
 {load}"""
     # Round-trip through ModelCard so the metadata is validated the way the Hub validates it.
     return str(ModelCard(content))
+
+
+def harness_section(scores: dict[str, dict[str, float]] | None) -> str:
+    """Markdown of the lm-evaluation-harness results (``--lm_eval_tasks``; empty without them)."""
+    if not scores:
+        return ""
+    rows = "".join(
+        f"| {task} | {metric} | {format_value(value)} |\n"
+        for task, metrics in scores.items()
+        for metric, value in metrics.items()
+        if not metric.endswith("_stderr")
+    )
+    return (
+        "\n## lm-evaluation-harness\n\n| task | metric | value |\n|---|---|---|\n" + rows + "\n"
+        "The harness's own metrics. Its `word_perplexity` divides a document's log-likelihood by its number of words "
+        "(`byte_perplexity` and `bits_per_byte` by its bytes), scoring whole documents in rolling windows; the "
+        "perplexity under Results is per token of this model's tokenizer, over windows of the block size. Only the "
+        "per-byte numbers compare across tokenizers.\n"
+    )
 
 
 def scorer_section(plots: dict[str, Any] | None, prefix: str = "", heading: str = "##") -> str:

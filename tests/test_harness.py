@@ -62,9 +62,7 @@ def tiny_lm(tokenizer):
 
 def harness(model, tokenizer, task_dir):
     folder = str(task_dir[0])
-    return evaluate_with_harness(model, tokenizer, [TASK], include_path=folder, include_defaults=False, batch_size=2)[
-        TASK
-    ]
+    return evaluate_with_harness(model, tokenizer, [TASK], include_path=folder, batch_size=2)[TASK]
 
 
 @torch.no_grad()
@@ -103,3 +101,48 @@ def test_harness_on_a_checkpoint_loaded_back(task_dir, tokenizer, tmp_path):
     model.save_pretrained(tmp_path)
     loaded = hf_neural_attn.from_pretrained(tmp_path)
     assert harness(loaded, tokenizer, task_dir) == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_recipe_runs_the_harness_after_training_and_reports_it(task_dir, tmp_path):
+    """`--lm_eval_tasks` on the offline default (a from-scratch GPT-2 shape on Python's docs, byte tokenizer): the
+    harness's metrics land in all_results.json and the model card, for the model that was saved."""
+    from recipes.args import parse_args
+    from recipes.finetune import run
+
+    out = tmp_path / "run"
+    flags = [
+        "--dataset_name",
+        "pydoc_data",
+        "--model_type",
+        "gpt2",
+        "--config_overrides",
+        "n_layer=1,n_embd=32,n_head=2",
+    ]
+    flags += ["--scorer", "qana", "--h", "2", "--block_size", "64", "--max_train_steps", "2", "--max_eval_samples", "4"]
+    flags += ["--max_train_samples", "32", "--lm_eval_tasks", TASK, "--lm_eval_include_path", str(task_dir[0])]
+    results = run(parse_args([*flags, "--output_dir", str(out)]))
+    scores = json.loads((out / "all_results.json").read_text())["lm_eval"]
+    assert scores == results["lm_eval"] and set(scores[TASK]) >= {"word_perplexity", "byte_perplexity"}
+    card = (out / "README.md").read_text()
+    assert "## lm-evaluation-harness" in card and f"| {TASK} | byte_perplexity |" in card
+    loaded = hf_neural_attn.from_pretrained(out)
+    tokenizer = ByT5Tokenizer()
+    assert scores[TASK]["byte_perplexity"] == pytest.approx(
+        byte_perplexity_by_hand(loaded, tokenizer, task_dir[1]), rel=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--task", "sst2", "--lm_eval_tasks", "wikitext"], "evaluates causal language models"),
+        (["--lm_eval_limit", "5"], "applies to --lm_eval_tasks"),
+        (["--lm_eval_tasks", "wikitext", "--lm_eval_include_path", "/nonexistent"], "is not a folder"),
+        (["--lm_eval_tasks", "wikitext", "--lm_eval_limit", "0"], "must be positive"),
+    ],
+)
+def test_bad_harness_flags_fail_before_training(flags, message):
+    from recipes.args import RecipeError, parse_args
+
+    with pytest.raises(RecipeError, match=message):
+        parse_args(["--dataset_name", "pydoc_data", "--model_type", "gpt2", *flags])
