@@ -252,7 +252,12 @@ def attention_maps(
 
 
 def _pyplot():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise ImportError(
+            "hf_neural_attn.plotting draws with matplotlib: pip install 'hf-neural-attn[plots]'"
+        ) from error
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -13,6 +13,25 @@ root (``pip install -e ".[recipes]"`` first): ``accelerate launch -m recipes.fin
 * ``report.py``: ``all_results.json``, the model card, the training plot, the comparison table, the Hub upload.
 * ``metrics/``: offline `evaluate` modules (GLUE, accuracy).
 * ``configs/``: example configs reproducing the papers' setups; ``accelerate_configs/``: launch configs.
+* ``sweep.py``, ``stats.py``: grids of runs over seeds, and the statistics of their comparison.
+* ``harness.py``: evaluation with lm-evaluation-harness.
 
 See ``docs/recipes.md``.
 """
+
+import importlib
+
+# The recipes extra (pyproject.toml): checked when the package is imported, so that a library-only install says
+# what to install in one line instead of failing deep inside a run.
+_REQUIRED = {"accelerate": "accelerate", "datasets": "datasets", "evaluate": "evaluate"}
+_missing = []
+for _module, _package in _REQUIRED.items():
+    try:
+        importlib.import_module(_module)
+    except ImportError:
+        _missing.append(_package)
+if _missing:
+    raise ImportError(
+        f"The recipes need {', '.join(_missing)}, not installed here: pip install 'hf-neural-attn[recipes]' "
+        "(from a clone: pip install -e '.[recipes]')."
+    )
