@@ -335,11 +335,7 @@ def helpers_png(path: Path) -> bool:
 @pytest.mark.parametrize("grid", sweep.GRIDS)
 @pytest.mark.parametrize("name", sorted(p.stem for p in (helpers.ROOT / "recipes" / "sweeps").glob("*.yaml")))
 def test_shipped_sweep_configs_are_valid(name, grid):
-    # The QANA ablations need QANA's key_dim, skip, rope and u_rank options; until the library has them, only
-    # the rest can be checked. Make this strict (drop the skip) once they have landed.
-    missing = [option for option in QANA_ABLATION_OPTIONS if option not in scorer_flags()]
-    if name == "qana_ablations" and missing:
-        pytest.skip(f"QANA options {missing} are not in hf_neural_attn yet")
+    assert set(QANA_ABLATION_OPTIONS) <= set(scorer_flags())  # the QANA ablations' options are recipe flags
     path = helpers.ROOT / "recipes" / "sweeps" / f"{name}.yaml"
     plan = sweep.build_plan(path, grid)
     assert len(plan.runs()) == SHIPPED_RUNS[name, grid], [c.name for c in plan.configurations]
