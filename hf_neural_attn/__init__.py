@@ -13,7 +13,10 @@ LoraConfig(..., modules_to_save=hf_neural_attn.peft_modules_to_save(model))   # 
 
 __version__ = "0.1.0"
 
-from . import auto  # noqa: F401  (registers patched checkpoints with transformers' Auto classes)
+from . import (
+    _compat,  # noqa: F401  (first: raises ImportError naming the needed transformers if it is too old)
+    auto,  # noqa: F401  (registers patched checkpoints with transformers' Auto classes)
+)
 from .adapters import push_adapter_to_hub, save_adapter
 from .checkpoint import from_pretrained
 from .patching import is_patched, patch_model, scorer_parameters, unpatch_model
