@@ -1,12 +1,13 @@
 # Two targets a new user needs; each sets up .venv on first use.
 #   make demo   the offline demo (recipes/compare.py): baseline vs QANA fine-tuning, offline, CPU, ~3 min
 #   make test   run the test suite (offline)
+#   make test-oldest   the core tests on the oldest transformers pyproject.toml allows (CI's second stage)
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test install
+.PHONY: demo test test-oldest install
 
 install: $(VENV)/.installed
 
@@ -24,3 +25,25 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The core contracts (every scorer on every family, checkpoints, Auto classes, positions, masks and cache,
+# output_attentions, HF usage) on the floor of pyproject.toml's transformers range, in a virtualenv of its own
+# (inside .venv, so git ignores it too). tests/test_versions.py checks that this is the floor.
+TRANSFORMERS_OLDEST ?= 5.18.0
+OLDEST_VENV ?= $(VENV)/oldest
+CORE_TESTS := tests/test_function_preserving.py tests/test_scorer_contracts.py tests/test_families_llama_like.py \
+	tests/test_families_generic.py tests/test_checkpoint.py tests/test_auto_loading.py \
+	tests/test_positions_masks_cache.py tests/test_output_attentions.py tests/test_hf_usage.py tests/test_versions.py
+# This test calls activation_checkpointing_enable(), the name transformers 5.23 gave gradient_checkpointing_enable().
+OLDEST_DESELECT := --deselect tests/test_hf_usage.py::test_gradient_checkpointing_gives_the_same_loss_and_gradients
+
+$(OLDEST_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OLDEST_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	$(OLDEST_VENV)/bin/python -m pip install -q -e ".[dev]" "transformers==$(TRANSFORMERS_OLDEST)"
+	touch $@
+
+test-oldest: $(OLDEST_VENV)/.installed
+	$(OLDEST_VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
+	$(OLDEST_VENV)/bin/python -m pytest -q $(CORE_TESTS) $(OLDEST_DESELECT)

@@ -1,4 +1,4 @@
-"""The supported transformers range: one floor in pyproject.toml and the import check."""
+"""The supported transformers range: one floor in pyproject.toml, the import check and CI's oldest-release run."""
 
 import re
 from pathlib import Path
@@ -19,6 +19,11 @@ def test_pyproject_floor_is_the_import_check_floor():
     (requirement,) = [Requirement(d) for d in dependencies if Requirement(d).name == "transformers"]
     floors = [Version(s.version) for s in requirement.specifier if s.operator == ">="]
     assert floors == [Version(MIN_TRANSFORMERS)]
+
+
+def test_ci_tests_the_floor_release():
+    oldest = re.search(r"^TRANSFORMERS_OLDEST \?= (\S+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert Version(oldest.group(1)) == Version(MIN_TRANSFORMERS)
 
 
 def test_installed_transformers_passes_the_check():
