@@ -116,6 +116,7 @@ def test_first_backward_reaches_every_new_parameter_but_the_documented_waits(cas
 def test_chunked_equals_reference(case, monkeypatch):
     """Loss, logits and the gradient of every parameter (the model's and the scorer's), in fp32."""
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 3)  # 8 tokens: three query blocks, causal blocks skipped
+    monkeypatch.setattr(chunked, "BLOCKWISE_QUERY_BLOCK", 3)
     family = case.family
     inputs = inputs_for(family)
     results = {}

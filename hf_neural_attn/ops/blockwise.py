@@ -4,17 +4,30 @@ at a time, with a hand-written backward.
 It serves the scorers that hand the fused kernels a :class:`~hf_neural_attn.ops.triton.FusedInputs` (QANA and
 one-hidden-layer Neural Attention), on any device, and is what ``impl="chunked"`` runs for them. The generic
 chunked path (:mod:`.chunked`) recomputes a block's scores through the scorer's own autograd graph; that costs
-the scorer's layout (the h hidden units innermost, the output layer an (n·n, h) x (h, 1) product) and a second
-evaluation of every pair activation in backward. Here:
+the scorer's layout and a second evaluation of every pair activation in backward.
 
-* each hidden unit l is a (block, n) plane: QANA's ``U_l · kᵀ + b_l`` is one matmul per unit, Neural
-  Attention's ``P_il + R_jl`` one broadcast add, and the output layer is a weighted sum of h planes;
+On a CPU this path is bound by its matrix products and by the elementwise passes over the block's h
+hidden-unit planes (each the size of the block's score matrix), so it is laid out to make few passes:
+
+* a block's hidden layer is Z (batch, kv_heads, groups, block, h, kv_end), contiguous: each query row's h unit
+  planes are adjacent, so the output layer (row i's own weights times its (h, kv_end) planes) is one batched
+  matrix-vector product that also adds the dot product, and the softmax passes read and write one plane;
+* QANA's pre-activations, bias included, are one matmul: the bias is a last column of the query's unit rows
+  against a column of ones appended to the keys, and in backward the same product returns its gradient;
+* QANA's ``c`` adds the same number to every logit of a query row, which the softmax cancels: it is never
+  added, and its gradient is exactly zero;
 * backward evaluates each pre-activation plane once and uses it both to rebuild the probabilities and for
-  the gradients; the activation's derivative comes with its value (:data:`_ACTIVATIONS`);
-* the softmax gradient uses ``rowsum(P ⊙ dP) = dO · O`` (one (n, d) product instead of a pass over the block);
+  the gradients; dZ is one product ``dS · weight`` with the activation's derivative applied in place
+  (:data:`_ACTIVATIONS`);
+* the softmax gradient uses ``rowsum(P ⊙ dP) = dO · O`` (one (n, d) product instead of a pass over the block),
+  and forward normalises the (block, d) output rather than the (block, kv_end) weights;
 * grouped-query attention reads each key/value head once for its group of query heads: queries are viewed
   as (batch, kv_heads, groups, ...) and keys broadcast over the groups, nothing is repeated;
-* a purely causal call needs no mask tensor: each block masks its own diagonal.
+* a purely causal call needs no mask tensor: each block masks the (block, block) corner where its queries
+  meet their own keys, the only part of it the causal mask hides.
+
+Blocks are 64 query rows (``chunked.BLOCKWISE_QUERY_BLOCK``): with every head at once, larger blocks spill the
+unit planes out of the CPU's caches and smaller ones pay more per-call overhead (docs/benchmarks.md).
 
 Numerics match the reference path to fp32 rounding: scores and softmax statistics in fp32 (fp64 stays fp64),
 the row maximum and normaliser saved rather than their log-sum-exp (see :mod:`.chunked`).
@@ -27,16 +40,21 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .masks import apply_mask, block_mask, query_blocks
+from .grouped import group_heads
+from .masks import block_mask, query_blocks
 
-# name -> (activation, its backward: (grad, pre-activation, activation value) -> grad * derivative). The backward
-# ops are aten's own fused ones (what autograd runs for these functions), one pass each over a plane.
+# name -> (activation, its backward: (grad, pre-activation, activation value) -> grad * derivative, written into
+# grad). The backward ops are aten's own fused ones (what autograd runs for these functions), one pass each over
+# a plane; writing into grad saves allocating (and on CPU page-faulting) another block-sized tensor.
 _ACTIVATIONS: dict[str, tuple[Callable, Callable]] = {
-    "gelu": (F.gelu, lambda grad, z, value: torch.ops.aten.gelu_backward(grad, z)),
-    "relu": (F.relu, lambda grad, z, value: torch.ops.aten.threshold_backward(grad, z, 0)),
-    "silu": (F.silu, lambda grad, z, value: torch.ops.aten.silu_backward(grad, z)),
-    "tanh": (torch.tanh, lambda grad, z, value: torch.ops.aten.tanh_backward(grad, value)),
-    "sigmoid": (torch.sigmoid, lambda grad, z, value: torch.ops.aten.sigmoid_backward(grad, value)),
+    "gelu": (F.gelu, lambda grad, z, value: torch.ops.aten.gelu_backward.grad_input(grad, z, grad_input=grad)),
+    "relu": (F.relu, lambda grad, z, value: torch.ops.aten.threshold_backward.grad_input(grad, z, 0, grad_input=grad)),
+    "silu": (F.silu, lambda grad, z, value: torch.ops.aten.silu_backward.grad_input(grad, z, grad_input=grad)),
+    "tanh": (torch.tanh, lambda grad, z, value: torch.ops.aten.tanh_backward.grad_input(grad, value, grad_input=grad)),
+    "sigmoid": (
+        torch.sigmoid,
+        lambda grad, z, value: torch.ops.aten.sigmoid_backward.grad_input(grad, value, grad_input=grad),
+    ),
 }
 
 
@@ -78,85 +96,114 @@ def blockwise_attention(
 # ------------------------------------------------------------------------------------------------ layout
 
 
-def _grouped(tensor: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """(batch, heads, ...) -> (batch, kv_heads, groups, ...), a view."""
-    return tensor.unflatten(1, (kv_heads, tensor.shape[1] // kv_heads))
-
-
 def _grouped_mask(mask: torch.Tensor | None, kv_heads: int) -> torch.Tensor | None:
     """A (batch or 1, heads or 1, q or 1, kv) mask as (batch or 1, kv_heads or 1, groups or 1, q or 1, kv)."""
     if mask is None:
         return None
     if mask.dim() < 4:
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    return _grouped(mask, kv_heads) if mask.shape[1] > 1 else mask.unsqueeze(1)
+    return group_heads(mask, kv_heads) if mask.shape[1] > 1 else mask.unsqueeze(1)
+
+
+class _BlockMasker:
+    """Masks a block's logits (B, block, kv_end) in place, like :func:`.masks.apply_mask` (blocked logits at the
+    dtype's minimum), for one call's mask and blocks."""
+
+    def __init__(self, mask, kv_heads, is_causal, q_len, kv_len, block, device):
+        self.mask = _grouped_mask(mask, kv_heads)
+        self.is_causal, self.q_len, self.kv_len = is_causal, q_len, kv_len
+        # With no mask tensor and is_causal, only the columns from a block's first query position on can be
+        # hidden: the (block, block) corner where its queries meet their own keys, the same triangle for
+        # every block (queries aligned to the end of the keys, so kv_len >= q_len).
+        self.corner = None
+        if mask is None and is_causal and kv_len >= q_len:
+            self.corner = torch.ones(block, block, dtype=torch.bool, device=device).triu_(1)
+
+    def __call__(self, scores, start, end, kv_end) -> None:
+        lowest = torch.finfo(scores.dtype).min
+        if self.corner is not None:
+            first = start + self.kv_len - self.q_len
+            scores[..., first:kv_end].masked_fill_(self.corner[: end - start, : kv_end - first], lowest)
+            return
+        rows_mask = block_mask(self.mask, self.is_causal, start, end, kv_end, self.q_len, self.kv_len, scores.device)
+        if rows_mask is None:
+            return
+        if rows_mask.dtype == torch.bool:
+            scores.masked_fill_(~rows_mask, lowest)
+        else:
+            scores.add_(rows_mask).clamp_(min=lowest)
 
 
 # ------------------------------------------------------------------------------------------------ the math
 
 
 class _Term:
-    """One call's pair-MLP term in the grouped layout, and the per-block pieces forward and backward share.
+    """One call's pair-MLP term in the grouped, row-major layout, and the per-block pieces forward and backward
+    share. ``B`` below stands for (batch, kv_heads, groups) and ``G`` for the groups axis alone.
 
-    A block's hidden layer is one tensor Z (batch, kv_heads, groups, h, block, kv_end): the h units are planes
-    over (query, key), so every step is a matmul or an elementwise pass over contiguous key rows.
+    A block's logits are ``dot + Σ_l weight_il · act(Z_ilj)``: ``dot`` the scaled dot product (None in Neural
+    Attention's replace form), ``weight`` the output layer's per-row unit weights (:attr:`unit_weights`).
     """
 
-    def __init__(self, term, activation, scaling, tensors, key, kv_heads, stats_dtype):
+    def __init__(self, term, activation, scaling, tensors, query, key, stats_dtype):
+        kv_heads = key.shape[1]
         self.term, self.scaling, self.stats_dtype = term, scaling, stats_dtype
         self.activate, self.activation_backward = _ACTIVATIONS[activation]
         self.key = key  # (batch, kv_heads, kv_len, d), kv heads not repeated
-        self.kv_heads = kv_heads
+        # The dot product's query side, scaled once: (B, q, d).
+        self.scaled_query = group_heads(query, kv_heads) * scaling
         if term == "qana":
-            U, V, b, c, gate = tensors
-            self.U = _grouped(U, kv_heads)  # (batch, kv_heads, groups, h, q, d)
-            # (batch, kv_heads, groups, h, q, 1): per query and unit
-            # (contiguous: a plane's layout decides the layout, and the speed, of every pass over it)
-            self.V, self.b = (_grouped(t, kv_heads).transpose(-1, -2).unsqueeze(-1).contiguous() for t in (V, b))
-            self.c = _grouped(c, kv_heads)  # (batch, kv_heads, groups, q, 1)
+            U, V, b, _, gate = tensors  # c: see the module doc
             self.hidden = U.shape[2]
+            # Unit rows [U_il, b_il] (B, q, h, d + 1) against keys [k_j, 1] (batch, kv_heads, kv_len, d + 1).
+            units = group_heads(U, kv_heads).transpose(3, 4)
+            self.unit_rows = torch.cat([units, group_heads(b, kv_heads).unsqueeze(-1).to(units.dtype)], -1)
+            self.rows_keys = torch.cat([key, key.new_ones(*key.shape[:-1], 1)], -1).to(units.dtype)
+            self.gate = gate.view(kv_heads, -1, 1, 1)  # (kv_heads, groups, 1, 1), one per query head
+            # (B, q, h): V times the gate, per query row and unit.
+            self.unit_weights = (group_heads(V, kv_heads) * self.gate).to(stats_dtype)
         else:
             P, R, w, gate = tensors
-            # (batch, kv_heads, groups, h, q, 1) and (batch, kv_heads, 1, h, 1, kv_len), contiguous as above
-            self.P = _grouped(P, kv_heads).transpose(-1, -2).unsqueeze(-1).contiguous()
-            self.R = R.transpose(-1, -2).unsqueeze(2).unsqueeze(-2).contiguous()
-            self.w = w
             self.hidden = P.shape[-1]
-        self.gate = gate.view(kv_heads, -1, 1, 1) if gate is not None else None  # (kv_heads, groups, 1, 1)
+            self.P = group_heads(P, kv_heads).unsqueeze(-1).to(stats_dtype)  # (B, q, h, 1)
+            self.R = (
+                R.transpose(-1, -2)[:, :, None, None].to(stats_dtype).contiguous()
+            )  # (batch, kv_heads, 1, 1, h, kv)
+            self.gate = gate.view(kv_heads, -1, 1, 1) if gate is not None else None
+            # Gated: dot + gate * w . act(Z); replace form: scaling * w . act(Z).
+            head_weights = w * (self.gate if self.gate is not None else scaling)  # (kv_heads, groups, 1, h) or (h,)
+            self.unit_weights = head_weights.to(stats_dtype).expand(*self.scaled_query.shape[:-1], self.hidden)
 
-    def query_units(self, rows) -> torch.Tensor:
-        """QANA's U rows of a block as (batch, kv_heads, groups * h * block, d)."""
-        U = self.U[..., rows, :]
-        return U.reshape(U.shape[0], U.shape[1], -1, U.shape[-1])
-
-    def pre_activation(self, rows, kv_end) -> torch.Tensor:
-        """Z of a block: (batch, kv_heads, groups, h, block, kv_end), in the stats dtype."""
+    def pre_activation(self, rows, kv_end) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Z of a block (B, block, h, kv_end) and its scaled dot product (B, block, kv_end) or None (replace
+        form), both in the stats dtype and contiguous."""
         if self.term == "qana":
-            U = self.query_units(rows)
-            z = (U @ self.key[..., :kv_end, :].transpose(-1, -2).to(U.dtype)).to(self.stats_dtype)
-            z = z.view(*self.U.shape[:4], -1, kv_end)
-            return z + self.b[..., rows, :].to(self.stats_dtype)
-        P = self.P[..., rows, :].to(self.stats_dtype)
-        return P + self.R[..., :kv_end].to(self.stats_dtype)
+            unit_rows = self.unit_rows[..., rows, :, :]
+            batch, kv_heads = unit_rows.shape[:2]
+            flat = unit_rows.reshape(batch, kv_heads, -1, unit_rows.shape[-1])  # (batch, kv_heads, G*block*h, d+1)
+            z = (flat @ self.rows_keys[..., :kv_end, :].transpose(-1, -2)).to(self.stats_dtype)
+            # The dot product is a matmul of its own: sharing the units' would leave Z's planes strided, and the
+            # elementwise passes over strided planes are slower than the saved call.
+            z = z.view(*unit_rows.shape[:-1], kv_end)
+        else:
+            z = self.P[..., rows, :, :] + self.R[..., :kv_end]
+        if self.gate is None:
+            return z, None
+        keys = self.key[..., :kv_end, :].unsqueeze(2).transpose(-1, -2).to(self.scaled_query.dtype)
+        return z, (self.scaled_query[..., rows, :] @ keys).to(self.stats_dtype)
 
-    def combine(self, activated, rows) -> torch.Tensor:
-        """The MLP term (batch, kv_heads, groups, block, kv_end) from the activated units."""
-        if self.term == "qana":
-            return (activated * self.V[..., rows, :].to(self.stats_dtype)).sum(-3) + self.c[..., rows, :].to(
-                self.stats_dtype
-            )
-        w = self.w.to(self.stats_dtype).view(1, -1)  # (1, h) @ (h, block * kv_end)
-        return (w @ activated.flatten(-2)).view(*activated.shape[:-3], *activated.shape[-2:])
-
-    def scores(self, query, rows, kv_end):
-        """Logits of a block before the mask, its MLP term, Z and act(Z)."""
-        z = self.pre_activation(rows, kv_end)
+    def scores(self, rows, kv_end):
+        """Logits of a block before the mask (B, block, kv_end), with Z and act(Z)."""
+        z, dot = self.pre_activation(rows, kv_end)
         activated = self.activate(z)
-        mlp = self.combine(activated, rows)
-        if self.gate is None:  # Neural Attention, replace form
-            return self.scaling * mlp, mlp, z, activated
-        dot = (query[..., rows, :] @ self.key[..., :kv_end, :].unsqueeze(2).transpose(-1, -2)).to(self.stats_dtype)
-        return dot * self.scaling + self.gate.to(self.stats_dtype) * mlp, mlp, z, activated
+        # The output layer, per query row: (1, h) weights times the row's (h, kv_end) activated planes.
+        flat_weights = self.unit_weights[..., rows, :].reshape(-1, 1, self.hidden)
+        flat_activated = activated.view(-1, self.hidden, kv_end)
+        if dot is None:
+            scores = torch.bmm(flat_weights, flat_activated)
+        else:
+            scores = torch.baddbmm(dot.view(-1, 1, kv_end), flat_weights, flat_activated)
+        return scores.view(*z.shape[:-2], kv_end), z, activated
 
 
 def _sum_over_groups(blocks: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -173,23 +220,22 @@ class _BlockwisePairAttention(torch.autograd.Function):
     def forward(ctx, term, activation, scaling, is_causal, block, mask, query, key, value, *tensors):
         q_len, kv_heads, kv_len = query.shape[2], key.shape[1], key.shape[2]
         stats_dtype = torch.promote_types(query.dtype, torch.float32)
-        grouped_query = _grouped(query, kv_heads)
         grouped_value = value.unsqueeze(2)
-        grouped_mask = _grouped_mask(mask, kv_heads)
-        state = _Term(term, activation, scaling, tensors, key, kv_heads, stats_dtype)
-        output = torch.empty(*grouped_query.shape[:-1], value.shape[-1], dtype=value.dtype, device=value.device)
-        row_max = torch.empty(grouped_query.shape[:-1], dtype=stats_dtype, device=query.device)
+        mask_block = _BlockMasker(mask, kv_heads, is_causal, q_len, kv_len, block, query.device)
+        state = _Term(term, activation, scaling, tensors, query, key, stats_dtype)
+        shape = state.scaled_query.shape[:-1]  # (B, q)
+        output = torch.empty(*shape, value.shape[-1], dtype=value.dtype, device=value.device)
+        row_max = torch.empty(shape, dtype=stats_dtype, device=query.device)
         row_sum = torch.empty_like(row_max)
         for start, end, kv_end in query_blocks(q_len, kv_len, is_causal, block):
             rows = slice(start, end)
-            scores = state.scores(grouped_query, rows, kv_end)[0]
-            rows_mask = block_mask(grouped_mask, is_causal, start, end, kv_end, q_len, kv_len, query.device)
-            scores = apply_mask(scores, rows_mask)
+            scores = state.scores(rows, kv_end)[0]
+            mask_block(scores, start, end, kv_end)
             block_max = scores.amax(dim=-1, keepdim=True)
-            exps = torch.exp(scores - block_max)
+            exps = scores.sub_(block_max).exp_()
             block_sum = exps.sum(dim=-1, keepdim=True)
-            probs = (exps / block_sum).to(value.dtype)
-            output[..., rows, :] = probs @ grouped_value[..., :kv_end, :]
+            # Normalise the (block, d) output rather than the (block, kv_end) weights.
+            output[..., rows, :] = (exps.to(value.dtype) @ grouped_value[..., :kv_end, :]) / block_sum
             row_max[..., rows], row_sum[..., rows] = block_max.squeeze(-1), block_sum.squeeze(-1)
         ctx.meta = (term, activation, scaling, is_causal, block)
         ctx.save_for_backward(mask, query, key, value, output, row_max, row_sum, *tensors)
@@ -201,91 +247,94 @@ class _BlockwisePairAttention(torch.autograd.Function):
         term, activation, scaling, is_causal, block = ctx.meta
         q_len, kv_heads, kv_len = query.shape[2], key.shape[1], key.shape[2]
         stats_dtype = row_max.dtype
-        grouped_query = _grouped(query, kv_heads)
-        grouped_mask = _grouped_mask(mask, kv_heads)
-        state = _Term(term, activation, scaling, tensors, key, kv_heads, stats_dtype)
-        grad_output = _grouped(grad_output, kv_heads).to(stats_dtype)
+        mask_block = _BlockMasker(mask, kv_heads, is_causal, q_len, kv_len, block, query.device)
+        state = _Term(term, activation, scaling, tensors, query, key, stats_dtype)
+        grad_output = group_heads(grad_output, kv_heads).to(stats_dtype)
         # rowsum(P * dP) per query row is dO . O: the softmax backward's correction, without a pass over P.
         correction = (grad_output * output.to(stats_dtype)).sum(-1, keepdim=True)
         key_f, value_f = key.to(stats_dtype), value.to(stats_dtype)
-        query_f = grouped_query.to(stats_dtype)
-
-        grad_query = torch.zeros_like(query_f)
-        grad_key = torch.zeros_like(key_f)
-        grad_value = torch.zeros_like(value_f)
+        scaled_query = state.scaled_query.to(stats_dtype)
         gated = state.gate is not None
-        grad_gate = torch.zeros(state.gate.shape, dtype=stats_dtype, device=query.device) if gated else None
+
+        def zeros(shape):
+            return torch.zeros(shape, dtype=stats_dtype, device=query.device)
+
+        def per_row(shape):  # every query row belongs to exactly one block, which writes its rows once
+            return torch.empty(shape, dtype=stats_dtype, device=query.device)
+
+        grad_key, grad_value = zeros(key_f.shape), zeros(value_f.shape)
+        grad_query = per_row(scaled_query.shape) if gated else zeros(scaled_query.shape)
+        grad_weights = per_row(state.unit_weights.shape)  # (B, q, h)
         if term == "qana":
-            grad_U = torch.zeros(state.U.shape, dtype=stats_dtype, device=query.device)
-            grad_V = torch.zeros(state.V.shape, dtype=stats_dtype, device=query.device)
-            grad_b = torch.zeros_like(grad_V)
-            grad_c = torch.zeros(state.c.shape, dtype=stats_dtype, device=query.device)
+            grad_unit_rows = per_row(state.unit_rows.shape)  # (B, q, h, d + 1)
+            rows_keys = state.rows_keys.to(stats_dtype)
+            units = state.unit_rows[..., :-1].to(stats_dtype).contiguous()  # (B, q, h, d), row-major
         else:
-            grad_P = torch.zeros(state.P.shape, dtype=stats_dtype, device=query.device)
-            grad_R = torch.zeros(state.R.shape, dtype=stats_dtype, device=query.device)
-            grad_w = torch.zeros(state.hidden, dtype=stats_dtype, device=query.device)
+            grad_P, grad_R = per_row(state.P.shape), zeros(state.R.shape)
 
         for start, end, kv_end in query_blocks(q_len, kv_len, is_causal, block):
             rows = slice(start, end)
             # Z is evaluated once per block, for the probabilities and for every gradient below.
-            scores, mlp, z, activated = state.scores(grouped_query, rows, kv_end)
-            rows_mask = block_mask(grouped_mask, is_causal, start, end, kv_end, q_len, kv_len, query.device)
-            scores = apply_mask(scores, rows_mask)
-            probs = torch.exp(scores - row_max[..., rows, None]) / row_sum[..., rows, None]
-            del scores
+            scores, z, activated = state.scores(rows, kv_end)
+            mask_block(scores, start, end, kv_end)
+            probs = scores.sub_(row_max[..., rows, None]).exp_().div_(row_sum[..., rows, None])
             grad_block = grad_output[..., rows, :]
             grad_value[..., :kv_end, :] += _sum_over_groups(probs, grad_block)
             grad_probs = grad_block @ value_f[..., :kv_end, :].unsqueeze(2).transpose(-1, -2)
-            grad_scores = probs * (grad_probs - correction[..., rows, :])
-            del probs, grad_probs
+            grad_scores = grad_probs.sub_(correction[..., rows, :]).mul_(probs)  # (B, block, kv_end)
+            del probs, scores
             keys = key_f[..., :kv_end, :]
-            if gated:
-                grad_query[..., rows, :] += scaling * (grad_scores @ keys.unsqueeze(2))
-                grad_key[..., :kv_end, :] += scaling * _sum_over_groups(grad_scores, query_f[..., rows, :])
-                grad_gate += (grad_scores * mlp).sum(dim=(0, 3, 4))[..., None, None]
-                grad_mlp = grad_scores * state.gate.to(stats_dtype)
-            else:
-                grad_mlp = grad_scores * scaling
-            del grad_scores, mlp
-            grad_mlp = grad_mlp.unsqueeze(-3)  # against the h unit planes
+            if gated:  # the dot product's gradients (scaled_query already carries the scaling)
+                grad_query[..., rows, :] = grad_scores @ keys.unsqueeze(2)
+                grad_key[..., :kv_end, :] += _sum_over_groups(grad_scores, scaled_query[..., rows, :])
+            grad_scores = grad_scores.unsqueeze(-2)  # against the h unit planes
+            grad_weights[..., rows, :] = (activated * grad_scores).sum(-1)
+            weights = state.unit_weights[..., rows, :, None].to(stats_dtype)  # (B, block, h, 1)
+            # dZ = act'(Z) * weight * dS: one contiguous product, then the derivative in place (faster than
+            # the derivative against a broadcast dS).
+            grad_units = state.activation_backward(grad_scores * weights, z, activated)
+            del z, activated, grad_scores
             if term == "qana":
-                grad_c[..., rows, :] += grad_mlp.sum(-1).squeeze(-2).unsqueeze(-1)
-                grad_V[..., rows, :] += (grad_mlp * activated).sum(-1, keepdim=True)
-                grad_units = state.activation_backward(grad_mlp * state.V[..., rows, :].to(stats_dtype), z, activated)
-                grad_b[..., rows, :] += grad_units.sum(-1, keepdim=True)
-                flat_units = grad_units.flatten(2, 4)  # (batch, kv_heads, groups * h * block, kv_end)
-                grad_U[..., rows, :] += (flat_units @ keys).view(grad_U[..., rows, :].shape)
-                grad_key[..., :kv_end, :] += flat_units.transpose(-1, -2) @ state.query_units(rows).to(stats_dtype)
+                flat_units = grad_units.flatten(2, 4)  # (batch, kv_heads, G*block*h, kv_end)
+                rows_shape = grad_unit_rows[..., rows, :, :].shape
+                grad_unit_rows[..., rows, :, :] = (flat_units @ rows_keys[..., :kv_end, :]).view(rows_shape)
+                grad_key[..., :kv_end, :] += flat_units.transpose(-1, -2) @ units[..., rows, :, :].flatten(2, 4)
             else:
-                w = state.w.to(stats_dtype).view(-1, 1, 1)
-                grad_w += (activated * grad_mlp).sum(dim=(0, 1, 2, 4, 5))
-                grad_units = state.activation_backward(grad_mlp * w, z, activated)
-                grad_P[..., rows, :] += grad_units.sum(-1, keepdim=True)
-                grad_R[..., :kv_end] += grad_units.sum(dim=(2, 4), keepdim=True)
-            del z, activated, grad_units, grad_mlp
+                grad_P[..., rows, :, :] = grad_units.sum(-1, keepdim=True)
+                grad_R[..., :kv_end] += grad_units.sum(dim=(2, 3), keepdim=True)
+            del grad_units
 
         needs = ctx.needs_input_grad
         grads = [
-            grad_query.flatten(1, 2).to(query.dtype) if needs[6] else None,
+            (grad_query * scaling).flatten(1, 2).to(query.dtype) if needs[6] else None,
             grad_key.to(key.dtype) if needs[7] else None,
             grad_value.to(value.dtype) if needs[8] else None,
         ]
         if term == "qana":
             U, V, b, c, gate = tensors
+            grouped_V = group_heads(V, kv_heads).to(stats_dtype)
             term_grads = [
-                grad_U.flatten(1, 2).to(U.dtype),
-                grad_V.squeeze(-1).transpose(-1, -2).flatten(1, 2).to(V.dtype),
-                grad_b.squeeze(-1).transpose(-1, -2).flatten(1, 2).to(b.dtype),
-                grad_c.flatten(1, 2).to(c.dtype),
+                grad_unit_rows[..., :-1].transpose(3, 4).flatten(1, 2).to(U.dtype),
+                (grad_weights * state.gate).flatten(1, 2).to(V.dtype),
+                grad_unit_rows[..., -1].flatten(1, 2).to(b.dtype),
+                # c shifts every logit of its query row alike, which the softmax cancels.
+                torch.zeros_like(c),
+                (grad_weights * grouped_V).sum(dim=(0, 3, 4)).reshape(-1).to(gate.dtype),
             ]
         else:
             P, R, w, gate = tensors
+            per_head_unit = grad_weights.sum(dim=(0, 3))  # (kv_heads, groups, h)
+            if gated:
+                grad_w = (per_head_unit * state.gate[..., 0]).sum(dim=(0, 1))
+                grad_gate = (per_head_unit * w.to(stats_dtype)).sum(-1).reshape(-1).to(gate.dtype)
+            else:
+                grad_w, grad_gate = per_head_unit.sum(dim=(0, 1)) * scaling, None
             term_grads = [
-                grad_P.squeeze(-1).transpose(-1, -2).flatten(1, 2).to(P.dtype),
-                grad_R.squeeze(-2).squeeze(2).transpose(-1, -2).to(R.dtype),
+                grad_P.squeeze(-1).flatten(1, 2).to(P.dtype),
+                grad_R[:, :, 0, 0].transpose(-1, -2).to(R.dtype),
                 grad_w.to(w.dtype),
+                grad_gate,
             ]
-        term_grads.append(grad_gate.reshape(-1).to(gate.dtype) if gated else None)
         # forward's arguments: term, activation, scaling, is_causal, block, mask, query, key, value, *tensors
         term_grads = [g if needs[9 + i] else None for i, g in enumerate(term_grads)]
         return (None, None, None, None, None, None, *grads, *term_grads)

@@ -31,14 +31,19 @@ import torch
 from torch.func import functional_call
 
 from .blockwise import blockwise_attention, blockwise_unsupported_reason
+from .grouped import grouped_matmul, grouped_transposed_matmul
 from .masks import apply_mask, block_mask, query_blocks
 
 QUERY_BLOCK = 128
+# The blockwise pair-MLP path's block: its elementwise passes are bound by memory traffic, and 64 query rows
+# (with every head at once) ran 15-25 % faster than 128 at 512, 1024 and 2048 tokens on the 2-core CPU of
+# docs/benchmarks.md (4 heads of 64, h = 4; 32 and 256 were slower).
+BLOCKWISE_QUERY_BLOCK = 64
 
 
 def repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
     """(batch, kv_heads, seq, dim) -> (batch, kv_heads * groups, seq, dim), each kv head repeated for its
-    group of query heads (grouped-query attention), for the paths that score through the scorer's own math."""
+    group of query heads (grouped-query attention), for the scorers that are not softmax attention (NSEA, HEA)."""
     if groups == 1:
         return states
     return states.repeat_interleave(groups, dim=1)
@@ -71,10 +76,9 @@ def chunked_attention(
     if has_blockwise_form(scorer):
         inputs = scorer.fused_inputs(query, key, extras)
         return blockwise_attention(
-            inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal
+            inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal, block=BLOCKWISE_QUERY_BLOCK
         ), None
-    groups = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    # Keys and values keep their kv heads: the scorers score each query head against its group's kv head.
     named = list(scorer.named_parameters())
     names, parameters = tuple(name for name, _ in named), tuple(parameter for _, parameter in named)
     extras_tensors = tuple(extras) if extras is not None else ()
@@ -121,7 +125,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             exps = torch.exp(scores - block_max)
             block_sum = exps.sum(dim=-1, keepdim=True)
             probs = (exps / block_sum).to(value.dtype)
-            output[:, :, start:end] = torch.matmul(probs, value[:, :, :kv_end])
+            output[:, :, start:end] = grouped_matmul(probs, value[:, :, :kv_end])
             row_max[:, :, start:end], row_sum[:, :, start:end] = block_max.squeeze(-1), block_sum.squeeze(-1)
         device = query.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
@@ -159,8 +163,8 @@ class _BlockwiseAttention(torch.autograd.Function):
                     rows = slice(start, end)
                     probs = torch.exp(scores - row_max[:, :, rows, None]) / row_sum[:, :, rows, None]
                     grad_block = grad_output[:, :, rows].to(probs.dtype)
-                    grad_value[:, :, :kv_end] += torch.matmul(probs.transpose(-1, -2), grad_block)
-                    grad_probs = torch.matmul(grad_block, value[:, :, :kv_end].transpose(-1, -2).to(probs.dtype))
+                    grad_value[:, :, :kv_end] += grouped_transposed_matmul(probs, grad_block, value.shape[1])
+                    grad_probs = grouped_matmul(grad_block, value[:, :, :kv_end].transpose(-1, -2).to(probs.dtype))
                     grad_scores = probs * (grad_probs - (probs * grad_probs).sum(-1, keepdim=True))
                 if scores.requires_grad:
                     torch.autograd.backward(scores, grad_scores)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .chunked import repeat_kv
+from .grouped import grouped_matmul
 from .masks import apply_mask, block_mask
 
 
@@ -32,8 +32,8 @@ def reference_attention(
 
     Args:
         query: (batch, heads, q_len, head_dim).
-        key, value: (batch, kv_heads, kv_len, head_dim); repeated here for grouped-query attention (the
-            scorers' math is per query head).
+        key, value: (batch, kv_heads, kv_len, head_dim), kv_heads dividing heads; not repeated for
+            grouped-query attention (each query head reads its group's kv head, :mod:`.grouped`).
         attention_mask: None, boolean (True = attend) or additive float, broadcastable to
             (batch, heads, q_len, kv_len), see :mod:`.masks`.
         is_causal: with ``attention_mask`` None, the call is causal (queries aligned to the end of the keys)
@@ -42,8 +42,6 @@ def reference_attention(
     Returns:
         output (batch, heads, q_len, head_dim) and probabilities (batch, heads, q_len, kv_len).
     """
-    groups = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     q_len, kv_len = query.shape[-2], key.shape[-2]
     scores = scorer.scores(query, key, extras, scaling)
     # Softmax in at least fp32 (half-precision scores are upcast, as transformers' eager path does;
@@ -53,4 +51,4 @@ def reference_attention(
     scores = apply_mask(scores.to(softmax_dtype), mask)
     probs = F.softmax(scores, dim=-1).to(value.dtype)
     probs = F.dropout(probs, p=dropout, training=training)
-    return torch.matmul(probs, value), probs
+    return grouped_matmul(probs, value), probs

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..ops.grouped import group_heads, grouped_matmul
 from .base import ACTIVATIONS, AttentionGeometry, MLPScorerConfig, Scorer, option, redefault
 
 MODES = ("residual", "replace")
@@ -91,16 +92,18 @@ class AdditiveScorer(Scorer):
         self.gate.fill_(1.0)
 
     def additive_scores(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-        """v . act(W_q q_i + W_k k_j) for (batch, heads, q, d) queries and (batch, heads, k, d) keys
-        -> (batch, heads, q, k)."""
-        per_query = torch.einsum("bnqd,nhd->bnqh", query, self.query_map)
-        per_key = torch.einsum("bnkd,nhd->bnkh", key, self.key_map)
-        hidden = self.act(per_query.unsqueeze(-2) + per_key.unsqueeze(-3))  # (batch, heads, q, k, h)
-        return torch.einsum("bnqkh,nh->bnqk", hidden, self.output)
+        """v . act(W_q q_i + W_k k_j) for (batch, heads, q, d) queries and (batch, kv_heads, k, d) keys
+        -> (batch, heads, q, k). Each query head has its own W_k, applied to its group's kv head."""
+        kv_heads = key.shape[1]
+        per_query = group_heads(torch.einsum("bnqd,nhd->bnqh", query, self.query_map), kv_heads)
+        per_key = torch.einsum("bmkd,mghd->bmgkh", key, group_heads(self.key_map[None], kv_heads)[0])
+        hidden = self.act(per_query.unsqueeze(-2) + per_key.unsqueeze(-3))  # (batch, kv_heads, groups, q, k, h)
+        output = group_heads(self.output[None], kv_heads)[0]
+        return torch.einsum("bmgqkh,mgh->bmgqk", hidden, output).flatten(1, 2)
 
     def scores(self, query, key, extras, scaling: float) -> torch.Tensor:
         additive = self.additive_scores(query, key)
         if self.gate is None:
             return additive
-        dot = torch.matmul(query, key.transpose(-1, -2)) * scaling
+        dot = grouped_matmul(query, key.transpose(-1, -2)) * scaling
         return dot + self.gate.view(1, -1, 1, 1) * additive

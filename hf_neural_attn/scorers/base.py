@@ -275,8 +275,9 @@ class Scorer(nn.Module):
 
         Args:
             query: (batch, heads, q_len, head_dim), after the model's RoPE.
-            key: (batch, heads, kv_len, head_dim), after RoPE and the KV cache, already repeated to
-                ``heads`` under grouped-query attention.
+            key: (batch, kv_heads, kv_len, head_dim), after RoPE and the KV cache, kv_heads dividing heads: under
+                grouped-query attention each query head scores the keys of its group's kv head (not repeated:
+                see :mod:`hf_neural_attn.ops.grouped`).
             extras: what :meth:`query_extras` returned for these queries (or None).
             scaling: the model's own dot-product scale (``1/sqrt(head_dim)``, or whatever it uses).
 

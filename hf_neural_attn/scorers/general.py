@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..ops.grouped import grouped_matmul
 from .base import AttentionGeometry, Scorer, ScorerConfig
 
 
@@ -44,5 +45,5 @@ class GeneralScorer(Scorer):
         self.bilinear.copy_(torch.eye(self.geometry.head_dim).expand_as(self.bilinear))
 
     def scores(self, query, key, extras, scaling: float) -> torch.Tensor:
-        """(batch, heads, q, d) x (batch, heads, k, d) -> (batch, heads, q, k): (q W) . k * scaling."""
-        return torch.matmul(torch.matmul(query, self.bilinear), key.transpose(-1, -2)) * scaling
+        """(batch, heads, q, d) x (batch, kv_heads, k, d) -> (batch, heads, q, k): (q W) . k * scaling."""
+        return grouped_matmul(torch.matmul(query, self.bilinear), key.transpose(-1, -2)) * scaling

@@ -46,6 +46,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from ..ops.grouped import group_heads, grouped_matmul
 from .base import ACTIVATIONS, AttentionGeometry, MLPScorerConfig, Scorer, attention_head_dim, option
 
 MODES = ("residual", "replace")
@@ -235,23 +236,27 @@ class NeuralAttentionScorer(Scorer):
         return parts[..., self.order] if self.order is not None else parts
 
     def pair_scores(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-        """A_ij for (batch, heads, q, d) queries and (batch, heads, k, d) keys -> (batch, heads, q, k)."""
+        """A_ij for (batch, heads, q, d) queries and (batch, kv_heads, k, d) keys -> (batch, heads, q, k); the
+        hidden layer is (batch, kv_heads, groups, q, k, h), each query head against its group's kv head."""
+        kv_heads = key.shape[1]
         if self.pair_weight is not None:
-            units = self.relative_units(query)
-            hidden = self.act(torch.einsum("bnlqd,bnkd->bnqkl", units, key) + self.pair_bias)
+            units = group_heads(self.relative_units(query), kv_heads)
+            hidden = self.act(torch.einsum("bmglqd,bmkd->bmgqkl", units, key) + self.pair_bias)
         else:
             if self.query_down is not None:
                 query, key = self.query_down(query), self.key_down(key)
-            hidden = self.act(self.pair_query(query).unsqueeze(-2) + self.pair_key(key).unsqueeze(-3))
+            per_query = group_heads(self.pair_query(query), kv_heads).unsqueeze(-2)  # (batch, kv_heads, g, q, 1, h)
+            per_key = self.pair_key(key)[:, :, None, None]  # (batch, kv_heads, 1, 1, k, h)
+            hidden = self.act(per_query + per_key)
         for layer in self.deeper:
             hidden = self.act(layer(hidden))
-        return self.output(hidden).squeeze(-1)
+        return self.output(hidden).squeeze(-1).flatten(1, 2)
 
     def scores(self, query, key, extras, scaling: float) -> torch.Tensor:
         mlp = self.pair_scores(query, key)
         if self.gate is None:
             return mlp * scaling
-        dot = torch.matmul(query, key.transpose(-1, -2)) * scaling
+        dot = grouped_matmul(query, key.transpose(-1, -2)) * scaling
         return dot + self.gate.view(1, -1, 1, 1) * mlp
 
     def fused_unsupported_reason(self) -> str | None:

@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ..ops.grouped import group_heads, grouped_matmul
 from .base import ACTIVATIONS, AttentionGeometry, MLPScorerConfig, Scorer, attention_head_dim, option
 
 ROPE_MODES = ("rowwise", "none")
@@ -233,19 +234,22 @@ class QanaScorer(Scorer):
         return QanaQueryParts(U, V, b, c, basis)
 
     def scores(self, query, key, extras: QanaQueryParts, scaling: float) -> torch.Tensor:
-        """(batch, heads, q, d) x (batch, heads, k, d) -> (batch, heads, q, k) logits; see module doc."""
+        """(batch, heads, q, d) x (batch, kv_heads, k, d) -> (batch, heads, q, k) logits; see module doc. The
+        hidden layer is (batch, kv_heads, groups, q, k, h), each query head against its group's kv head."""
+        kv_heads = key.shape[1]
+        U, V, b, c = (group_heads(t, kv_heads) for t in extras[:4])
         if extras.basis is None:
-            hidden = torch.einsum("bnlqd,bnkd->bnqkl", extras.U, key)
+            hidden = torch.einsum("bmglqd,bmkd->bmgqkl", U, key)
         else:
             # (B~_im . k~_j) for the r basis rows, then the mix A_i: r QK-sized products, not h.
-            projected = torch.einsum("bnmqd,bnkd->bnqkm", extras.basis, key)
-            hidden = torch.einsum("bnqkm,bnlqm->bnqkl", projected, extras.U)
-        hidden = hidden + extras.b.unsqueeze(-2)
-        mlp = torch.einsum("bnqkl,bnql->bnqk", self.act(hidden), extras.V) + extras.c
-        gated = self.gate.view(1, -1, 1, 1) * mlp
+            projected = torch.einsum("bmgrqd,bmkd->bmgqkr", group_heads(extras.basis, kv_heads), key)
+            hidden = torch.einsum("bmgqkr,bmglqr->bmgqkl", projected, U)
+        hidden = hidden + b.unsqueeze(-2)
+        mlp = torch.einsum("bmgqkl,bmgql->bmgqk", self.act(hidden), V) + c
+        gated = self.gate.view(1, -1, 1, 1) * mlp.flatten(1, 2)
         if not self.config.skip:
             return gated
-        return torch.matmul(query, key.transpose(-1, -2)) * scaling + gated
+        return grouped_matmul(query, key.transpose(-1, -2)) * scaling + gated
 
     def fused_unsupported_reason(self) -> str | None:
         if not self.config.skip:
