@@ -38,21 +38,37 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from .grouped import group_heads
 from .masks import block_mask, query_blocks
 
-# name -> (activation, its backward: (grad, pre-activation, activation value) -> grad * derivative, written into
-# grad). The backward ops are aten's own fused ones (what autograd runs for these functions), one pass each over
-# a plane; writing into grad saves allocating (and on CPU page-faulting) another block-sized tensor.
-_ACTIVATIONS: dict[str, tuple[Callable, Callable]] = {
-    "gelu": (F.gelu, lambda grad, z, value: torch.ops.aten.gelu_backward.grad_input(grad, z, grad_input=grad)),
-    "relu": (F.relu, lambda grad, z, value: torch.ops.aten.threshold_backward.grad_input(grad, z, 0, grad_input=grad)),
-    "silu": (F.silu, lambda grad, z, value: torch.ops.aten.silu_backward.grad_input(grad, z, grad_input=grad)),
-    "tanh": (torch.tanh, lambda grad, z, value: torch.ops.aten.tanh_backward.grad_input(grad, value, grad_input=grad)),
+# name -> (activation in place, activation into a given tensor, its backward: (grad, pre-activation, activation
+# value) -> grad * derivative, written into grad). The backward ops are aten's own fused ones (what autograd runs
+# for these functions), one pass each over a plane. None of them allocates: see _Term.buffer.
+_ACTIVATIONS: dict[str, tuple[Callable, Callable, Callable]] = {
+    "gelu": (
+        torch.ops.aten.gelu_,
+        lambda z, out: torch.ops.aten.gelu.out(z, out=out),
+        lambda grad, z, value: torch.ops.aten.gelu_backward.grad_input(grad, z, grad_input=grad),
+    ),
+    "relu": (
+        torch.relu_,
+        lambda z, out: torch.clamp_min(z, 0, out=out),
+        lambda grad, z, value: torch.ops.aten.threshold_backward.grad_input(grad, z, 0, grad_input=grad),
+    ),
+    "silu": (
+        torch.ops.aten.silu_,
+        lambda z, out: torch.ops.aten.silu.out(z, out=out),
+        lambda grad, z, value: torch.ops.aten.silu_backward.grad_input(grad, z, grad_input=grad),
+    ),
+    "tanh": (
+        torch.tanh_,
+        lambda z, out: torch.tanh(z, out=out),
+        lambda grad, z, value: torch.ops.aten.tanh_backward.grad_input(grad, value, grad_input=grad),
+    ),
     "sigmoid": (
-        torch.sigmoid,
+        torch.sigmoid_,
+        lambda z, out: torch.sigmoid(z, out=out),
         lambda grad, z, value: torch.ops.aten.sigmoid_backward.grad_input(grad, value, grad_input=grad),
     ),
 }
@@ -148,7 +164,8 @@ class _Term:
     def __init__(self, term, activation, scaling, tensors, query, key, stats_dtype):
         kv_heads = key.shape[1]
         self.term, self.scaling, self.stats_dtype = term, scaling, stats_dtype
-        self.activate, self.activation_backward = _ACTIVATIONS[activation]
+        self.activate_, self.activate_into, self.activation_backward = _ACTIVATIONS[activation]
+        self.buffers: dict[str, torch.Tensor] = {}
         self.key = key  # (batch, kv_heads, kv_len, d), kv heads not repeated
         # The dot product's query side, scaled once: (B, q, d).
         self.scaled_query = group_heads(query, kv_heads) * scaling
@@ -174,6 +191,18 @@ class _Term:
             head_weights = w * (self.gate if self.gate is not None else scaling)  # (kv_heads, groups, 1, h) or (h,)
             self.unit_weights = head_weights.to(stats_dtype).expand(*self.scaled_query.shape[:-1], self.hidden)
 
+    def buffer(self, name: str, shape, dtype) -> torch.Tensor:
+        """A contiguous (…, kv_end) tensor that every block of the call reuses, sized at first use for the widest
+        block (all kv_len keys). Blocks widen under a causal mask, so fresh tensors would each be larger than any
+        freed before; on a CPU their pages are then faulted in anew every block, which measured as much as the
+        elementwise pass over them."""
+        size = torch.Size(shape).numel()
+        store = self.buffers.get(name)
+        if store is None or store.numel() < size:
+            widest = size // shape[-1] * self.key.shape[-2]
+            store = self.buffers[name] = torch.empty(max(size, widest), dtype=dtype, device=self.key.device)
+        return store[:size].view(shape)
+
     def pre_activation(self, rows, kv_end) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Z of a block (B, block, h, kv_end) and its scaled dot product (B, block, kv_end) or None (replace
         form), both in the stats dtype and contiguous."""
@@ -181,21 +210,28 @@ class _Term:
             unit_rows = self.unit_rows[..., rows, :, :]
             batch, kv_heads = unit_rows.shape[:2]
             flat = unit_rows.reshape(batch, kv_heads, -1, unit_rows.shape[-1])  # (batch, kv_heads, G*block*h, d+1)
-            z = (flat @ self.rows_keys[..., :kv_end, :].transpose(-1, -2)).to(self.stats_dtype)
+            keys = self.rows_keys[..., :kv_end, :].transpose(-1, -2)
+            z = self.buffer("z", (*flat.shape[:-1], kv_end), self.stats_dtype)
+            if flat.dtype == z.dtype:
+                torch.matmul(flat, keys, out=z)
+            else:
+                z.copy_(flat @ keys)
             # The dot product is a matmul of its own: sharing the units' would leave Z's planes strided, and the
             # elementwise passes over strided planes are slower than the saved call.
             z = z.view(*unit_rows.shape[:-1], kv_end)
         else:
-            z = self.P[..., rows, :, :] + self.R[..., :kv_end]
+            P, R = self.P[..., rows, :, :], self.R[..., :kv_end]
+            z = torch.add(P, R, out=self.buffer("z", (*P.shape[:-1], kv_end), self.stats_dtype))
         if self.gate is None:
             return z, None
         keys = self.key[..., :kv_end, :].unsqueeze(2).transpose(-1, -2).to(self.scaled_query.dtype)
         return z, (self.scaled_query[..., rows, :] @ keys).to(self.stats_dtype)
 
-    def scores(self, rows, kv_end):
-        """Logits of a block before the mask (B, block, kv_end), with Z and act(Z)."""
+    def scores(self, rows, kv_end, keep_z: bool = True):
+        """Logits of a block before the mask (B, block, kv_end), with Z and act(Z) (Z None without ``keep_z``:
+        the activation then overwrites it)."""
         z, dot = self.pre_activation(rows, kv_end)
-        activated = self.activate(z)
+        activated = self.activate_into(z, self.buffer("activated", z.shape, z.dtype)) if keep_z else self.activate_(z)
         # The output layer, per query row: (1, h) weights times the row's (h, kv_end) activated planes.
         flat_weights = self.unit_weights[..., rows, :].reshape(-1, 1, self.hidden)
         flat_activated = activated.view(-1, self.hidden, kv_end)
@@ -203,7 +239,7 @@ class _Term:
             scores = torch.bmm(flat_weights, flat_activated)
         else:
             scores = torch.baddbmm(dot.view(-1, 1, kv_end), flat_weights, flat_activated)
-        return scores.view(*z.shape[:-2], kv_end), z, activated
+        return scores.view(*activated.shape[:-2], kv_end), z if keep_z else None, activated
 
 
 def _sum_over_groups(blocks: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -229,7 +265,7 @@ class _BlockwisePairAttention(torch.autograd.Function):
         row_sum = torch.empty_like(row_max)
         for start, end, kv_end in query_blocks(q_len, kv_len, is_causal, block):
             rows = slice(start, end)
-            scores = state.scores(rows, kv_end)[0]
+            scores = state.scores(rows, kv_end, keep_z=False)[0]
             mask_block(scores, start, end, kv_end)
             block_max = scores.amax(dim=-1, keepdim=True)
             exps = scores.sub_(block_max).exp_()
@@ -287,12 +323,16 @@ class _BlockwisePairAttention(torch.autograd.Function):
             if gated:  # the dot product's gradients (scaled_query already carries the scaling)
                 grad_query[..., rows, :] = grad_scores @ keys.unsqueeze(2)
                 grad_key[..., :kv_end, :] += _sum_over_groups(grad_scores, scaled_query[..., rows, :])
+            # Σ_j dS_ij act(Z)_ilj per query row: a (1, kv_end) x (kv_end, h) product per row.
+            flat_activated = activated.view(-1, state.hidden, kv_end).transpose(1, 2)
+            row_shape = grad_weights[..., rows, :].shape
+            grad_weights[..., rows, :] = torch.bmm(grad_scores.view(-1, 1, kv_end), flat_activated).view(row_shape)
             grad_scores = grad_scores.unsqueeze(-2)  # against the h unit planes
-            grad_weights[..., rows, :] = (activated * grad_scores).sum(-1)
             weights = state.unit_weights[..., rows, :, None].to(stats_dtype)  # (B, block, h, 1)
             # dZ = act'(Z) * weight * dS: one contiguous product, then the derivative in place (faster than
             # the derivative against a broadcast dS).
-            grad_units = state.activation_backward(grad_scores * weights, z, activated)
+            grad_units = torch.mul(grad_scores, weights, out=state.buffer("grad_units", z.shape, stats_dtype))
+            grad_units = state.activation_backward(grad_units, z, activated)
             del z, activated, grad_scores
             if term == "qana":
                 flat_units = grad_units.flatten(2, 4)  # (batch, kv_heads, G*block*h, kv_end)
@@ -311,14 +351,15 @@ class _BlockwisePairAttention(torch.autograd.Function):
             grad_value.to(value.dtype) if needs[8] else None,
         ]
         if term == "qana":
-            U, V, b, c, gate = tensors
+            U, V, b, _, gate = tensors
             grouped_V = group_heads(V, kv_heads).to(stats_dtype)
             term_grads = [
                 grad_unit_rows[..., :-1].transpose(3, 4).flatten(1, 2).to(U.dtype),
                 (grad_weights * state.gate).flatten(1, 2).to(V.dtype),
                 grad_unit_rows[..., -1].flatten(1, 2).to(b.dtype),
-                # c shifts every logit of its query row alike, which the softmax cancels.
-                torch.zeros_like(c),
+                # c shifts every logit of its query row alike, which the softmax cancels: its gradient is zero
+                # (None: autograd's zero, without allocating one).
+                None,
                 (grad_weights * grouped_V).sum(dim=(0, 3, 4)).reshape(-1).to(gate.dtype),
             ]
         else:

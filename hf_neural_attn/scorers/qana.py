@@ -214,10 +214,9 @@ class QanaScorer(Scorer):
         h, d, heads, width = self.config.h, self.geometry.head_dim, self.geometry.num_heads, self.u_width
         batch, seq = hidden_states.shape[:2]
         rows = self.query_extension(hidden_states).view(batch, seq, heads, self.rows_per_head).transpose(1, 2)
-        U = rows[..., : h * width].reshape(batch, heads, seq, h, width).transpose(2, 3)
-        V = rows[..., h * width : h * width + h]
-        b = rows[..., h * width + h : h * width + 2 * h]
-        c = rows[..., h * width + 2 * h :]
+        # One split rather than four slices: in backward, each slice would zero-fill a gradient the size of rows.
+        U, V, b, c = rows.split([h * width, h, h, 1], dim=-1)
+        U = U.reshape(batch, heads, seq, h, width).transpose(2, 3)
         if self.config.rope == "none":
             rotate = None
         basis = None
