@@ -36,9 +36,9 @@ TRITON_IN_AUTO = False
 # impl="auto" materialises the scores (the reference path) while batch * heads * q_len * kv_len * h is at most
 # this many numbers, and computes them blockwise (the chunked path) above. Measured with
 # benchmarks/auto_threshold.py (docs/benchmarks.md, 2-core CPU, fp32, one causal call forward + backward, 4 heads
-# of 64, h = 4, two runs): the paths cross between 128 and 256 tokens for QANA (0.26M and 1.0M numbers) and
-# between 192 and 320 for Neural Attention (0.6M and 1.6M); 2^20 (256 tokens there) keeps the default within
-# 10 % of the faster path at every length measured, for both.
+# of 64, h = 4, three runs): the paths cross between 128 and 256 tokens for QANA (0.26M and 1.0M numbers) and
+# between 192 and 320 for Neural Attention (0.6M and 1.6M); with 2^20 (256 tokens there) the default was within
+# 10 % of the faster path at every length in every run but one (QANA at 256 tokens, 21 % in one run of three).
 REFERENCE_MAX_SCORES = 2**20
 
 

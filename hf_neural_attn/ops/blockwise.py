@@ -26,8 +26,8 @@ hidden-unit planes (each the size of the block's score matrix), so it is laid ou
 * a purely causal call needs no mask tensor: each block masks the (block, block) corner where its queries
   meet their own keys, the only part of it the causal mask hides.
 
-Blocks are 64 query rows (``chunked.BLOCKWISE_QUERY_BLOCK``): with every head at once, larger blocks spill the
-unit planes out of the CPU's caches and smaller ones pay more per-call overhead (docs/benchmarks.md).
+Blocks are 64 query rows (``chunked.BLOCKWISE_QUERY_BLOCK``), the fastest of 32 to 256 measured on a CPU
+(docs/benchmarks.md): larger blocks make every pass over the unit planes bigger, smaller ones make more calls.
 
 Numerics match the reference path to fp32 rounding: scores and softmax statistics in fp32 (fp64 stays fp64),
 the row maximum and normaliser saved rather than their log-sum-exp (see :mod:`.chunked`).
@@ -183,9 +183,8 @@ class _Term:
             P, R, w, gate = tensors
             self.hidden = P.shape[-1]
             self.P = group_heads(P, kv_heads).unsqueeze(-1).to(stats_dtype)  # (B, q, h, 1)
-            self.R = (
-                R.transpose(-1, -2)[:, :, None, None].to(stats_dtype).contiguous()
-            )  # (batch, kv_heads, 1, 1, h, kv)
+            # (batch, kv_heads, 1, 1, h, kv_len): against every query row of the group
+            self.R = R.transpose(-1, -2)[:, :, None, None].to(stats_dtype).contiguous()
             self.gate = gate.view(kv_heads, -1, 1, 1) if gate is not None else None
             # Gated: dot + gate * w . act(Z); replace form: scaling * w . act(Z).
             head_weights = w * (self.gate if self.gate is not None else scaling)  # (kv_heads, groups, 1, h) or (h,)
@@ -204,8 +203,8 @@ class _Term:
         return store[:size].view(shape)
 
     def pre_activation(self, rows, kv_end) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Z of a block (B, block, h, kv_end) and its scaled dot product (B, block, kv_end) or None (replace
-        form), both in the stats dtype and contiguous."""
+        """Z of a block (B, block, h, kv_end), in the call's buffer "z", and its scaled dot product
+        (B, block, kv_end) or None (replace form), both in the stats dtype and contiguous."""
         if self.term == "qana":
             unit_rows = self.unit_rows[..., rows, :, :]
             batch, kv_heads = unit_rows.shape[:2]
