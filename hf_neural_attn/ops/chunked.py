@@ -35,9 +35,9 @@ from .grouped import grouped_matmul, grouped_transposed_matmul
 from .masks import apply_mask, block_mask, query_blocks
 
 QUERY_BLOCK = 128
-# The blockwise pair-MLP path's block: its elementwise passes are bound by memory traffic, and 64 query rows
-# (with every head at once) ran 15-25 % faster than 128 at 512, 1024 and 2048 tokens on the 2-core CPU of
-# docs/benchmarks.md (4 heads of 64, h = 4; 32 and 256 were slower).
+# The blockwise pair-MLP path's block: 64 query rows (with every head at once) took 9-26 % less time than 128
+# at 512, 1024 and 2048 tokens on the 2-core CPU of docs/benchmarks.md (4 heads of 64, h = 4; 32 and 256 were
+# slower, 48 and 96 close).
 BLOCKWISE_QUERY_BLOCK = 64
 
 
