@@ -81,6 +81,24 @@ def fresh_accelerate_state():
     GradientState._reset_state()
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread for in-process recipe runs: tiny models gain nothing from two, and on a busy machine two
+    threads that wait for each other make a run many times slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_recipe_assets(root: Path) -> dict[str, Path]:
+    """A tiny GPT-2 checkpoint and train/validation text files under ``root``, as recipe flags name them."""
+    train, validation = write_text_files(root / "text")
+    return {"gpt2": save_tiny_gpt2(root / "tiny-gpt2"), "train_txt": train, "validation_txt": validation}
+
+
 def offline_env(home: Path | None = None, **extra: str) -> dict[str, str]:
     """Environment for recipe subprocesses: no Hub, one thread per process (deterministic float results)."""
     env = dict(os.environ)

@@ -7,11 +7,11 @@ import math
 import re
 
 import pytest
-from recipes_helpers import (  # fresh_accelerate_state: an autouse fixture
+from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fixtures
     fresh_accelerate_state,  # noqa: F401
+    one_thread,  # noqa: F401
     read_results,
-    save_tiny_gpt2,
-    write_text_files,
+    tiny_recipe_assets,
 )
 
 from recipes import report, stats
@@ -87,23 +87,9 @@ def test_mean_std_and_paired_difference_by_hand():
 # ---------------------------------------------------------------------------------------------- compare
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: tiny models gain nothing from two, and on a busy machine two threads that wait for
-    each other make a run many times slower."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("compare_seeds_assets")
-    train, validation = write_text_files(root / "text")
-    return {"gpt2": save_tiny_gpt2(root / "tiny-gpt2"), "train_txt": train, "validation_txt": validation}
+    return tiny_recipe_assets(tmp_path_factory.mktemp("compare_seeds_assets"))
 
 
 def tiny_flags(assets, output_dir) -> list[str]:

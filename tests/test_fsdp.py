@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import TINY_DECODER
 
 import hf_neural_attn
 
@@ -36,16 +37,7 @@ def tiny_patched_llama(scorer: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_DECODER))
     hf_neural_attn.patch_model(model, scorer, h=2)
     with torch.no_grad():  # the scorers' nonlinear term live, so their gradients are not trivial
         generator = torch.Generator().manual_seed(1)

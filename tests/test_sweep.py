@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import recipes_helpers as helpers
 import yaml
-from recipes_helpers import (  # fresh_accelerate_state: an autouse fixture
+from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fixtures
     fresh_accelerate_state,  # noqa: F401
+    one_thread,  # noqa: F401
     read_history,
     read_results,
-    save_tiny_gpt2,
-    write_text_files,
+    tiny_recipe_assets,
 )
 
 from recipes import checkpointing, finetune, stats, sweep
@@ -34,23 +34,9 @@ SHIPPED_RUNS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: tiny models gain nothing from two, and on a busy machine two threads that wait for
-    each other make a run many times slower."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sweep_assets")
-    train, validation = write_text_files(root / "text")
-    return {"gpt2": save_tiny_gpt2(root / "tiny-gpt2"), "train_txt": train, "validation_txt": validation}
+    return tiny_recipe_assets(tmp_path_factory.mktemp("sweep_assets"))
 
 
 @pytest.fixture

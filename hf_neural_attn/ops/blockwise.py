@@ -39,8 +39,8 @@ from collections.abc import Callable
 
 import torch
 
-from .grouped import group_heads
-from .masks import block_mask, query_blocks
+from .grouped import group_heads, grouped_transposed_matmul
+from .masks import apply_mask, block_mask, query_blocks
 
 # name -> (activation in place, activation into a given tensor, its backward: (grad, pre-activation, activation
 # value) -> grad * derivative, written into grad). The backward ops are aten's own fused ones (what autograd runs
@@ -136,18 +136,13 @@ class _BlockMasker:
             self.corner = torch.ones(block, block, dtype=torch.bool, device=device).triu_(1)
 
     def __call__(self, scores, start, end, kv_end) -> None:
-        lowest = torch.finfo(scores.dtype).min
         if self.corner is not None:
             first = start + self.kv_len - self.q_len
+            lowest = torch.finfo(scores.dtype).min  # as apply_mask blocks a logit
             scores[..., first:kv_end].masked_fill_(self.corner[: end - start, : kv_end - first], lowest)
             return
         rows_mask = block_mask(self.mask, self.is_causal, start, end, kv_end, self.q_len, self.kv_len, scores.device)
-        if rows_mask is None:
-            return
-        if rows_mask.dtype == torch.bool:
-            scores.masked_fill_(~rows_mask, lowest)
-        else:
-            scores.add_(rows_mask).clamp_(min=lowest)
+        apply_mask(scores, rows_mask, inplace=True)
 
 
 # ------------------------------------------------------------------------------------------------ the math
@@ -163,7 +158,7 @@ class _Term:
 
     def __init__(self, term, activation, scaling, tensors, query, key, stats_dtype):
         kv_heads = key.shape[1]
-        self.term, self.scaling, self.stats_dtype = term, scaling, stats_dtype
+        self.term, self.stats_dtype = term, stats_dtype
         self.activate_, self.activate_into, self.activation_backward = _ACTIVATIONS[activation]
         self.buffers: dict[str, torch.Tensor] = {}
         self.key = key  # (batch, kv_heads, kv_len, d), kv heads not repeated
@@ -242,12 +237,9 @@ class _Term:
 
 
 def _sum_over_groups(blocks: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """Σ over groups and rows of blocksᵀ @ other, as one matmul: blocks (batch, kv_heads, *G, block, n) and
-    other (batch, kv_heads, *G, block, d) -> (batch, kv_heads, n, d)."""
-    batch, kv_heads = blocks.shape[:2]
-    return blocks.reshape(batch, kv_heads, -1, blocks.shape[-1]).transpose(-1, -2) @ other.reshape(
-        batch, kv_heads, -1, other.shape[-1]
-    )
+    """Σ over groups and rows of blocksᵀ @ other: blocks (B, block, n) and other (B, block, d) ->
+    (batch, kv_heads, n, d)."""
+    return grouped_transposed_matmul(blocks.flatten(1, 2), other.flatten(1, 2), blocks.shape[1])
 
 
 class _BlockwisePairAttention(torch.autograd.Function):

@@ -39,16 +39,16 @@ def causal_allowed(start: int, end: int, kv_len: int, q_len: int, device) -> tor
     return torch.arange(kv_len, device=device)[None, :] <= rows
 
 
-def apply_mask(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Add (float) or apply (bool) ``mask`` to ``scores``. Blocked logits sit at the dtype's minimum, not -inf,
-    so a row with nothing allowed (left padding) gets uniform weights rather than NaN, like transformers'
-    finite masks."""
+def apply_mask(scores: torch.Tensor, mask: torch.Tensor | None, *, inplace: bool = False) -> torch.Tensor:
+    """Add (float) or apply (bool) ``mask`` to ``scores`` (``inplace``: into ``scores`` itself). Blocked logits sit
+    at the dtype's minimum, not -inf, so a row with nothing allowed (left padding) gets uniform weights rather
+    than NaN, like transformers' finite masks."""
     if mask is None:
         return scores
     lowest = torch.finfo(scores.dtype).min
     if mask.dtype == torch.bool:
-        return scores.masked_fill(~mask, lowest)
-    return (scores + mask).clamp(min=lowest)
+        return scores.masked_fill_(~mask, lowest) if inplace else scores.masked_fill(~mask, lowest)
+    return (scores.add_(mask) if inplace else scores + mask).clamp_(min=lowest)
 
 
 def block_mask(
