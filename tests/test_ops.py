@@ -18,7 +18,7 @@ from helpers import (
 )
 
 import hf_neural_attn
-from hf_neural_attn.ops import chunked, scored_attention
+from hf_neural_attn.ops import blockwise, chunked, scored_attention
 from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
 
 
@@ -72,7 +72,7 @@ def run(scorer, impl, hidden, query, key, value, mask, valid_rows, causal):
 def test_chunked_matches_reference_in_fp32(monkeypatch, scorer_name, q_len, kv_len, kind):
     # Blocks of 3 queries: sequence lengths that are not block multiples, and causal blocks to skip.
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 3)
-    monkeypatch.setattr(chunked, "BLOCKWISE_QUERY_BLOCK", 3)
+    monkeypatch.setattr(blockwise, "QUERY_BLOCK", 3)
     scorer = make_scorer(scorer_name)
     case = attention_case(q_len, kv_len, kind, torch.float32)
     causal = kind != "full"
@@ -89,7 +89,7 @@ def test_chunked_matches_reference_in_fp32(monkeypatch, scorer_name, q_len, kv_l
 @pytest.mark.parametrize("scorer_name", ["qana", "neural"])
 def test_chunked_gradcheck_in_float64(monkeypatch, scorer_name):
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 2)  # 5 queries: blocks of 2, 2 and 1
-    monkeypatch.setattr(chunked, "BLOCKWISE_QUERY_BLOCK", 2)
+    monkeypatch.setattr(blockwise, "QUERY_BLOCK", 2)
     assert causal_gradcheck(make_scorer(scorer_name, dtype=F64, impl="chunked"), seq=5, seed=1)
 
 
@@ -132,7 +132,7 @@ def test_chunked_keeps_memory_linear_in_sequence_length(scorer_name):
 @pytest.mark.parametrize("scorer_name", ["qana", "neural"])
 def test_chunked_models_match_reference_models(family, scorer_name, monkeypatch):
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 4)
-    monkeypatch.setattr(chunked, "BLOCKWISE_QUERY_BLOCK", 4)
+    monkeypatch.setattr(blockwise, "QUERY_BLOCK", 4)
     reference, fast = FACTORIES[family](), FACTORIES[family]()
     inputs = model_inputs(family)
     grads = []
@@ -151,7 +151,7 @@ def test_chunked_models_match_reference_models(family, scorer_name, monkeypatch)
 
 def test_chunked_generation_and_attention_maps(monkeypatch):
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 4)
-    monkeypatch.setattr(chunked, "BLOCKWISE_QUERY_BLOCK", 4)
+    monkeypatch.setattr(blockwise, "QUERY_BLOCK", 4)
     model = FACTORIES["llama"]()
     hf_neural_attn.patch_model(model, "qana", impl="chunked")
     perturb_scorers(model)

@@ -21,8 +21,7 @@ from helpers import F64, HIDDEN, geometry, logits, model_inputs, perturb_scorers
 
 import hf_neural_attn
 from hf_neural_attn import ops
-from hf_neural_attn.ops import chunked, scored_attention
-from hf_neural_attn.ops.chunked import has_blockwise_form
+from hf_neural_attn.ops import blockwise, chunked, scored_attention
 from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
 
 D = 4
@@ -140,7 +139,7 @@ def assert_same(result, expected, atol):
 @pytest.mark.parametrize("impl", ["reference", "chunked", "auto"])
 def test_every_path_matches_the_reference_on_every_mask(monkeypatch, impl, heads, kv_heads, term, q_len, kv_len, kind):
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 3)
-    monkeypatch.setattr(chunked, "BLOCKWISE_QUERY_BLOCK", 3)
+    monkeypatch.setattr(blockwise, "QUERY_BLOCK", 3)
     scorer = make_scorer(term, "gelu", heads, kv_heads)
     hidden, query, key, value = inputs(q_len, kv_len, heads, kv_heads)
     allowed = allowed_keys(q_len, kv_len, kind)
@@ -156,9 +155,9 @@ def test_every_path_matches_the_reference_on_every_mask(monkeypatch, impl, heads
 def test_blockwise_path_matches_the_reference_for_every_activation(monkeypatch, term, activation):
     """The blockwise pair-MLP path has each activation's derivative of its own: check them all."""
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 3)
-    monkeypatch.setattr(chunked, "BLOCKWISE_QUERY_BLOCK", 3)
+    monkeypatch.setattr(blockwise, "QUERY_BLOCK", 3)
     scorer = make_scorer(term, activation, 4, 2)
-    assert has_blockwise_form(scorer)
+    assert resolve_path(scorer, "chunked") == "blockwise"
     hidden, query, key, value = inputs(7, 7, 4, 2, seed=3)
     allowed = allowed_keys(7, 7, "padded")
     valid_rows = allowed.any(-1, keepdim=True)
@@ -171,7 +170,7 @@ def test_blockwise_path_matches_the_reference_for_every_activation(monkeypatch, 
 def test_blockwise_gradcheck_in_float64(monkeypatch, term):
     """float64 gradcheck of the blockwise path (GQA, padding, blocks of 2) against finite differences."""
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 2)
-    monkeypatch.setattr(chunked, "BLOCKWISE_QUERY_BLOCK", 2)
+    monkeypatch.setattr(blockwise, "QUERY_BLOCK", 2)
     scorer = make_scorer(term, "gelu", 4, 2, dtype=F64)
     scorer.config.impl = "chunked"
     hidden, query, key, value = inputs(5, 5, 4, 2, dtype=F64, seed=1)
@@ -208,7 +207,7 @@ def test_no_path_repeats_keys_or_values_under_grouped_query_attention(monkeypatc
     """8 query heads share 1 kv head: forward and backward never make a (batch, 8, kv_len, d) tensor, the shape
     of keys or values repeated for every query head (the outputs keep the query length, 5, not kv_len, 9)."""
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 2)
-    monkeypatch.setattr(chunked, "BLOCKWISE_QUERY_BLOCK", 2)
+    monkeypatch.setattr(blockwise, "QUERY_BLOCK", 2)
     scorer = make_scorer(term, "gelu", 8, 1)
     hidden, query, key, value = inputs(5, 9, 8, 1)
     allowed = allowed_keys(5, 9, "cache")
@@ -220,6 +219,14 @@ def test_no_path_repeats_keys_or_values_under_grouped_query_attention(monkeypatc
 
 
 # --- which path a call takes ---------------------------------------------------------------------------
+
+
+def resolve_path(scorer, impl, q_len=8, kv_len=8, **flags):
+    """The path (a key of ops.PATHS) ``impl`` takes for a causal fp32 CPU call of ``scorer``."""
+    return ops.resolve_impl(
+        impl, scorer, device="cpu", dtype=torch.float32, q_len=q_len, kv_len=kv_len, head_dim=D, is_causal=True,
+        **flags,
+    )  # fmt: skip
 
 
 def test_auto_rule_by_shape():
@@ -235,10 +242,10 @@ def test_auto_rule_by_shape():
 
     largest = int((ops.REFERENCE_MAX_SCORES / (4 * 3)) ** 0.5)  # the longest square call kept whole, batch 1
     assert path(1, largest, largest) == "reference"
-    assert path(1, largest + 1, largest + 1) == "chunked"
-    assert path(2, largest, largest) == "chunked"  # the batch counts: the score tensor doubles
+    assert path(1, largest + 1, largest + 1) == "blockwise"  # QANA has a fused form: "chunked" runs it blockwise
+    assert path(2, largest, largest) == "blockwise"  # the batch counts: the score tensor doubles
     assert path(1, 1, 8192) == "reference"  # a decode step scores one row
-    assert path(1, 4096, 4096, device="cuda") == "chunked"
+    assert path(1, 4096, 4096, device="cuda") == "blockwise"
     assert path(8, 4096, 4096, need_weights=True) == "reference"  # only the reference path returns maps
 
 
@@ -249,18 +256,18 @@ def test_patch_model_defaults_to_auto_and_auto_follows_the_call(monkeypatch):
     perturb_scorers(model)
     assert model.config.hf_neural_attn["options"]["impl"] == "auto"
     taken = []
-    for name in ("reference", "chunked"):
-        original = ops.IMPLEMENTATIONS[name]
+    for name in ("reference", "chunked", "blockwise"):
+        original = ops.PATHS[name]
 
         def spy(*args, _original=original, _name=name, **kwargs):
             taken.append(_name)
             return _original(*args, **kwargs)
 
-        monkeypatch.setitem(ops.IMPLEMENTATIONS, name, spy)
+        monkeypatch.setitem(ops.PATHS, name, spy)
     inputs = model_inputs("gpt2")
     short = logits(model, inputs)
     assert taken and set(taken) == {"reference"}
     taken.clear()
     monkeypatch.setattr(ops, "REFERENCE_MAX_SCORES", 0)
     torch.testing.assert_close(logits(model, inputs), short, atol=1e-5, rtol=0)
-    assert taken and set(taken) == {"chunked"}
+    assert taken and set(taken) == {"blockwise"}

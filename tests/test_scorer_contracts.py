@@ -26,7 +26,7 @@ from helpers import (
 )
 
 import hf_neural_attn
-from hf_neural_attn.ops import chunked
+from hf_neural_attn.ops import blockwise, chunked
 from hf_neural_attn.scorers import SCORERS
 
 EXACT = 1e-5
@@ -116,7 +116,7 @@ def test_first_backward_reaches_every_new_parameter_but_the_documented_waits(cas
 def test_chunked_equals_reference(case, monkeypatch):
     """Loss, logits and the gradient of every parameter (the model's and the scorer's), in fp32."""
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 3)  # 8 tokens: three query blocks, causal blocks skipped
-    monkeypatch.setattr(chunked, "BLOCKWISE_QUERY_BLOCK", 3)
+    monkeypatch.setattr(blockwise, "QUERY_BLOCK", 3)
     family = case.family
     inputs = inputs_for(family)
     results = {}

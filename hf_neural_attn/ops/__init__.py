@@ -1,45 +1,60 @@
-"""How scores become attention outputs, behind one function.
+"""How scores become attention outputs, behind one function: :func:`scored_attention`.
 
-Every path computes the same thing, ``softmax(scorer.scores(q, k) + mask) @ v``; they differ in memory
-and speed. ``scored_attention`` picks the path named by the scorer's ``impl`` option, so a new path (a
-chunked autograd function, a fused kernel) is one entry in ``IMPLEMENTATIONS``. Scorers that are not
-softmax attention (``scorer.uses_softmax`` False: NSEA, HEA) compute their output themselves in
-``scorer.attend``.
+Every path computes the same thing, ``softmax(scorer.scores(q, k) + mask) @ v``; they differ in memory and speed:
+
+=============  ====================================================================  ===============================
+path           how                                                                   serves
+=============  ====================================================================  ===============================
+``reference``  materialises the scores (:mod:`.reference`); the oracle of the tests   every scorer, every call
+``chunked``    query blocks through the scorer's own autograd (:mod:`.chunked`)       every scorer
+``blockwise``  query blocks of a fused term, hand-written backward (:mod:`.blockwise`)  scorers with a fused form
+``triton``     fused kernels (:mod:`.triton`), CUDA or Triton's CPU interpreter       scorers with a fused form
+=============  ====================================================================  ===============================
+
+The ``impl`` option names a choice, not a path (:data:`IMPL_OPTIONS`): ``"chunked"`` is the blockwise path for a
+scorer with a fused form (QANA, one-layer Neural Attention: ``Scorer.fused_inputs`` hands over a
+:class:`~.terms.FusedInputs`) and the generic chunked path for the others; ``"auto"`` picks by the size of each
+call. :func:`resolve_impl` is the one place that turns a choice and a call into a path, and :data:`PATHS` is the one
+table of paths. Scorers that are not softmax attention (``scorer.uses_softmax`` False: NSEA, HEA) compute their
+output themselves in ``scorer.attend``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
 import torch
 
-from .chunked import chunked_attention, repeat_kv
+from .blockwise import blockwise_attention, blockwise_unsupported_reason
+from .chunked import chunked_attention
+from .grouped import repeat_kv
 from .masks import as_additive_mask
 from .reference import reference_attention
-from .triton import TRITON_INSTALL_HINT, check_triton, triton_attention, triton_unsupported_reason
+from .triton import TRITON_INSTALL_HINT, kernel_unsupported_reason, triton_attention, triton_unavailable_reason
 
-
-def check_impl(impl: str, device: torch.device | None = None) -> None:
-    """Raise ``ValueError`` when ``impl`` cannot run here, naming what is missing: for ``"triton"`` the
-    triton package, or a CUDA device (``device`` None: any; else that one) unless Triton's CPU interpreter
-    is enabled (``TRITON_INTERPRET=1``). Other paths run anywhere. For ``patch_model``, so that a bad
-    ``impl`` fails at patch time rather than at the first forward."""
-    if impl == "triton":
-        check_triton(device)
-
+# The values of the ``impl`` option (ScorerConfig validates against them): a path choice, or "auto".
+IMPL_OPTIONS = ("auto", "reference", "chunked", "triton")
 
 # impl="auto" on CUDA picks the fused Triton kernels only once they are verified on a GPU (they have run
 # under Triton's CPU interpreter only). Until then CUDA gets the same rule as the CPU. The GPU work flips this.
 TRITON_IN_AUTO = False
 
 # impl="auto" materialises the scores (the reference path) while batch * heads * q_len * kv_len * h is at most
-# this many numbers, and computes them blockwise (the chunked path) above. Measured with
-# benchmarks/auto_threshold.py (docs/benchmarks.md, 2-core CPU, fp32, one causal call forward + backward, 4 heads
-# of 64, h = 4, three runs): the paths cross between 128 and 256 tokens for QANA (0.26M and 1.0M numbers) and
-# between 192 and 320 for Neural Attention (0.6M and 1.6M); with 2^20 (256 tokens there) the default was within
-# 10 % of the faster path at every length in every run but one (QANA at 256 tokens, 21 % in one run of three).
+# this many numbers, and computes them a block of queries at a time above: past it, the blockwise paths were the
+# faster of the two in benchmarks/auto_threshold.py (docs/benchmarks.md has the crossing points as measured).
 REFERENCE_MAX_SCORES = 2**20
+
+
+def check_impl(impl: str, device: torch.device | str | None = None) -> None:
+    """Raise ``ValueError`` when the ``impl`` choice cannot run on this machine (``device`` None: on any of its
+    devices), naming what is missing. Only ``"triton"`` can fail here. For ``patch_model``, so that a bad choice
+    fails at patch time rather than at the first forward."""
+    if impl == "triton":
+        reason = triton_unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(reason)
 
 
 def resolve_impl(
@@ -59,74 +74,63 @@ def resolve_impl(
     need_weights: bool = False,
     dropout_active: bool = False,
 ) -> str:
-    """The path (a key of ``IMPLEMENTATIONS``) that serves one call.
+    """The path (a key of :data:`PATHS`) that serves one call of ``scorer`` under the ``impl`` choice.
 
     * Calls that need the probabilities or attention dropout go to ``"reference"``, the only path that
       materialises them, whatever ``impl`` says.
-    * ``"auto"`` (the default): with :data:`TRITON_IN_AUTO` set, ``"triton"`` for CUDA tensors when triton is
-      installed and the kernels support the scorer and inputs. Otherwise ``"reference"`` when the call's score
-      tensor, ``batch * heads * q_len * kv_len`` numbers times the scorer's hidden width h, is at most
-      :data:`REFERENCE_MAX_SCORES` (materialising it is then the faster choice), else ``"chunked"``, whose
-      memory grows linearly in the sequence length.
-    * ``"triton"`` raises a clear error when the kernels cannot run (ImportError without triton,
-      ValueError otherwise) instead of silently falling back.
+    * ``"triton"``: the kernels, or a clear error when they cannot serve the call (``ImportError`` without
+      triton, ``ValueError`` naming the reason otherwise), never a silent fallback.
+    * ``"auto"`` (the default): with :data:`TRITON_IN_AUTO` set, the kernels for CUDA tensors they support.
+      Otherwise ``"reference"`` while the call's score tensor, ``batch * heads * q_len * kv_len`` numbers times
+      the scorer's hidden width h, is at most :data:`REFERENCE_MAX_SCORES` (materialising it is then the faster
+      choice), else as ``"chunked"``.
+    * ``"chunked"``: ``"blockwise"`` for a scorer with a fused form, ``"chunked"`` for the others; memory linear
+      in the sequence length either way.
 
     Only shapes, dtype and device are read, so the choice can be checked for any device (tests pass
-    ``device="cuda"`` on machines without one).
+    ``device="cuda"`` on machines without one). ``impl`` was checked when the scorer's config was made.
     """
-    if need_weights or dropout_active:
+    if need_weights or dropout_active or impl == "reference":
         return "reference"
-    if impl not in IMPL_OPTIONS:
-        raise ValueError(f"impl={impl!r} is not supported; choose one of {sorted(IMPL_OPTIONS)}.")
-    if impl not in ("auto", "triton"):
-        return impl
-    on_cuda = torch.device(device).type == "cuda"
-    if impl == "triton" or (on_cuda and TRITON_IN_AUTO):
-        reason = triton_unsupported_reason(
-            scorer,
-            device=device,
-            dtype=dtype,
-            q_len=q_len,
-            kv_len=kv_len,
-            head_dim=head_dim,
-            is_causal=is_causal,
-            attention_mask=attention_mask,
-            value_head_dim=value_head_dim,
-        )
+    if impl == "triton" or (impl == "auto" and TRITON_IN_AUTO and torch.device(device).type == "cuda"):
+        reason = triton_unavailable_reason(device) or _fused_form_missing(scorer)
+        if reason is None:
+            reason = kernel_unsupported_reason(
+                scorer.config.activation,
+                scorer.config.h,
+                dtype=dtype,
+                q_len=q_len,
+                kv_len=kv_len,
+                head_dim=head_dim,
+                is_causal=is_causal,
+                attention_mask=attention_mask,
+                value_head_dim=value_head_dim,
+            )
+        if reason is None:
+            return "triton"
         if impl == "triton":
             if reason == TRITON_INSTALL_HINT:
                 raise ImportError(reason)
-            if reason is not None:
-                raise ValueError(f"impl='triton' cannot run this call: {reason}.")
-            return "triton"
-        if reason is None:
-            return "triton"
+            raise ValueError(f"impl='triton' cannot run this call: {reason}.")
         if reason == TRITON_INSTALL_HINT:
             _warn_once("impl='auto' on CUDA found no triton and uses the torch paths instead: pip install triton")
-    hidden = getattr(scorer.config, "h", None) or 1
-    return "reference" if batch * heads * q_len * kv_len * hidden <= REFERENCE_MAX_SCORES else "chunked"
+    if impl == "auto":
+        hidden = getattr(scorer.config, "h", None) or 1
+        if batch * heads * q_len * kv_len * hidden <= REFERENCE_MAX_SCORES:
+            return "reference"
+    elif impl != "chunked":
+        # A value set on the config after it was made: the option's own error, from the config's one check.
+        dataclasses.replace(scorer.config, impl=impl)
+    return "blockwise" if _fused_form_missing(scorer, blockwise=True) is None else "chunked"
 
 
-def _resolve_call(
-    impl, scorer, query, key, value, attention_mask, is_causal, dropout_active, need_weights=False
-) -> str:
-    """:func:`resolve_impl` for one call's tensors (keys and values with their kv heads, not repeated)."""
-    return resolve_impl(
-        impl,
-        scorer,
-        device=query.device,
-        dtype=query.dtype,
-        q_len=query.shape[-2],
-        kv_len=key.shape[-2],
-        head_dim=query.shape[-1],
-        is_causal=is_causal,
-        batch=query.shape[0],
-        heads=query.shape[1],
-        attention_mask=attention_mask,
-        value_head_dim=value.shape[-1],
-        need_weights=need_weights,
-        dropout_active=dropout_active,
-    )
+def _fused_form_missing(scorer, blockwise: bool = False) -> str | None:
+    """Why ``scorer`` has no fused form the Triton kernels (or, with ``blockwise``, the blockwise path) can take,
+    or None if it has one."""
+    reason = scorer.fused_unsupported_reason()
+    if reason is not None:
+        return f"{reason}; use impl='chunked'"
+    return blockwise_unsupported_reason(scorer.config.activation) if blockwise else None
 
 
 _WARNED: set[str] = set()
@@ -138,14 +142,40 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-IMPLEMENTATIONS = {
+def _no_dropout(path: str, dropout: float, training: bool) -> None:
+    if training and dropout > 0:
+        raise ValueError(f"The {path} path applies no attention dropout; use the reference path for it.")
+
+
+def blockwise_path(
+    scorer, query, key, value, attention_mask, *, scaling, dropout, training, extras, is_causal=False
+) -> tuple[torch.Tensor, None]:
+    """The blockwise path with the signature of :func:`.reference.reference_attention`: the scorer's fused term
+    (``scorer.fused_inputs``), a block of queries at a time."""
+    _no_dropout("blockwise", dropout, training)
+    inputs = scorer.fused_inputs(query, key, extras)
+    return blockwise_attention(inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal), None
+
+
+def triton_path(
+    scorer, query, key, value, attention_mask, *, scaling, dropout, training, extras, is_causal=False
+) -> tuple[torch.Tensor, None]:
+    """The Triton kernels with the signature of :func:`.reference.reference_attention`."""
+    _no_dropout("Triton", dropout, training)
+    # Under autocast everything arrives in the autocast dtype already; otherwise align on the query's.
+    key, value = key.to(query.dtype), value.to(query.dtype)
+    inputs = scorer.fused_inputs(query, key, extras)
+    return triton_attention(inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal), None
+
+
+# Every path takes keys and values with their kv heads (grouped-query attention) and any mask form, and returns
+# (output (batch, heads, q_len, head_dim), probabilities or None).
+PATHS = {
     "reference": reference_attention,
     "chunked": chunked_attention,
-    # Fused kernels (CUDA, or CPU under TRITON_INTERPRET=1); keys and values keep their kv heads.
-    "triton": triton_attention,
+    "blockwise": blockwise_path,
+    "triton": triton_path,
 }
-# What the ``impl`` option accepts: a path, or "auto", which resolve_impl turns into one per call.
-IMPL_OPTIONS = ("auto", *IMPLEMENTATIONS)
 
 
 def scored_attention(
@@ -162,7 +192,7 @@ def scored_attention(
     is_causal: bool = False,
     need_weights: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention with ``scorer``'s logits.
+    """Attention with ``scorer``'s logits, on the path :func:`resolve_impl` picks for the call.
 
     Args:
         query: (batch, heads, q_len, head_dim); key, value: (batch, kv_heads, kv_len, head_dim).
@@ -172,9 +202,6 @@ def scored_attention(
             blocks it hides); with ``attention_mask`` None it is the mask, built by each path where needed.
         need_weights: the caller wants the probabilities (``output_attentions``).
 
-    Only the reference path materialises the probabilities, so it also serves calls that need them
-    returned or need dropout applied to them, whatever ``impl`` says.
-
     Returns:
         output (batch, q_len, heads, head_dim), the layout transformers' attention functions return,
         and the attention probabilities (batch, heads, q_len, kv_len) when the path keeps them.
@@ -182,8 +209,8 @@ def scored_attention(
     if not scorer.uses_softmax:
         groups = query.shape[1] // key.shape[1]
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-        # NSEA, HEA: the weights are not a softmax of logits, so none of the paths below applies. Their
-        # math takes one additive mask.
+        # NSEA, HEA: the weights are not a softmax of logits, so none of the paths applies. Their math takes one
+        # additive mask.
         mask = as_additive_mask(
             attention_mask, q_len=query.shape[-2], kv_len=key.shape[-2], is_causal=is_causal, dtype=query.dtype,
             device=query.device,
@@ -199,11 +226,23 @@ def scored_attention(
             need_weights=need_weights,
         )
         return output.transpose(1, 2).contiguous(), weights
-    impl = _resolve_call(
-        scorer.config.impl, scorer, query, key, value, attention_mask, is_causal, training and dropout > 0, need_weights
+    path = resolve_impl(
+        scorer.config.impl,
+        scorer,
+        device=query.device,
+        dtype=query.dtype,
+        q_len=query.shape[-2],
+        kv_len=key.shape[-2],
+        head_dim=query.shape[-1],
+        is_causal=is_causal,
+        batch=query.shape[0],
+        heads=query.shape[1],
+        attention_mask=attention_mask,
+        value_head_dim=value.shape[-1],
+        need_weights=need_weights,
+        dropout_active=training and dropout > 0,
     )
-    # Every path takes keys and values with their kv heads (grouped-query attention) and any mask form.
-    output, probs = IMPLEMENTATIONS[impl](
+    output, probs = PATHS[path](
         scorer,
         query,
         key,

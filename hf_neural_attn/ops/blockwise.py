@@ -1,7 +1,7 @@
 """Blockwise attention for the pair-MLP score terms, in plain torch: the fused kernels' math, one query block
 at a time, with a hand-written backward.
 
-It serves the scorers that hand the fused kernels a :class:`~hf_neural_attn.ops.triton.FusedInputs` (QANA and
+It serves the scorers that hand the fused paths a :class:`~hf_neural_attn.ops.terms.FusedInputs` (QANA and
 one-hidden-layer Neural Attention), on any device, and is what ``impl="chunked"`` runs for them. The generic
 chunked path (:mod:`.chunked`) recomputes a block's scores through the scorer's own autograd graph; that costs
 the scorer's layout and a second evaluation of every pair activation in backward.
@@ -26,8 +26,8 @@ hidden-unit planes (each the size of the block's score matrix), so it is laid ou
 * a purely causal call needs no mask tensor: each block masks the (block, block) corner where its queries
   meet their own keys, the only part of it the causal mask hides.
 
-Blocks are 64 query rows (``chunked.BLOCKWISE_QUERY_BLOCK``), the fastest of 32 to 256 measured on a CPU
-(docs/benchmarks.md): larger blocks make every pass over the unit planes bigger, smaller ones make more calls.
+Blocks are :data:`QUERY_BLOCK` query rows: larger blocks make every pass over the unit planes bigger, smaller ones
+make more calls (the sizes measured are in docs/benchmarks.md).
 
 Numerics match the reference path to fp32 rounding: scores and softmax statistics in fp32 (fp64 stays fp64),
 the row maximum and normaliser saved rather than their log-sum-exp (see :mod:`.chunked`).
@@ -41,6 +41,11 @@ import torch
 
 from .grouped import group_heads, grouped_transposed_matmul
 from .masks import apply_mask, block_mask, query_blocks
+from .terms import FusedInputs
+
+# Query rows per block, with every head at once: the fastest block size of those measured on a CPU
+# (docs/benchmarks.md, "block size").
+QUERY_BLOCK = 64
 
 # name -> (activation in place, activation into a given tensor, its backward: (grad, pre-activation, activation
 # value) -> grad * derivative, written into grad). The backward ops are aten's own fused ones (what autograd runs
@@ -82,20 +87,28 @@ def blockwise_unsupported_reason(activation: str | None) -> str | None:
 
 
 def blockwise_attention(
-    inputs, query, key, value, attention_mask, *, scaling: float, is_causal: bool, block: int = 128
-):
-    """softmax(scores + mask) @ v, the scores given by ``inputs`` (a ``FusedInputs``), a query block at a time.
+    inputs: FusedInputs,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    scaling: float,
+    is_causal: bool,
+    block: int | None = None,
+) -> torch.Tensor:
+    """softmax(scores + mask) @ v, the scores given by ``inputs``' term, a query block at a time.
 
     Args:
         inputs: the scorer's fused term (``"qana"``: U, V, b, c, gate; ``"neural"``: P, R, w, gate), see
-            :mod:`hf_neural_attn.ops.triton.fused`; gradients flow back through them to the scorer.
+            :mod:`hf_neural_attn.ops.terms`; gradients flow back through them to the scorer.
         query: (batch, heads, q_len, head_dim).
         key, value: (batch, kv_heads, kv_len, head_dim), kv_heads dividing heads (not repeated).
         attention_mask: None, boolean (True = attend) or additive float, broadcastable to
             (batch, heads, q_len, kv_len).
         is_causal: causal, queries aligned to the end of the keys. Keys after a block's last query are never
             scored; with ``attention_mask`` None the block masks its diagonal itself.
-        block: queries per block (the chunked path passes its ``QUERY_BLOCK``).
+        block: queries per block; default :data:`QUERY_BLOCK`.
 
     Returns:
         output (batch, heads, q_len, value_dim).
@@ -103,6 +116,7 @@ def blockwise_attention(
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads % kv_heads or value.shape[1] != kv_heads:
         raise ValueError(f"query heads ({heads}) must be a multiple of the key/value heads ({kv_heads}).")
+    block = QUERY_BLOCK if block is None else block
     return _BlockwisePairAttention.apply(
         inputs.term, inputs.activation, float(scaling), bool(is_causal), int(block), attention_mask, query, key, value,
         *inputs.tensors,

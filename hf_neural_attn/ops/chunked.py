@@ -1,8 +1,8 @@
-"""Chunked attention: O(n · block) memory for any scorer, on any device.
+"""Chunked attention: O(n · block) memory for any scorer, on any device, through the scorer's own autograd.
 
-Scorers with a fused form (QANA, one-layer Neural Attention) run the blockwise pair-MLP path
-(:mod:`.blockwise`), which computes the same thing with a hand-written backward. Every other scorer runs
-the generic path below, through the scorer's own autograd.
+``impl="chunked"`` runs this path for scorers without a fused form; those with one (QANA, one-layer Neural
+Attention) get the blockwise pair-MLP path (:mod:`.blockwise`) instead, which computes the same thing with a
+hand-written backward. The dispatcher in :mod:`hf_neural_attn.ops` makes that choice.
 
 The reference path keeps every (query, key) activation of the scoring MLP for backward:
 batch × heads × n × n × h numbers per patched layer. Here queries are processed in blocks of
@@ -30,30 +30,10 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
-from .blockwise import blockwise_attention, blockwise_unsupported_reason
 from .grouped import grouped_matmul, grouped_transposed_matmul
 from .masks import apply_mask, block_mask, query_blocks
 
 QUERY_BLOCK = 128
-# The blockwise pair-MLP path's block: 64 query rows (with every head at once) took 9-26 % less time than 128
-# at 512, 1024 and 2048 tokens on the 2-core CPU of docs/benchmarks.md (4 heads of 64, h = 4; 32 and 256 were
-# slower, 48 and 96 close).
-BLOCKWISE_QUERY_BLOCK = 64
-
-
-def repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
-    """(batch, kv_heads, seq, dim) -> (batch, kv_heads * groups, seq, dim), each kv head repeated for its
-    group of query heads (grouped-query attention), for the scorers that are not softmax attention (NSEA, HEA)."""
-    if groups == 1:
-        return states
-    return states.repeat_interleave(groups, dim=1)
-
-
-def has_blockwise_form(scorer) -> bool:
-    """Whether ``scorer`` runs on the blockwise pair-MLP path (it has a fused term whose activation is known)."""
-    if scorer.fused_unsupported_reason() is not None:
-        return False
-    return blockwise_unsupported_reason(getattr(scorer.config, "activation", None)) is None
 
 
 def chunked_attention(
@@ -73,11 +53,6 @@ def chunked_attention(
     without returning probabilities (the dispatcher sends those cases to the reference path)."""
     if training and dropout > 0:
         raise ValueError("The chunked path applies no attention dropout; use the reference path for it.")
-    if has_blockwise_form(scorer):
-        inputs = scorer.fused_inputs(query, key, extras)
-        return blockwise_attention(
-            inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal, block=BLOCKWISE_QUERY_BLOCK
-        ), None
     # Keys and values keep their kv heads: the scorers score each query head against its group's kv head.
     named = list(scorer.named_parameters())
     names, parameters = tuple(name for name, _ in named), tuple(parameter for _, parameter in named)

@@ -37,3 +37,11 @@ def grouped_transposed_matmul(first: torch.Tensor, second: torch.Tensor, kv_head
         return first.transpose(-1, -2) @ second
     first = first.reshape(batch, kv_heads, -1, first.shape[-1])
     return first.transpose(-1, -2) @ second.reshape(batch, kv_heads, -1, second.shape[-1])
+
+
+def repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
+    """(batch, kv_heads, seq, dim) -> (batch, kv_heads * groups, seq, dim), each kv head repeated for its
+    group of query heads (grouped-query attention), for the scorers that are not softmax attention (NSEA, HEA)."""
+    if groups == 1:
+        return states
+    return states.repeat_interleave(groups, dim=1)

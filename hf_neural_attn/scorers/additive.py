@@ -48,6 +48,10 @@ class AdditiveConfig(MLPScorerConfig):
         if self.mode == "replace" and self.init == "zero":
             raise ValueError("init='zero' only applies to mode='residual'; mode='replace' trains from a random init.")
 
+    @property
+    def has_gates(self) -> bool:
+        return self.mode == "residual"
+
 
 class AdditiveScorer(Scorer):
     name = "additive"
@@ -61,7 +65,7 @@ class AdditiveScorer(Scorer):
         self.query_map = nn.Parameter(torch.empty(heads, h, d, **factory))  # W_q per head
         self.key_map = nn.Parameter(torch.empty(heads, h, d, **factory))  # W_k per head
         self.output = nn.Parameter(torch.empty(heads, h, **factory))  # v per head
-        if config.mode == "residual":
+        if config.has_gates:
             self.gate = nn.Parameter(torch.empty(heads, **factory))
         else:
             self.register_parameter("gate", None)

@@ -111,6 +111,12 @@ class ScorerConfig:
         """Why these options cannot keep a pretrained model's outputs (``patch_model`` warns with it), or None."""
         return None
 
+    @property
+    def has_gates(self) -> bool:
+        """Whether the scorer has per-head gates alpha (a ``gate`` parameter) that weigh its term beside the dot
+        product: the function-preserving forms start them at 0 and training opens them."""
+        return False
+
 
 @dataclass
 class MLPScorerConfig(ScorerConfig):
@@ -324,7 +330,7 @@ class Scorer(nn.Module):
         return f"scorer {self.name!r} has no fused form (only 'qana' and one-layer 'neural' do)"
 
     def fused_inputs(self, query: torch.Tensor, key: torch.Tensor, extras: Any):
-        """What the fused kernels need for one call: a :class:`hf_neural_attn.ops.triton.FusedInputs` of
+        """What the fused paths need for one call: a :class:`hf_neural_attn.ops.terms.FusedInputs` of
         plain tensors and static values. ``key`` has its kv heads (not repeated for grouped-query
         attention). Called only when :meth:`fused_unsupported_reason` returned None."""
         raise NotImplementedError(f"scorer {self.name!r} has no fused form")

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from ..ops.grouped import group_heads, grouped_matmul
+from ..ops.terms import FusedInputs
 from .base import ACTIVATIONS, AttentionGeometry, MLPScorerConfig, Scorer, attention_head_dim, option
 
 MODES = ("residual", "replace")
@@ -104,6 +105,10 @@ class NeuralAttentionConfig(MLPScorerConfig):
                 "init='zero' only applies to mode='residual'; mode='replace' trains the MLP from its "
                 "default random init."
             )
+
+    @property
+    def has_gates(self) -> bool:
+        return self.mode == "residual"
 
     def hidden_widths(self) -> list[int]:
         return [self.h // 2**i for i in range(self.depth)]  # validate() keeps every width >= 1
@@ -166,7 +171,7 @@ class NeuralAttentionScorer(Scorer):
             self.pair_key = nn.Linear(d, widths[0], bias=True, **factory)
         self.deeper = nn.ModuleList(nn.Linear(a, b, **factory) for a, b in itertools.pairwise(widths))
         self.output = nn.Linear(widths[-1], 1, bias=False, **factory)  # w_a
-        if config.mode == "residual":
+        if config.has_gates:
             self.gate = nn.Parameter(torch.empty(geometry.num_heads, **factory))
         else:
             self.register_parameter("gate", None)
@@ -271,8 +276,6 @@ class NeuralAttentionScorer(Scorer):
         R (batch, kv_heads, kv_len, h), b_h included in R, the output weights w_a and the gate (None in
         replace mode). ``key`` is not repeated for grouped-query attention, so R costs kv_heads, not heads,
         projections."""
-        from ..ops.triton import FusedInputs
-
         if self.pair_weight is not None:
             # Relative input: QANA's fused term with U = M q~, V = w and b the same for every query, c = 0.
             units = self.relative_units(query)

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from ..ops.grouped import group_heads, grouped_matmul
+from ..ops.terms import FusedInputs
 from .base import ACTIVATIONS, AttentionGeometry, MLPScorerConfig, Scorer, attention_head_dim, option
 
 ROPE_MODES = ("rowwise", "none")
@@ -98,6 +99,10 @@ class QanaConfig(MLPScorerConfig):
                 "skip=False with init='zero' scores every key 0 forever (no skip path, and no gradient reaches "
                 "the zero query network). Use init='default'."
             )
+
+    @property
+    def has_gates(self) -> bool:
+        return True
 
     def from_scratch_reason(self) -> str | None:
         if not self.skip:
@@ -259,8 +264,6 @@ class QanaScorer(Scorer):
 
     def fused_inputs(self, query, key, extras: QanaQueryParts):
         """The query-network term: the query slices U, V, b, c and the gate (the kernels read the keys)."""
-        from ..ops.triton import FusedInputs
-
         if extras is None:
             raise ValueError("QANA needs its query slices (extras): call scorer.query_extras first.")
         U, V, b, c, _ = extras  # no basis: fused_unsupported_reason() refuses u_rank

@@ -1,20 +1,12 @@
 """The torch side of the fused kernels: what they accept, one ``torch.autograd.Function``, the launches.
 
 This module imports without triton; it imports the kernels of :mod:`.common` only when one is about to
-run. It sees tensors and a few static values (:class:`FusedInputs`), never a scorer.
+run. It sees tensors and a few static values (:class:`~hf_neural_attn.ops.terms.FusedInputs`, whose module doc
+lists each term's tensors), never a scorer.
 
-What the kernels take and return, by score term (``FusedInputs.term``):
-
-* ``"qana"`` (query network): the query slices U (batch, heads, h, q_len, head_dim), V, b
-  (batch, heads, q_len, h), c (batch, heads, q_len, 1) and the gate (heads,). Backward returns the
-  gradients of all of them; torch autograd carries those of U, V, b, c back to whatever produced them.
-* ``"neural"`` (pair MLP): the first layer split into its query and key halves, P (batch, heads, q_len, h)
-  and R (batch, kv_heads, kv_len, h) (from the keys *before* they are repeated for grouped-query
-  attention), the output weights w (h,) and the gate (heads,), or None for the replace form
-  ``scaling * mlp``.
-
-Keys and values may have fewer heads than queries (grouped-query attention): head ``i`` reads key/value
-head ``i // groups``, nothing is repeated.
+Backward returns the gradients of the term's tensors; torch autograd carries them back to whatever produced
+them. For the ``"neural"`` term, R comes from the keys *before* they are repeated for grouped-query attention:
+head ``i`` reads key/value head ``i // groups``, nothing is repeated.
 
 Numerics: scores, softmax statistics and every accumulation are fp32 whatever the input dtype. In fp32,
 products use full fp32 precision unless ``torch.backends.cuda.matmul.allow_tf32`` is set, as torch's own
@@ -31,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..terms import TERMS, FusedInputs
+
 SUPPORTED_ACTIVATIONS = ("gelu", "relu", "silu", "tanh", "sigmoid")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The h hidden units of a tile are unrolled into (BLOCK_M * h, BLOCK_N) fp32 registers; beyond this the
@@ -46,25 +40,6 @@ BACKWARD_BLOCK_SIZES: tuple[int, int] | None = None
 
 # The kernels' KIND codes (see :mod:`.common`).
 QANA, NEURAL_RESIDUAL, NEURAL_REPLACE = 0, 1, 2
-TERMS = ("qana", "neural")
-
-
-@dataclass(frozen=True)
-class FusedInputs:
-    """What a scorer hands the fused kernels for one call.
-
-    Attributes:
-        term: the score term the kernels add to (or, for ``"neural"`` without a gate, use instead of) the
-            scaled dot product: ``"qana"`` or ``"neural"``; see the module doc for its tensors.
-        tensors: the term's tensors, in the order the module doc lists them.
-        activation: the hidden layer's nonlinearity, one of ``SUPPORTED_ACTIVATIONS``.
-        hidden: the number of hidden units h.
-    """
-
-    term: str
-    tensors: tuple[torch.Tensor | None, ...]
-    activation: str
-    hidden: int
 
 
 def mlp_unsupported_reason(activation: str, hidden: int) -> str | None:
