@@ -11,17 +11,20 @@ model = hf_neural_attn.from_pretrained("adapter")            # base model loaded
 LoraConfig(..., modules_to_save=hf_neural_attn.peft_modules_to_save(model))   # scorers trained beside LoRA
 """
 
-__version__ = "0.1.0"
+from . import _compat
+from ._version import __version__
 
-from . import (
-    _compat,  # noqa: F401  (first: raises ImportError naming the needed transformers if it is too old)
-    auto,  # noqa: F401  (registers patched checkpoints with transformers' Auto classes)
-)
-from .adapters import push_adapter_to_hub, save_adapter
-from .checkpoint import from_pretrained
-from .patching import is_patched, patch_model, scorer_parameters, unpatch_model
-from .peft_utils import peft_modules_to_save
-from .scorers import (
+# Before anything touches transformers: below the floor the failures are hard to read, so say which release is needed.
+_compat.check_transformers_version()
+
+from . import attention, patched_config  # noqa: E402
+from .loading import auto  # noqa: E402
+from .loading.adapters import push_adapter_to_hub, save_adapter  # noqa: E402
+from .loading.checkpoints import from_pretrained  # noqa: E402
+from .patching import patch_model, unpatch_model  # noqa: E402
+from .peft_utils import peft_modules_to_save  # noqa: E402
+from .record import PatchRecord, is_patched, patch_record, scorer_parameters  # noqa: E402
+from .scorers import (  # noqa: E402
     AdditiveConfig,
     GeneralConfig,
     HeaConfig,
@@ -31,18 +34,28 @@ from .scorers import (
     ScorerConfig,
 )
 
+# The import side effects, all of them here:
+# 1. the attention function and mask builder a patched model runs, as attn_implementation="hf_neural_attn";
+attention.register()
+# 2. model_type "hf_neural_attn" with AutoConfig, and each patched config class with the AutoModel* classes that
+#    build its base class, as the class is made (so `import hf_neural_attn` is all an Auto class needs).
+auto.register()
+patched_config.on_patched_class(auto.register_patched_config)
+
 __all__ = [
     "AdditiveConfig",
     "GeneralConfig",
     "HeaConfig",
     "NeuralAttentionConfig",
     "NseaConfig",
+    "PatchRecord",
     "QanaConfig",
     "ScorerConfig",
     "__version__",
     "from_pretrained",
     "is_patched",
     "patch_model",
+    "patch_record",
     "peft_modules_to_save",
     "push_adapter_to_hub",
     "save_adapter",

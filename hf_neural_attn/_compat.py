@@ -33,6 +33,3 @@ def check_transformers_version(installed: str | None = None) -> None:
             f"hf_neural_attn needs transformers>={MIN_TRANSFORMERS}, found {installed}: "
             f'pip install "transformers>={MIN_TRANSFORMERS}"'
         )
-
-
-check_transformers_version()  # on import, before the rest of the library touches transformers

@@ -21,19 +21,13 @@ from .families import FAMILIES
 from .families.base import offloaded_weights_loaded
 from .ops import scored_attention
 from .ops.masks import as_additive_mask
-from .patched_config import ATTN_IMPLEMENTATION, read_record
+from .record import ATTN_IMPLEMENTATION, EXTRAS_KWARG, FALLBACK_ATTR, SCORER_ATTR, PatchRecord
 from .scorers import Scorer
 
 try:  # where transformers 5 collects output_attentions (forward hooks on the attention modules)
     from transformers.utils.output_capturing import _active_collector
 except ImportError:  # another layout: models then say it through the output_attentions kwarg only
     _active_collector = None
-
-SCORER_ATTR = "attn_scorer"  # submodule of each patched attention module
-# On every attention module that reads the patched config: (family name, original implementation), so
-# the modules the patch does not score keep running the model's own attention.
-FALLBACK_ATTR = "_hf_neural_attn_fallback"
-EXTRAS_KWARG = "hf_neural_attn_extras"  # per-query scorer inputs passed from the pre-hook to the attention function
 
 
 def hf_neural_attention_forward(
@@ -163,15 +157,14 @@ def hf_neural_attention_mask(*args, config=None, **kwargs):
     ``patching._FALLBACK_IMPLEMENTATIONS``) and get SDPA's mask. A config without a readable record (a
     sub-config the patch did not mark) gets the eager mask, which every path accepts.
     """
-    record = read_record(config) if config is not None else None
-    base = record.get("base_attn_implementation") if isinstance(record, dict) else None
+    record = PatchRecord.of(config) if config is not None else None
+    base = record.base_attn_implementation if record is not None else None
     builder = eager_mask if base in (None, "eager") else sdpa_mask
     return builder(*args, config=config, **kwargs)
 
 
-def _register() -> None:
+def register() -> None:
+    """Register the attention function and mask builder as ``"hf_neural_attn"`` (``hf_neural_attn/__init__.py``
+    calls it on import)."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, hf_neural_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, hf_neural_attention_mask)
-
-
-_register()

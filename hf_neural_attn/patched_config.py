@@ -11,7 +11,7 @@ class is switched to a subclass of its own config class (``LlamaConfig`` -> ``Ll
   (``model.set_attn_implementation("eager")`` would silently drop the scorers, so it raises instead);
 * ``save_pretrained`` writes ``model_type: "hf_neural_attn"`` (the base type is kept in the record) and
   ``attn_implementation: "hf_neural_attn"``, plus a two-line loader file listed in ``auto_map``. With the
-  library imported, transformers' Auto classes load such a checkpoint patched (:mod:`hf_neural_attn.auto`);
+  library imported, transformers' Auto classes load such a checkpoint patched (:mod:`hf_neural_attn.loading.auto`);
   without it every transformers entry point refuses instead of returning the unpatched base model.
 """
 
@@ -20,16 +20,15 @@ from __future__ import annotations
 import copy
 import json
 import os
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
 from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-ATTN_IMPLEMENTATION = "hf_neural_attn"  # the name registered in transformers' Attention(Mask)Interface
-RECORD_KEY = "hf_neural_attn"  # attribute of a patched model's config holding the patch record
-PATCHED_MODEL_TYPE = "hf_neural_attn"  # model_type written to a patched checkpoint's config.json
-BASE_MODEL_TYPE_FIELD = "base_model_type"  # record field: the model_type the checkpoint had before
+from .record import ATTN_IMPLEMENTATION, PATCHED_MODEL_TYPE, RECORD_KEY
+
 LOADER_MODULE = "hf_neural_attn_loader"  # the loader file written beside config.json (without ".py")
 LOADER_CONFIG_CLASS = "PatchedCheckpointConfig"
 _LOADER_REF = f"{LOADER_MODULE}.{LOADER_CONFIG_CLASS}"
@@ -48,11 +47,6 @@ file makes the load fail with an error naming the package instead.
 import hf_neural_attn  # noqa: F401
 from hf_neural_attn.auto import {LOADER_CONFIG_CLASS}  # noqa: F401
 '''
-
-
-def read_record(config: PretrainedConfig) -> Any:
-    """The raw patch record a config carries (unchecked: it may come from a damaged file), or None."""
-    return getattr(config, RECORD_KEY, None)
 
 
 def is_patched_config(config: Any) -> bool:
@@ -95,7 +89,7 @@ class _PatchedConfigMixin:
 
     def to_json_string(self, use_diff: bool = True) -> str:
         text = super().to_json_string(use_diff)
-        if read_record(self) is None:  # a sub-config, serialised inside its parent by to_dict
+        if getattr(self, RECORD_KEY, None) is None:  # a sub-config, serialised inside its parent by to_dict
             return text
         data = json.loads(text)
         data["model_type"] = PATCHED_MODEL_TYPE
@@ -104,7 +98,7 @@ class _PatchedConfigMixin:
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs) -> None:
-        if read_record(self) is not None:
+        if getattr(self, RECORD_KEY, None) is not None:
             # Written first, so that a push_to_hub of this folder uploads it together with config.json.
             os.makedirs(save_directory, exist_ok=True)
             with open(os.path.join(save_directory, f"{LOADER_MODULE}.py"), "w") as handle:
@@ -123,17 +117,32 @@ def _rebuild_patched_config(base_class: type[PretrainedConfig], state: dict[str,
     return config
 
 
+# Called with (patched class, base class) for every patched config class made: hf_neural_attn/__init__.py registers
+# transformers' Auto-class mapping here, so this module need not know the loaders that sit above it.
+_PATCHED_CLASS_CALLBACKS: list[Callable[[type[PretrainedConfig], type[PretrainedConfig]], None]] = []
+
+
+def on_patched_class(callback: Callable[[type[PretrainedConfig], type[PretrainedConfig]], None]) -> None:
+    """Call ``callback(patched_class, base_class)`` for each patched config class, those made so far included."""
+    _PATCHED_CLASS_CALLBACKS.append(callback)
+    for base_class in _made_classes:
+        callback(patched_config_class(base_class), base_class)
+
+
+_made_classes: list[type[PretrainedConfig]] = []
+
+
 @cache
 def patched_config_class(base_class: type[PretrainedConfig]) -> type[PretrainedConfig]:
-    """The patched subclass of ``base_class`` (made once per class), registered with transformers' Auto classes."""
+    """The patched subclass of ``base_class``, made once per class; see :func:`on_patched_class`."""
     patched = type(
         f"{base_class.__name__}WithNeuralAttn",
         (_PatchedConfigMixin, base_class),
         {"__module__": __name__, "_base_config_class": base_class},
     )
-    from .auto import register_patched_config  # here, not at the top: auto imports the loader, which imports us
-
-    register_patched_config(patched, base_class)
+    _made_classes.append(base_class)
+    for callback in _PATCHED_CLASS_CALLBACKS:
+        callback(patched, base_class)
     return patched
 
 
@@ -167,12 +176,14 @@ def config_from_saved_dict(config_dict: dict[str, Any], **kwargs):
     Called by transformers through ``AutoConfig.from_pretrained`` (see :class:`hf_neural_attn.auto.
     PatchedCheckpointConfig`); returns what ``PretrainedConfig.from_dict`` returns for the base config class.
     """
+    # Only the field needed to pick the config class is read here; the loaders check the whole record
+    # (PatchRecord.from_dict), where the message can name the checkpoint's folder.
     record = config_dict.get(RECORD_KEY)
-    base_type = record.get(BASE_MODEL_TYPE_FIELD) if isinstance(record, dict) else None
+    base_type = record.get("base_model_type") if isinstance(record, dict) else None
     if not isinstance(base_type, str) or base_type == PATCHED_MODEL_TYPE or base_type not in CONFIG_MAPPING:
         raise ValueError(
             f"This checkpoint's config.json says model_type {PATCHED_MODEL_TYPE!r}, but its {RECORD_KEY!r} record "
-            f"has no valid {BASE_MODEL_TYPE_FIELD!r} field (got {base_type!r}): the file is damaged, or "
+            f"has no valid 'base_model_type' field (got {base_type!r}): the file is damaged, or "
             "base_model_type names a model this version of transformers does not have."
         )
     plain = {key: value for key, value in config_dict.items() if key != "attn_implementation"}

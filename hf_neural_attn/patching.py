@@ -25,24 +25,31 @@ from __future__ import annotations
 
 import copy
 import operator
-import warnings
 from functools import partial
 from typing import Any
 
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from . import __version__
-from .attention import EXTRAS_KWARG, FALLBACK_ATTR, SCORER_ATTR
+from ._version import __version__
+from ._warnings import warn_user
 from .families import FAMILIES, ModelFamily, find_attention
 from .families.base import offloaded_weights_loaded
 from .ops import check_impl
-from .patched_config import BASE_MODEL_TYPE_FIELD, RECORD_KEY, make_patched, make_unpatched
+from .patched_config import make_patched, make_unpatched
+from .record import (
+    ADDED_MODULE_ATTR,
+    EXTRAS_KWARG,
+    FALLBACK_ATTR,
+    RECORD_KEY,
+    SCORER_ATTR,
+    PatchRecord,
+    inner_transformers_model,
+    is_patched,
+    patch_record,
+    patched_key_dim,
+)
 from .scorers import Scorer, ScorerConfig, scorer_class
-
-# On modules the patch put in place of the model's own (QANA's key_dim projections): their parameters are new,
-# like the scorers' (scorer_parameters lists them; they train, save and load with the patch).
-ADDED_MODULE_ATTR = "_hf_neural_attn_added"
 
 # Unpatched modules of a patched model keep running their own implementation when it is one of these two, with
 # the mask it would get unpatched (see attention.hf_neural_attention_mask). Flash and flex need masks of their
@@ -82,7 +89,7 @@ def patch_model(
         ValueError: unknown scorer or option, invalid value, layer index out of range, already patched.
         TypeError: ``model`` is not a transformers model with a supported attention family.
     """
-    inner = sentence_transformer_model(model)
+    inner = inner_transformers_model(model)
     if inner is not None:  # patched in place: the SentenceTransformer runs, saves and loads it as its own
         patch_model(inner, scorer, h=h, layers=layers, **options)
         return model
@@ -92,9 +99,9 @@ def patch_model(
             f"Supported families: {sorted(FAMILIES)}."
         )
     if is_patched(model):
-        record = getattr(model.config, RECORD_KEY, None) or {}
+        record = patch_record(model)
         raise ValueError(
-            f"This model is already patched with scorer {record.get('scorer')!r} on layers {record.get('layers')}. "
+            f"This model is already patched with scorer {record.scorer!r} on layers {list(record.layers)}. "
             "Call hf_neural_attn.unpatch_model(model) first to patch it differently."
         )
     config = _scorer_config(scorer, h, options)
@@ -102,11 +109,9 @@ def patch_model(
     selected = _normalise_layers(layers, len(attention_modules))
     scorer_type = scorer_class(config.scorer_name)
     if getattr(config, "init", None) == "zero":
-        warnings.warn(
+        warn_user(
             "init='zero' is the papers' literal init: the model stays exact, but no gradient ever reaches the "
-            "new parameters, so it cannot leave plain attention. Use init='default' to train.",
-            UserWarning,
-            stacklevel=2,
+            "new parameters, so it cannot leave plain attention. Use init='default' to train."
         )
     # impl="triton" where Triton cannot run fails here, not at the first forward. Only the machine is checked:
     # models are often patched on the CPU and moved to the GPU afterwards.
@@ -125,22 +130,20 @@ def patch_model(
 
     from_scratch = config.from_scratch_reason()
     if from_scratch:
-        warnings.warn(
+        warn_user(
             f"{from_scratch}: the patched model's outputs differ from the original's from the start. This option is "
-            "for training from scratch (the papers' ablations); leave it out to fine-tune a pretrained model.",
-            UserWarning,
-            stacklevel=2,
+            "for training from scratch (the papers' ablations); leave it out to fine-tune a pretrained model."
         )
     base_implementation = model.config._attn_implementation or "eager"
-    record = {
-        "scorer": config.scorer_name,
-        "options": config.to_dict(),
-        "layers": selected,
-        "family": family.name,
-        "base_attn_implementation": base_implementation,
-        BASE_MODEL_TYPE_FIELD: model.config.model_type,
-        "version": __version__,
-    }
+    record = PatchRecord(
+        scorer=config.scorer_name,
+        options=config.to_dict(),
+        layers=tuple(selected),
+        family=family.name,
+        base_attn_implementation=base_implementation,
+        base_model_type=model.config.model_type,
+        version=__version__,
+    )
     # From here on the model changes; nothing below can fail on user input.
     _adopt_private_configs(model)
     fallback = (family.name, base_implementation if base_implementation in _FALLBACK_IMPLEMENTATIONS else "sdpa")
@@ -157,7 +160,7 @@ def patch_model(
             module.register_forward_pre_hook(partial(_add_query_extras, family), with_kwargs=True)
     for config_object in _configs(model, config_readers):
         make_patched(config_object)
-    setattr(model.config, RECORD_KEY, record)
+    setattr(model.config, RECORD_KEY, record.to_dict())
     return model
 
 
@@ -167,7 +170,7 @@ def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
     Raises:
         ValueError: if ``model`` is not patched.
     """
-    inner = sentence_transformer_model(model)
+    inner = inner_transformers_model(model)
     if inner is not None:
         unpatch_model(inner)
         return model
@@ -190,42 +193,6 @@ def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
     for config_object in _configs(model, config_readers):
         make_unpatched(config_object)
     return model
-
-
-def sentence_transformer_model(model: nn.Module) -> PreTrainedModel | None:
-    """The transformers model inside a sentence-transformers ``SentenceTransformer`` (its ``Transformer`` module's
-    ``auto_model``), or None for any other object. Looked up by shape, so sentence-transformers is never imported."""
-    if isinstance(model, PreTrainedModel) or not isinstance(model, nn.Sequential):
-        return None
-    inner = [getattr(part, "auto_model", None) for part in model.children()]
-    inner = [candidate for candidate in inner if isinstance(candidate, PreTrainedModel)]
-    return inner[0] if len(inner) == 1 else None
-
-
-def patched_key_dim(model: nn.Module) -> int | None:
-    """The ``key_dim`` a model was patched with (QANA's narrower keys), or None: such a model has new query and key
-    projections, so it has no original to unpatch to and no base model an adapter could be applied to."""
-    record = getattr(getattr(model, "config", None), RECORD_KEY, None)
-    options = record.get("options") if isinstance(record, dict) else None
-    return options.get("key_dim") if isinstance(options, dict) else None
-
-
-def is_patched(model: nn.Module) -> bool:
-    """Whether ``model`` carries a patch. Judged by its modules, not by ``config.hf_neural_attn``: a config
-    loaded from a patched checkpoint by plain transformers carries the record over an unpatched model."""
-    return isinstance(model, nn.Module) and any(hasattr(module, FALLBACK_ATTR) for module in model.modules())
-
-
-def scorer_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The parameters the patch added, by their names in ``model.named_parameters()``: the scorers', and those of
-    the narrower query and key projections that QANA's ``key_dim`` puts in place of the model's."""
-    marker = f".{SCORER_ATTR}."
-    added = {name for name, module in model.named_modules() if getattr(module, ADDED_MODULE_ATTR, False)}
-    return {
-        name: p
-        for name, p in model.named_parameters()
-        if marker in f".{name}" or (added and name.rpartition(".")[0] in added)
-    }
 
 
 def _scorer_config(scorer: str | ScorerConfig, h: int | None, options: dict[str, Any]) -> ScorerConfig:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .attention import SCORER_ATTR
-from .patching import is_patched, patched_key_dim
+from .record import SCORER_ATTR, is_patched, patched_key_dim
 
 
 def peft_modules_to_save(model: nn.Module) -> list[str]:

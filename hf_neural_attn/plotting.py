@@ -32,9 +32,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .attention import SCORER_ATTR
 from .families import find_attention
-from .patching import RECORD_KEY, is_patched, patched_key_dim, unpatch_model
+from .patching import unpatch_model
+from .record import SCORER_ATTR, is_patched, patch_record, patched_key_dim
 from .scorers import Scorer
 
 # Layout of the attention-map figure, in inches at ``dpi``: the image is
@@ -167,10 +167,10 @@ def _valid_positions(inputs: dict[str, Any]) -> np.ndarray | None:
 
 def _layer_index(model: nn.Module, layer: int | None, num_layers: int) -> int:
     if layer is None:
-        record = getattr(model.config, RECORD_KEY, None) if is_patched(model) else None
-        if not record:
+        record = patch_record(model)
+        if record is None:
             raise ValueError("This model is not patched: pass layer= to choose the attention layer to draw.")
-        return record["layers"][0]
+        return record.layers[0]
     if isinstance(layer, bool) or not isinstance(layer, int) or not -num_layers <= layer < num_layers:
         raise ValueError(f"layer must be an attention layer index in 0..{num_layers - 1} (or negative), got {layer!r}.")
     return layer % num_layers
@@ -316,9 +316,9 @@ def plot_attention_maps(
     figsize = (panel_size * columns + MAP_EXTRA_WIDTH, panel_size * len(rows) + MAP_EXTRA_HEIGHT)
     figure, axes = plt.subplots(len(rows), columns, figsize=figsize, dpi=dpi, squeeze=False)
     heading = f"layer {maps.layer}: attention (rows: queries, columns: keys)"
-    if is_patched(model):
-        record = getattr(model.config, RECORD_KEY)
-        heading = f"layer {maps.layer}, {record['scorer']} patch vs unpatched (same weights, dot-product attention)"
+    record = patch_record(model)
+    if record is not None:
+        heading = f"layer {maps.layer}, {record.scorer} patch vs unpatched (same weights, dot-product attention)"
     heading = heading if title is None else f"{title}\n{heading}"
     top_inches = 0.35 + 0.17 * (heading.count("\n") + 1)
     figure.subplots_adjust(

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import typing
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -594,35 +595,14 @@ def _check_gate_schedule(args: argparse.Namespace) -> None:
 
 
 def scorer_has_gates(scorer: str, options: dict[str, Any]) -> bool | None:
-    """Whether a scorer with these options has a ``gate`` parameter: one is built on the meta device (no memory,
-    no model) for a generous head size. None when that cannot tell (options that need a real model); the run
-    then checks the patched model itself."""
-    import warnings
-
-    import torch
-
-    from hf_neural_attn.scorers.base import AttentionGeometry
-
+    """Whether a scorer with these options has gates alpha (``ScorerConfig.has_gates``); None when the options do
+    not make a config (``validate_args`` reports those)."""
     try:
         with warnings.catch_warnings():  # validate_args has already shown the options' warnings once
             warnings.simplefilter("ignore")
-            config = SCORER_REGISTRY[scorer].config_class.from_options(dict(options))
-        geometry = AttentionGeometry(
-            hidden_size=1024,
-            num_heads=4,
-            num_kv_heads=4,
-            head_dim=256,
-            query_bias=False,
-            query_weight_std=0.02,
-            dtype=torch.float32,
-            device=torch.device("meta"),
-        )
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            module = SCORER_REGISTRY[scorer](config, geometry)
-    except (ValueError, TypeError, RuntimeError, NotImplementedError):  # options that need a real model
+            return SCORER_REGISTRY[scorer].config_class.from_options(dict(options)).has_gates
+    except (ValueError, TypeError):
         return None
-    return any(name == "gate" or name.endswith(".gate") for name, _ in module.named_parameters())
 
 
 def _check_types_and_choices(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -591,7 +591,7 @@ def write_outputs(state: TrainingRun) -> dict[str, Any]:
         "num_processes": accelerator.num_processes,
         "total_train_batch_size": state.total_batch,
         "parameters": state.parameters,
-        "patch": bundle.patch,
+        "patch": bundle.patch.to_dict() if bundle.patch is not None else None,
         "task": args.task,
         "task_kind": task.kind,
         "pipeline_tag": task.pipeline_tag,

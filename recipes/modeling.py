@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 import hf_neural_attn
-from hf_neural_attn.patching import RECORD_KEY
 
 from .args import GLUE_TASKS, RecipeError, scorer_options
 
@@ -55,7 +54,7 @@ class ModelBundle:
     base_model: str | None = None  # Hub id of the pretrained model, for the model card
     from_scratch: bool = True
     new_parameters: set[str] = field(default_factory=set)  # names of parameters initialised in this run
-    patch: dict[str, Any] | None = None  # the patch record (model.config.hf_neural_attn), None for the baseline
+    patch: hf_neural_attn.PatchRecord | None = None  # the model's patch (hf_neural_attn.patch_record), None: baseline
 
 
 def task_head(task: str) -> tuple[dict[str, str], str]:
@@ -104,17 +103,21 @@ def load_config(args: argparse.Namespace):
             f"transformers has no {head} for model type {config.model_type!r}. "
             + ("Use a ViT-style image model." if is_image else "Use a decoder such as gpt2 or llama.")
         )
-    if is_patched_config(config) and args.scorer != "none":
-        record = getattr(config, RECORD_KEY)
+    record = patch_record_of(config)
+    if record is not None and args.scorer != "none":
         raise RecipeError(
-            f"{args.model_name_or_path} is already patched (scorer {record['scorer']!r}, layers {record['layers']}). "
+            f"{args.model_name_or_path} is already patched (scorer {record.scorer!r}, layers {list(record.layers)}). "
             "Pass --scorer none to keep training it with its patch."
         )
     return config
 
 
-def is_patched_config(config) -> bool:
-    return isinstance(getattr(config, RECORD_KEY, None), dict)
+def patch_record_of(config) -> hf_neural_attn.PatchRecord | None:
+    """The patch record a checkpoint's config carries (it was saved by a patched run), or None."""
+    try:
+        return hf_neural_attn.PatchRecord.of(config)
+    except ValueError as error:
+        raise RecipeError(str(error)) from error
 
 
 def describe_source(args: argparse.Namespace) -> str:
@@ -235,7 +238,7 @@ def build_model(args: argparse.Namespace, config, preprocessor, labels: dict[str
         except (TypeError, ValueError) as error:
             raise RecipeError(f"Cannot patch {type(model).__name__} with --scorer {args.scorer}: {error}") from error
     if hf_neural_attn.is_patched(model):
-        bundle.patch = dict(getattr(model.config, RECORD_KEY))
+        bundle.patch = hf_neural_attn.patch_record(model)
     else:
         for flag, given in (
             ("--train_only_new_params", args.train_only_new_params),
@@ -264,7 +267,7 @@ def _load_pretrained(model_class, path: str, config, args: argparse.Namespace):
     config.architectures = [model_class.__name__]
     kwargs = {"dtype": torch.float32, "ignore_mismatched_sizes": args.ignore_mismatched_sizes}
     try:
-        if is_patched_config(config):
+        if patch_record_of(config) is not None:
             # A checkpoint of a patched run: reload it with its patch and scorer weights.
             model = hf_neural_attn.from_pretrained(path, config=config, **kwargs)
             saved = _checkpoint_keys(path)

@@ -7,8 +7,11 @@ import json
 import logging
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import hf_neural_attn
 
 logger = logging.getLogger(__name__)
 
@@ -246,14 +249,21 @@ def describe_gate_schedule(schedule: str | None, warmup_steps: int | None) -> st
     return "learned"
 
 
-def describe_patch(patch: dict[str, Any] | None) -> str:
-    if not patch:
+def as_patch_record(patch: hf_neural_attn.PatchRecord | Mapping[str, Any] | None) -> hf_neural_attn.PatchRecord | None:
+    """A run's patch as a record: ``all_results.json`` holds it as the mapping ``PatchRecord.to_dict`` writes."""
+    if patch is None or isinstance(patch, hf_neural_attn.PatchRecord):
+        return patch
+    return hf_neural_attn.PatchRecord.from_dict(patch, source="the run's all_results.json", filename="patch")
+
+
+def describe_patch(patch: hf_neural_attn.PatchRecord | Mapping[str, Any] | None) -> str:
+    record = as_patch_record(patch)
+    if record is None:
         return "none (baseline)"
-    options = patch.get("options", {})
-    parts = [f"{patch['scorer']}", f"h={options.get('h')}"]
-    if patch["scorer"] == "neural":
-        parts += [f"d'={options.get('proj_dim')}", f"mode={options.get('mode')}"]
-    parts.append(f"layers={patch['layers']}")
+    parts = [record.scorer, f"h={record.options.get('h')}"]
+    if record.scorer == "neural":
+        parts += [f"d'={record.options.get('proj_dim')}", f"mode={record.options.get('mode')}"]
+    parts.append(f"layers={list(record.layers)}")
     return ", ".join(parts)
 
 
@@ -267,7 +277,7 @@ def model_card(results: dict[str, Any], output_dir: str | os.PathLike) -> str:
     settings = results["settings"]
     task, kind = settings["task"], results["task_kind"]
     data = results["data"]
-    patch = results.get("patch")
+    patch = as_patch_record(results.get("patch"))
     metric_names = [m for m in results["metric_names"] if isinstance(results.get(m), (int, float))]
     index_metrics = [m for m in metric_names if m != "eval_loss"]  # the task's metrics, for the model-index
     dataset_id = data["dataset_name"] if data["hub_dataset"] else "local"
@@ -291,7 +301,7 @@ def model_card(results: dict[str, Any], output_dir: str | os.PathLike) -> str:
                 metric_value=float(results[name]),
             )
         )
-    tags = ["hf-neural-attn", kind] + ([patch["scorer"], "nonlinear-attention"] if patch else ["baseline"])
+    tags = ["hf-neural-attn", kind] + ([patch.scorer, "nonlinear-attention"] if patch else ["baseline"])
     card_data = ModelCardData(
         base_model=results.get("base_model"),
         datasets=[data["dataset_name"]] if data["hub_dataset"] else None,
@@ -321,8 +331,8 @@ def model_card(results: dict[str, Any], output_dir: str | os.PathLike) -> str:
 
     patch_rows = "| setting | value |\n|---|---|\n"
     if patch:
-        patch_rows += f"| scorer | `{patch['scorer']}` |\n| layers | {patch['layers']} |\n"
-        for key, value in patch["options"].items():
+        patch_rows += f"| scorer | `{patch.scorer}` |\n| layers | {list(patch.layers)} |\n"
+        for key, value in patch.options.items():
             patch_rows += f"| {key} | {value} |\n"
         patch_rows += f"| new parameters | {results['parameters']['added_by_patch']:,} |\n"
         if settings.get("gate_schedule") not in (None, "learned"):

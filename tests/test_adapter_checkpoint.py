@@ -16,7 +16,7 @@ from helpers import FACTORIES, logits, model_inputs, perturb_scorers, tiny_gpt2,
 from safetensors.torch import load_file, save_file
 
 import hf_neural_attn
-from hf_neural_attn.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
+from hf_neural_attn.loading.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 
 ADAPTER_FILES = {ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, "README.md"}
 

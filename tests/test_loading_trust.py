@@ -21,7 +21,7 @@ from helpers import logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
 from transformers import LlamaConfig, LlamaForSequenceClassification, LlamaModel
 
 import hf_neural_attn
-from hf_neural_attn.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
+from hf_neural_attn.loading.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback on a machine without CUDA")
 
@@ -66,7 +66,7 @@ def test_a_triton_checkpoint_loads_and_runs_without_cuda(tmp_path, kind):
     # As if saved on a GPU machine with impl="triton" (patching with it needs no GPU; running does).
     edit_json(record_file, lambda c: c[record_of]["options"].update(impl="triton"))
     inputs = model_inputs("llama")
-    with pytest.warns(UserWarning, match="impl='triton'.*lacks CUDA.*impl='auto'") as caught:
+    with pytest.warns(UserWarning, match="impl='triton'.*needs a CUDA device.*impl='auto'") as caught:
         loaded = hf_neural_attn.from_pretrained(folder)
     assert len([w for w in caught if "impl='triton'" in str(w.message)]) == 1
     assert loaded.config.hf_neural_attn["options"]["impl"] == "auto"  # the record says what runs
@@ -86,7 +86,7 @@ def test_impl_can_be_chosen_on_load(tmp_path, kind):
         loaded = hf_neural_attn.from_pretrained(folder, impl="chunked")
     assert loaded.config.hf_neural_attn["options"]["impl"] == "chunked"
     torch.testing.assert_close(logits(loaded, inputs), logits(model, inputs), rtol=0, atol=1e-5)
-    with pytest.raises(ValueError, match="impl='fast' is not a compute path"):
+    with pytest.raises(ValueError, match="impl='fast' is not supported; choose one of"):
         hf_neural_attn.from_pretrained(folder, impl="fast")
 
 

@@ -1,11 +1,7 @@
-"""Loading patched checkpoints: :func:`from_pretrained` dispatches full checkpoints and adapter-only ones.
+"""``hf_neural_attn.from_pretrained``: one entry point for both kinds of patched checkpoint.
 
-Saving a full checkpoint needs nothing of ours: a patched model's ``save_pretrained`` / ``push_to_hub``
-writes its safetensors (scorer weights included, under ``...attn_scorer...``) and its config, which carries the
-patch record. Loading one, transformers loads the base model (so ``dtype``, ``device_map``, ``revision``,
-``token`` ... behave as usual), the recorded patch is applied again, and the scorer weights are read from the
-same safetensors files. Adapter-only checkpoints (scorer tensors plus the base model's id) are written and read
-by :mod:`hf_neural_attn.adapters`. Both loaders share :mod:`hf_neural_attn.checkpoint_io`.
+A folder or Hub repo holding ``hf_neural_attn_adapter.json`` is an adapter-only checkpoint (:mod:`.adapters`);
+anything else is read as a full checkpoint (:mod:`.full`).
 """
 
 from __future__ import annotations
@@ -14,17 +10,7 @@ import os
 from typing import Any
 
 from .adapters import find_adapter_config, load_adapter_model
-from .checkpoint_io import (
-    FILE_KWARGS,
-    load_config,
-    load_patched_model,
-    model_class_for,
-    read_config_record,
-    read_tensors,
-    report_base_loading,
-    scorer_config,
-)
-from .patched_config import base_config
+from .full import load_full_checkpoint
 
 
 def from_pretrained(
@@ -87,30 +73,4 @@ def from_pretrained(
             f"{path_or_repo_id} is not an adapter-only checkpoint (it has no hf_neural_attn_adapter.json), so "
             "base_model_name_or_path / base_model_revision do not apply: a full checkpoint holds its base weights."
         )
-    return _load_full_checkpoint(str(path_or_repo_id), model_class, impl, hf_kwargs)
-
-
-def _load_full_checkpoint(source: str, model_class, impl: str | None, hf_kwargs: dict[str, Any]):
-    output_loading_info = hf_kwargs.get("output_loading_info", False)
-    config, loading_kwargs = load_config(source, hf_kwargs)
-    record = read_config_record(config, source)
-    scorer = scorer_config(record, source, "config.json", impl)
-    model_class = model_class_for(config, source, model_class)
-    file_kwargs = {key: loading_kwargs[key] for key in FILE_KWARGS if key in loading_kwargs}
-    model, info = load_patched_model(
-        model_class,
-        source,
-        base_config(config),  # the record describes a patch still to apply: the base model loads unpatched
-        record,
-        scorer,
-        loading_kwargs,
-        lambda names: read_tensors(source, names, file_kwargs),
-        describe=f"The checkpoint {source}",
-        hint="The checkpoint is incomplete, or its config.json and weights come from different models.",
-    )
-    architectures = getattr(config, "architectures", None) or [None]
-    # Another class than the checkpoint's (a bare LlamaModel from a LlamaForCausalLM checkpoint) leaves the
-    # weights of the parts it lacks over, as intended: transformers does not warn about them either.
-    report = info if type(model).__name__ == architectures[0] else {**info, "unexpected_keys": []}
-    report_base_loading(report, source, stacklevel=4)  # user -> from_pretrained -> _load_full_checkpoint -> here
-    return (model, info) if output_loading_info else model
+    return load_full_checkpoint(str(path_or_repo_id), model_class, impl, hf_kwargs)

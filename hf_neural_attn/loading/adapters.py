@@ -19,11 +19,9 @@ transformers and PEFT treat a folder with those names as a PEFT adapter and woul
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import tempfile
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -36,25 +34,13 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import cached_file
 
-from . import __version__
-from .checkpoint_io import (
-    FILE_KWARGS,
-    base_checksum_names,
-    base_checksums,
-    changed_base_tensors,
-    check_model_fits_record,
-    check_record,
-    load_config,
-    load_patched_model,
-    loaded_parameter,
-    names_on_disk,
-    read_tensors,
-    report_base_loading,
-    scorer_config,
-    unreadable_weights_are_errors,
-)
-from .patched_config import base_config, read_record
-from .patching import is_patched, patched_key_dim, scorer_parameters
+from .._version import __version__
+from .._warnings import warn_user
+from ..patched_config import base_config
+from ..record import PatchRecord, is_patched, patch_record, patched_key_dim, scorer_parameters
+from .checksums import base_checksum_names, base_checksums, changed_base_tensors, loaded_parameter
+from .files import FILE_KWARGS, load_config, names_on_disk, read_tensors, unreadable_weights_are_errors
+from .load import check_model_fits_record, load_patched_model, read_record, report_base_loading
 
 ADAPTER_CONFIG_NAME = "hf_neural_attn_adapter.json"
 ADAPTER_WEIGHTS_NAME = "hf_neural_attn_adapter.safetensors"
@@ -139,12 +125,10 @@ def push_adapter_to_hub(
         metadata = json.loads((Path(folder) / ADAPTER_CONFIG_NAME).read_text())
         base = metadata["base_model_name_or_path"]
         if os.path.isabs(base):
-            warnings.warn(
+            warn_user(
                 f"The adapter pushed to {repo_id} records its base model as the local folder {base!r}, which "
                 "only this machine can load. Pass base_model_name_or_path='<hub repo id>' to record the base "
-                "model's Hub id (others can also override it at load time).",
-                UserWarning,
-                stacklevel=2,
+                "model's Hub id (others can also override it at load time)."
             )
         # The card in the repo shows the repo's own id in its loading example.
         (Path(folder) / CARD_NAME).write_text(_model_card(metadata, repo_id=repo_id))
@@ -190,8 +174,8 @@ def load_adapter_model(
     """The body of :func:`hf_neural_attn.from_pretrained` for an adapter folder or repo (see its arguments)."""
     source = str(path_or_repo_id)
     metadata = _read_adapter_config(adapter_config_file, source)
-    record = metadata["patch"]
-    scorer = scorer_config(record, source, ADAPTER_CONFIG_NAME, impl)
+    record: PatchRecord = metadata["patch"]
+    scorer = record.scorer_config(impl)
     if base_model_name_or_path is not None:
         base, revision = str(base_model_name_or_path), base_model_revision
     else:
@@ -262,7 +246,6 @@ def load_adapter_model(
         base,
         missing_hint="The missing weights were initialised at random and are not in the adapter, so outputs differ "
         "from the saved model's; save the full model (model.save_pretrained) when more than the scorers was trained.",
-        stacklevel=4,  # user -> from_pretrained -> load_adapter_model -> report_base_loading
     )
     return (model, info) if hf_kwargs.get("output_loading_info", False) else model
 
@@ -311,9 +294,9 @@ def _adapter_contents(
         "base_model_revision": base_model_revision,
         "architectures": [architecture],
         "model_type": getattr(base_config(model.config), "model_type", None),
-        "patch": copy.deepcopy(read_record(model.config)),
+        "patch": patch_record(model).to_dict(),
         "num_parameters": sum(tensor.numel() for tensor in tensors.values()),
-        # What the adapter needs its base to be: loading checks the base against these (see checkpoint_io).
+        # What the adapter needs its base to be: loading checks the base against these (see .checksums).
         "base_checksums": base_checksums(model),
     }
     return metadata, tensors
@@ -345,13 +328,11 @@ def _warn_if_base_was_trained(model: PreTrainedModel, base: str, revision: str |
             ):
                 changed.append(name)
     if changed:
-        warnings.warn(
+        warn_user(
             f"The base weights of this model differ from those of its base model {base!r} ({len(changed)} checked "
             f"tensor(s), e.g. {changed[:3]}): more than the scorers was trained, so an adapter cannot reproduce "
             "it, and hf_neural_attn.from_pretrained will refuse it on that base. Save the full model with "
-            "model.save_pretrained instead.",
-            UserWarning,
-            stacklevel=4,  # user -> save_adapter -> _adapter_contents -> here
+            "model.save_pretrained instead."
         )
 
 
@@ -402,8 +383,7 @@ def _read_adapter_config(path: str, source: str) -> dict[str, Any]:
             f"{source}/{ADAPTER_CONFIG_NAME} is damaged: base_checksums must map base tensor names to "
             f"{{'dtype': ..., 'sha256': ...}}, got {checksums!r}."
         )
-    # user -> from_pretrained -> load_adapter_model -> here -> check_record
-    metadata["patch"] = check_record(metadata["patch"], source, ADAPTER_CONFIG_NAME, stacklevel=5)
+    metadata["patch"] = read_record(metadata["patch"], source, ADAPTER_CONFIG_NAME)
     return metadata
 
 
@@ -434,8 +414,8 @@ def _model_card(metadata: dict[str, Any], repo_id: str | None) -> str:
     from huggingface_hub import ModelCard, ModelCardData
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    base, record = metadata["base_model_name_or_path"], metadata["patch"]
-    card_data = ModelCardData(library_name="hf_neural_attn", tags=["hf_neural_attn", record["scorer"]])
+    base, record = metadata["base_model_name_or_path"], PatchRecord.from_dict(metadata["patch"])
+    card_data = ModelCardData(library_name="hf_neural_attn", tags=["hf_neural_attn", record.scorer])
     try:
         if not os.path.isabs(base):
             validate_repo_id(base)
@@ -449,11 +429,11 @@ def _model_card(metadata: dict[str, Any], repo_id: str | None) -> str:
 {card_data.to_yaml()}
 ---
 
-# hf_neural_attn adapter: `{record["scorer"]}` on `{base}`
+# hf_neural_attn adapter: `{record.scorer}` on `{base}`
 
 An adapter-only checkpoint of `hf_neural_attn`: the {metadata["num_parameters"]:,} parameters
-of the `{record["scorer"]}` attention scorer (options `{json.dumps(record["options"])}`) on attention layers
-{record["layers"]} of `{base}`{revision} ({metadata["architectures"][0]}). It holds no base-model weights.
+of the `{record.scorer}` attention scorer (options `{json.dumps(dict(record.options))}`) on attention layers
+{list(record.layers)} of `{base}`{revision} ({metadata["architectures"][0]}). It holds no base-model weights.
 
 ```python
 import hf_neural_attn

@@ -1,0 +1,109 @@
+"""transformers' Auto classes load patched checkpoints as patched models, once hf_neural_attn is imported.
+
+A patched checkpoint's config.json says ``model_type: "hf_neural_attn"`` (see :mod:`hf_neural_attn.patched_config`).
+Importing the library registers that type with ``AutoConfig``, whose config class rebuilds the base config
+(``LlamaConfig``, ...) as its patched subclass. Each patched config class is in turn registered with every
+``AutoModel*`` class that serves its base class, mapped to a small loader class:
+
+* ``AutoModelForCausalLM.from_pretrained(path)`` -> :func:`hf_neural_attn.from_pretrained` with the base class
+  that Auto class would have built (``LlamaForCausalLM``), so the model comes back patched with its trained
+  scorer weights, of the ordinary transformers class;
+* ``AutoModelForCausalLM.from_config(patched_model.config)`` -> that base class built from the config and
+  patched as recorded (freshly initialised scorers, like any ``from_config``).
+
+This is the same route transformers offers any library with its own model types (``AutoConfig.register`` and
+``AutoModel*.register``); nothing of transformers is modified. ``hf_neural_attn/__init__.py`` calls
+:func:`register` on import and hands :func:`register_patched_config` to
+:func:`hf_neural_attn.patched_config.on_patched_class`, so each patched config class is mapped as it is made.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto import modeling_auto
+from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+from ..patched_config import base_config, config_from_saved_dict
+from ..record import PATCHED_MODEL_TYPE, PatchRecord
+from .checkpoints import from_pretrained
+from .load import apply_record
+
+
+class PatchedCheckpointConfig(PretrainedConfig):
+    """``AutoConfig``'s class for ``model_type: "hf_neural_attn"``: builds the checkpoint's patched base config."""
+
+    model_type = PATCHED_MODEL_TYPE
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        return config_from_saved_dict(config_dict, **kwargs)
+
+
+def _auto_model_classes() -> list[type[_BaseAutoModelClass]]:
+    return [
+        value
+        for value in vars(modeling_auto).values()
+        if isinstance(value, type)
+        and issubclass(value, _BaseAutoModelClass)
+        and getattr(value, "_model_mapping", None) is not None
+    ]
+
+
+def register_patched_config(patched_class: type[PretrainedConfig], base_class: type[PretrainedConfig]) -> None:
+    """Map ``patched_class`` to a loader in every Auto model class that builds ``base_class``."""
+    for auto_class in _auto_model_classes():
+        if base_class in auto_class._model_mapping:
+            auto_class._model_mapping.register(patched_class, _loader_for(auto_class), exist_ok=True)
+
+
+def _base_model_class(auto_class: type[_BaseAutoModelClass], config: PretrainedConfig):
+    """The transformers class ``auto_class`` builds for the unpatched ``config``."""
+    candidates = auto_class._model_mapping[type(config)]
+    if not isinstance(candidates, (list, tuple)):
+        return candidates
+    by_name = {candidate.__name__: candidate for candidate in candidates}
+    for architecture in getattr(config, "architectures", None) or []:
+        if architecture in by_name:
+            return by_name[architecture]
+    return candidates[0]
+
+
+@cache
+def _loader_for(auto_class: type[_BaseAutoModelClass]) -> type:
+    """The class ``auto_class`` maps patched configs to: it builds the base class ``auto_class`` would build."""
+
+    class PatchedModelLoader:
+        @classmethod
+        def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *model_args, config=None, **kwargs):
+            if model_args:
+                raise TypeError(
+                    "hf_neural_attn checkpoints take no positional model arguments; pass options as keywords."
+                )
+            model_class = _base_model_class(auto_class, base_config(config))
+            return from_pretrained(pretrained_model_name_or_path, model_class=model_class, config=config, **kwargs)
+
+        @classmethod
+        def _from_config(cls, config, **kwargs):
+            # The record is read (and its scorer config built) before the model, so a damaged one fails fast.
+            record = PatchRecord.of(config)
+            if record is None:
+                raise ValueError(
+                    f"{type(config).__name__} carries no hf_neural_attn record, so there is no patch to apply; build "
+                    "the model with its plain transformers class."
+                )
+            scorer = record.scorer_config()
+            plain = base_config(config)
+            model = _base_model_class(auto_class, plain)._from_config(plain, **kwargs)
+            return apply_record(model, record, scorer)
+
+    PatchedModelLoader.__name__ = PatchedModelLoader.__qualname__ = f"{auto_class.__name__}PatchedLoader"
+    return PatchedModelLoader
+
+
+def register() -> None:
+    """Register ``model_type: "hf_neural_attn"`` with ``AutoConfig`` (the Auto model classes are mapped per patched
+    config class, by :func:`register_patched_config`)."""
+    AutoConfig.register(PATCHED_MODEL_TYPE, PatchedCheckpointConfig, exist_ok=True)

@@ -1,0 +1,140 @@
+"""Files of a checkpoint: the caller's keywords split as transformers splits them, the config, the model class,
+the names tensors have on disk, and the safetensors reads.
+
+Nothing here builds or patches a model; :mod:`.load` does, with what these functions read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import transformers
+from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig
+from transformers.core_model_loading import revert_weight_conversion
+from transformers.utils import cached_file
+
+# Keyword arguments that locate files (on disk or on the Hub); shared by the config, weights and our reads.
+FILE_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
+# transformers' ``PreTrainedModel.from_pretrained`` keywords that steer loading (transformers 5.23 pops these
+# before building the config); every other keyword it reads as a config attribute to override, and passes what
+# is left to the model's constructor.
+LOADING_KWARGS = (
+    *FILE_KWARGS,
+    "state_dict", "tqdm_class", "output_loading_info", "_from_pipeline", "_from_auto", "dtype", "torch_dtype",
+    "device_map", "max_memory", "offload_folder", "offload_buffers", "quantization_config", "_commit_hash",
+    "variant", "adapter_kwargs", "adapter_name", "generation_config", "gguf_file", "distributed_config",
+    "device_mesh", "tp_plan", "tp_size", "trust_remote_code", "allow_all_kernels", "use_kernels", "kernel_config",
+    "key_mapping", "ignore_mismatched_sizes", "use_safetensors", "weights_only", "attn_implementation",
+    "mirror", "_fast_init", "low_cpu_mem_usage", "from_tf", "from_flax", "offload_state_dict",
+)  # fmt: skip
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+
+def split_config_overrides(hf_kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(loading keywords, candidate config overrides), as transformers' ``from_pretrained`` splits them."""
+    loading = {key: value for key, value in hf_kwargs.items() if key in LOADING_KWARGS}
+    return loading, {key: value for key, value in hf_kwargs.items() if key not in LOADING_KWARGS}
+
+
+def load_config(path_or_repo_id: str, hf_kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``(config, loading keywords)`` for ``path_or_repo_id`` and the caller's ``hf_kwargs``.
+
+    As in transformers: a ``config=`` passed in is used as given (callers read it and copy it with
+    :func:`~hf_neural_attn.patched_config.base_config`, never change it) and every other keyword goes on to loading; otherwise keywords that are config attributes
+    (``num_labels``, ``output_hidden_states``, ...) override the loaded config's, and the rest go on.
+    """
+    hf_kwargs = dict(hf_kwargs)
+    config = hf_kwargs.pop("config", None)
+    if config is not None:
+        return config, hf_kwargs
+    loading, overrides = split_config_overrides(hf_kwargs)
+    lookup = {key: loading[key] for key in (*FILE_KWARGS, "trust_remote_code") if key in loading}
+    config, unused = AutoConfig.from_pretrained(path_or_repo_id, return_unused_kwargs=True, **lookup, **overrides)
+    return config, {**loading, **unused}
+
+
+def model_class_for(config, source: str, model_class=None):
+    """The transformers class to build: ``model_class`` when given, else ``config.architectures[0]``."""
+    if model_class is not None:
+        return model_class
+    architectures = getattr(config, "architectures", None) or []
+    found = getattr(transformers, architectures[0], None) if architectures else None
+    if found is None:
+        raise ValueError(
+            f"Cannot tell which model class to build for {source}: config.architectures is {architectures!r}. "
+            "Checkpoints written by save_pretrained record it; or pass model_class=."
+        )
+    return found
+
+
+@contextmanager
+def unreadable_weights_are_errors(source: str):
+    """Turn safetensors' read errors into a ``ValueError`` that says which checkpoint and what to do."""
+    try:
+        yield
+    except SafetensorError as error:
+        raise ValueError(
+            f"The weights in {source} cannot be read ({error}); the file is truncated or corrupt. Save the "
+            "model again, or download it again with force_download=True."
+        ) from error
+
+
+@contextmanager
+def quiet_transformers():
+    """Hide transformers' load report, which lists the scorer weights as unexpected; we check it ourselves."""
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def names_on_disk(model, parameters: Mapping[str, torch.Tensor]) -> dict[str, list[str]]:
+    """Where each of ``parameters`` (named as in ``model``) can sit in a checkpoint: its name after the key
+    renaming transformers applies when saving some models (e.g. ViT's ``vit.layers.0`` is written as
+    ``vit.encoder.layer.0``), then its name in the model; each also with the base model prefix added or taken
+    away, as transformers matches a bare model (``LlamaModel``) and one with a head (``LlamaForCausalLM``)
+    against each other's checkpoints. The first candidate is the name a full checkpoint of ``model`` uses."""
+    model_name_of = {id(tensor): name for name, tensor in parameters.items()}
+    saved_as = {name: [] for name in parameters}
+    for disk_name, tensor in revert_weight_conversion(model, dict(parameters)).items():
+        if id(tensor) in model_name_of:
+            saved_as[model_name_of[id(tensor)]].append(disk_name)
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    candidates = {}
+    for name, names in saved_as.items():
+        names = [*names, name]
+        if prefix != ".":
+            names += [n.removeprefix(prefix) if n.startswith(prefix) else prefix + n for n in names]
+        candidates[name] = list(dict.fromkeys(names))
+    return candidates
+
+
+def read_tensors(source: str, names: set[str], file_kwargs: dict) -> dict[str, torch.Tensor]:
+    """Read those of ``names`` present in the checkpoint's safetensors file(s), single or sharded."""
+    lookup = {**file_kwargs, "_raise_exceptions_for_missing_entries": False}
+    index_file = cached_file(source, WEIGHTS_INDEX_NAME, **lookup)
+    if index_file is not None:
+        with open(index_file) as handle:
+            weight_map = json.load(handle)["weight_map"]
+        files = sorted({weight_map[name] for name in names if name in weight_map})
+    else:
+        files = [WEIGHTS_NAME]
+    tensors: dict[str, torch.Tensor] = {}
+    for filename in files:
+        local = cached_file(source, filename, **lookup)
+        if local is None:
+            raise ValueError(f"{source} has no {filename}; patched checkpoints are saved as safetensors.")
+        with safe_open(local, framework="pt") as weights:
+            for name in names.intersection(weights.keys()):
+                tensors[name] = weights.get_tensor(name)
+    return tensors

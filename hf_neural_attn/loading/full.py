@@ -1,0 +1,42 @@
+"""Full checkpoints: what a patched model's ``save_pretrained`` / ``push_to_hub`` writes, loaded back patched.
+
+Saving needs nothing of ours: a patched model's safetensors hold its scorer weights (under ``...attn_scorer...``)
+and its config.json the patch record. Loading, transformers loads the base model (so ``dtype``, ``device_map``,
+``revision``, ``token`` ... behave as usual), the recorded patch is applied again, and the scorer weights are read
+from the same safetensors files (:func:`.load.load_patched_model`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..patched_config import base_config
+from .files import FILE_KWARGS, load_config, model_class_for, read_tensors
+from .load import load_patched_model, read_config_record, report_base_loading
+
+
+def load_full_checkpoint(source: str, model_class, impl: str | None, hf_kwargs: dict[str, Any]):
+    """The body of :func:`hf_neural_attn.from_pretrained` for a full checkpoint (see its arguments)."""
+    output_loading_info = hf_kwargs.get("output_loading_info", False)
+    config, loading_kwargs = load_config(source, hf_kwargs)
+    record = read_config_record(config, source)
+    scorer = record.scorer_config(impl)
+    model_class = model_class_for(config, source, model_class)
+    file_kwargs = {key: loading_kwargs[key] for key in FILE_KWARGS if key in loading_kwargs}
+    model, info = load_patched_model(
+        model_class,
+        source,
+        base_config(config),  # the record describes a patch still to apply: the base model loads unpatched
+        record,
+        scorer,
+        loading_kwargs,
+        lambda names: read_tensors(source, names, file_kwargs),
+        describe=f"The checkpoint {source}",
+        hint="The checkpoint is incomplete, or its config.json and weights come from different models.",
+    )
+    architectures = getattr(config, "architectures", None) or [None]
+    # Another class than the checkpoint's (a bare LlamaModel from a LlamaForCausalLM checkpoint) leaves the
+    # weights of the parts it lacks over, as intended: transformers does not warn about them either.
+    report = info if type(model).__name__ == architectures[0] else {**info, "unexpected_keys": []}
+    report_base_loading(report, source)
+    return (model, info) if output_loading_info else model

@@ -1,0 +1,230 @@
+"""The patch record, and the names the patch leaves on a model: what every layer above reads to know a patch.
+
+A patched model's config carries ``config.hf_neural_attn``, the record of its patch, and saves it in config.json
+(an adapter-only checkpoint saves it in its own JSON). On disk and in the config it is a plain mapping, since that
+is what transformers serialises. In the code it is a :class:`PatchRecord`: its fields are declared once, here,
+:meth:`PatchRecord.from_dict` is the only reader of the mapping (checked field by field, so a damaged file is an
+error naming the file and the field) and :meth:`PatchRecord.to_dict` the only writer.
+
+The read-only questions asked of a model (is it patched, with which record, which parameters are new) are here
+too, judged from the names below; the modules that write them (:mod:`hf_neural_attn.patching`,
+:mod:`hf_neural_attn.attention`) sit above this one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from torch import nn
+from transformers import PreTrainedModel
+
+from ._version import __version__
+from ._warnings import warn_user
+from .ops.triton import triton_unavailable_reason
+from .scorers import SCORERS, ScorerConfig
+
+ATTN_IMPLEMENTATION = "hf_neural_attn"  # the name registered in transformers' Attention(Mask)Interface
+RECORD_KEY = "hf_neural_attn"  # the config attribute (and config.json field) holding the record
+PATCHED_MODEL_TYPE = "hf_neural_attn"  # model_type written to a patched checkpoint's config.json
+SCORER_ATTR = "attn_scorer"  # submodule of each patched attention module
+# On every attention module that reads the patched config: (family name, original implementation), so the modules
+# the patch does not score keep running the model's own attention. Its presence is what "patched" means.
+FALLBACK_ATTR = "_hf_neural_attn_fallback"
+# On modules the patch put in place of the model's own (QANA's key_dim projections): their parameters are new, like
+# the scorers' (they train, save and load with the patch).
+ADDED_MODULE_ATTR = "_hf_neural_attn_added"
+EXTRAS_KWARG = "hf_neural_attn_extras"  # per-query scorer inputs passed from the pre-hook to the attention function
+
+# The compute path a checkpoint recorded with impl="triton" runs where Triton cannot: the default per-call rule.
+PORTABLE_IMPL = "auto"
+
+
+def damaged(source: str, filename: str, field_name: str | None, problem: str) -> ValueError:
+    """The error for a damaged patch record, naming the file it came from and the field."""
+    where = f"field {field_name!r} of " if field_name else ""
+    return ValueError(
+        f"The hf_neural_attn record in {source}/{filename} is damaged: {where}the record {problem}. "
+        "Save the model (or adapter) again with hf_neural_attn, or restore the file."
+    )
+
+
+@dataclass(frozen=True)
+class PatchRecord:
+    """What a patch was: enough to apply it again to the same base model.
+
+    Attributes:
+        scorer: the scorer's name (a key of ``hf_neural_attn.scorers.SCORERS``).
+        options: the scorer config's options (``ScorerConfig.to_dict()``).
+        layers: the patched attention layers, sorted non-negative indices.
+        family: the model family's name (``hf_neural_attn.families.FAMILIES``); None in records that predate it.
+        base_attn_implementation: the attention implementation the model ran before the patch (``"eager"``,
+            ``"sdpa"``, ...): its unscored modules keep running it, and ``unpatch_model`` restores it.
+        base_model_type: the config's ``model_type`` before the patch (``"llama"``); a saved config.json says
+            ``"hf_neural_attn"`` instead, and this is how it is rebuilt.
+        version: the hf_neural_attn version that made the patch.
+        origin: where the record was read from, ``(source, filename)``, for error messages; not saved.
+    """
+
+    scorer: str
+    options: Mapping[str, Any]
+    layers: tuple[int, ...]
+    family: str | None = None
+    base_attn_implementation: str | None = None
+    base_model_type: str | None = None
+    version: str = __version__
+    origin: tuple[str, str] | None = field(default=None, compare=False, repr=False)
+
+    # The fields a saved record must have; the others were added later and may be absent.
+    REQUIRED: ClassVar[tuple[str, ...]] = ("scorer", "options", "layers", "version")
+    OPTIONAL_NAMES: ClassVar[tuple[str, ...]] = ("family", "base_attn_implementation", "base_model_type")
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "this model", filename: str = "config.json") -> PatchRecord:
+        """The record a saved mapping holds, checked field by field.
+
+        Raises:
+            ValueError: a field is missing or malformed (the message names ``source``/``filename`` and the field),
+                or the scorer is one this version of the library does not have.
+        """
+        if not isinstance(data, Mapping):
+            raise damaged(source, filename, None, f"must be a mapping with {list(cls.REQUIRED)}, got {data!r}")
+        for name in cls.REQUIRED:
+            if name not in data:
+                raise damaged(source, filename, name, f"lacks it (expected {list(cls.REQUIRED)})")
+        scorer, options, layers, version = (data[name] for name in cls.REQUIRED)
+        if not isinstance(scorer, str):
+            raise damaged(source, filename, "scorer", f"must name a scorer, got {scorer!r}")
+        if scorer not in SCORERS:
+            raise ValueError(
+                f"{source} was patched with scorer {scorer!r}, which this version of hf_neural_attn "
+                f"({__version__}) does not have. Available scorers: {sorted(SCORERS)}."
+            )
+        if not isinstance(options, Mapping) or not all(isinstance(key, str) for key in options):
+            raise damaged(source, filename, "options", f"must be a mapping of option names to values, got {options!r}")
+        if not (
+            isinstance(layers, list) and layers and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+        ):
+            raise damaged(source, filename, "layers", f"must be a non-empty list of layer indices, got {layers!r}")
+        if any(i < 0 for i in layers) or layers != sorted(set(layers)):
+            raise damaged(source, filename, "layers", f"must hold sorted non-negative layer indices, got {layers!r}")
+        if not isinstance(version, str) or not re.fullmatch(r"\d+(\.\d+)*\S*", version):
+            raise damaged(source, filename, "version", f"must be a version string, got {version!r}")
+        names = {}
+        for name in cls.OPTIONAL_NAMES:
+            value = data.get(name)
+            if value is not None and not isinstance(value, str):
+                raise damaged(source, filename, name, f"must be a name, got {value!r}")
+            names[name] = value
+        return cls(scorer, dict(options), tuple(layers), **names, version=version, origin=(source, filename))
+
+    @classmethod
+    def of(cls, model_or_config: Any) -> PatchRecord | None:
+        """The record a model's config (or a config) carries, or None. A record that does not read is an error
+        naming the config (it was edited, or written by a newer version)."""
+        config = getattr(model_or_config, "config", model_or_config)
+        data = getattr(config, RECORD_KEY, None)
+        if data is None:
+            return None
+        return cls.from_dict(data, source=f"this model's config ({type(config).__name__})", filename=RECORD_KEY)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The mapping saved in config.json (and in an adapter's JSON)."""
+        return {
+            "scorer": self.scorer,
+            "options": dict(self.options),
+            "layers": list(self.layers),
+            "family": self.family,
+            "base_attn_implementation": self.base_attn_implementation,
+            "base_model_type": self.base_model_type,
+            "version": self.version,
+        }
+
+    @property
+    def key_dim(self) -> int | None:
+        """QANA's ``key_dim`` (narrower queries and keys), or None: a model patched with it has new query and key
+        projections, so it has no original to unpatch to and no base model an adapter could be applied to."""
+        key_dim = self.options.get("key_dim")
+        return key_dim if isinstance(key_dim, int) and not isinstance(key_dim, bool) else None
+
+    def scorer_config(self, impl: str | None = None) -> ScorerConfig:
+        """The scorer config this record describes, with the compute path to run here.
+
+        ``impl`` (the caller's choice) wins over the recorded one, and is checked like any option. The compute
+        path is a run-time choice, not part of the model (every path computes the same scores), so a recorded
+        ``"triton"`` that cannot run on this machine becomes :data:`PORTABLE_IMPL`, with one warning.
+
+        Raises:
+            ValueError: the options do not describe a scorer of this kind (a damaged record, naming where it was
+                read), or ``impl`` is not a compute path.
+        """
+        source, filename = self.origin or ("this model", "config.json")
+        config_class = SCORERS[self.scorer].config_class
+        try:
+            config = config_class.from_record(dict(self.options))
+        except (TypeError, ValueError) as error:
+            problem = f"does not describe a {self.scorer!r} scorer: {str(error).rstrip('.')}"
+            raise damaged(source, filename, "options", problem) from error
+        if impl is not None:
+            return dataclasses.replace(config, impl=impl)
+        if config.impl == "triton":
+            reason = triton_unavailable_reason()
+            if reason is not None:
+                warn_user(
+                    f"{source} was saved with impl='triton', which cannot run here: {reason}. Loading it with "
+                    f"impl={PORTABLE_IMPL!r}, the default rule (the reference or chunked path by the size of each "
+                    "call; the same scores). Pass impl=... to choose."
+                )
+                return dataclasses.replace(config, impl=PORTABLE_IMPL)
+        return config
+
+
+def patch_record(model: nn.Module) -> PatchRecord | None:
+    """The record of ``model``'s patch (scorer, options, layers, family, base implementation, base model type,
+    version), or None when ``model`` is not patched. A sentence-transformers model answers for the transformers
+    model it holds."""
+    inner = inner_transformers_model(model)
+    if inner is not None:
+        model = inner
+    return PatchRecord.of(model) if is_patched(model) else None
+
+
+def inner_transformers_model(model: nn.Module) -> nn.Module | None:
+    """The transformers model inside a sentence-transformers ``SentenceTransformer`` (its ``Transformer`` module's
+    ``auto_model``), or None for any other object. Looked up by shape, so sentence-transformers is never imported."""
+    if isinstance(model, PreTrainedModel) or not isinstance(model, nn.Sequential):
+        return None
+    inner = [getattr(part, "auto_model", None) for part in model.children()]
+    inner = [candidate for candidate in inner if isinstance(candidate, PreTrainedModel)]
+    return inner[0] if len(inner) == 1 else None
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether ``model`` carries a patch. Judged by its modules, not by ``config.hf_neural_attn``: a config loaded
+    from a patched checkpoint by plain transformers carries the record over an unpatched model."""
+    return isinstance(model, nn.Module) and any(hasattr(module, FALLBACK_ATTR) for module in model.modules())
+
+
+def patched_key_dim(model: nn.Module) -> int | None:
+    """The ``key_dim`` a model was patched with (QANA's narrower keys), or None (see :attr:`PatchRecord.key_dim`)."""
+    data = getattr(getattr(model, "config", None), RECORD_KEY, None)
+    options = data.get("options") if isinstance(data, Mapping) else None
+    key_dim = options.get("key_dim") if isinstance(options, Mapping) else None
+    return key_dim if isinstance(key_dim, int) and not isinstance(key_dim, bool) else None
+
+
+def scorer_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters the patch added, by their names in ``model.named_parameters()``: the scorers', and those of
+    the narrower query and key projections that QANA's ``key_dim`` puts in place of the model's."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"scorer_parameters expects a model (a torch nn.Module), got {type(model).__name__}.")
+    marker = f".{SCORER_ATTR}."
+    added = {name for name, module in model.named_modules() if getattr(module, ADDED_MODULE_ATTR, False)}
+    return {
+        name: parameter
+        for name, parameter in model.named_parameters()
+        if marker in f".{name}" or (added and name.rpartition(".")[0] in added)
+    }

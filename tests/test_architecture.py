@@ -1,0 +1,219 @@
+"""The import graph of the library and the recipes, read from the source with ``ast`` (nothing is imported).
+
+Every ``import`` counts, at module level or inside a function: a function-level import is an edge that only
+shows up late, and a circle through one is still a circle. docs/api.md ("How the code is laid out") describes
+the floors checked here.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("hf_neural_attn", "recipes")
+
+# The library's floors, lowest first: a module may import modules of its own floor and of the floors below it.
+# Within a floor, the import graph must still have no circle (checked separately). Patterns are module names;
+# a trailing ".*" covers a package and everything under it.
+FLOORS: list[tuple[str, tuple[str, ...]]] = [
+    ("leaves", ("hf_neural_attn._version", "hf_neural_attn._compat", "hf_neural_attn._warnings")),
+    ("fused-term contract", ("hf_neural_attn.ops.terms",)),
+    ("kernels", ("hf_neural_attn.ops.triton", "hf_neural_attn.ops.triton.*")),
+    ("compute", ("hf_neural_attn.ops", "hf_neural_attn.ops.*")),
+    ("math", ("hf_neural_attn.scorers", "hf_neural_attn.scorers.*")),
+    ("model plumbing", ("hf_neural_attn.families", "hf_neural_attn.families.*")),
+    ("record", ("hf_neural_attn.record",)),
+    ("config", ("hf_neural_attn.patched_config",)),
+    ("attention", ("hf_neural_attn.attention",)),
+    ("patching", ("hf_neural_attn.patching",)),
+    ("loading", ("hf_neural_attn.loading", "hf_neural_attn.loading.*")),
+    ("extras", ("hf_neural_attn.peft_utils", "hf_neural_attn.plotting", "hf_neural_attn.auto")),
+    ("package", ("hf_neural_attn",)),
+]
+
+# What the recipes may import from the library: docs/api.md's public modules.
+PUBLIC_MODULES = ("hf_neural_attn", "hf_neural_attn.scorers", "hf_neural_attn.plotting")
+
+
+def module_files() -> dict[str, Path]:
+    """Module name -> source file, for every module of the library and the recipes."""
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join(parts)] = path
+    return modules
+
+
+MODULES = module_files()
+
+
+def is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def imports_of(name: str) -> list[tuple[str, str | None, int]]:
+    """(imported module, imported name or None, line) for every import in module ``name``, function-level ones
+    included. ``from package import name`` is an import of the submodule ``package.name`` when there is one."""
+    tree = ast.parse(MODULES[name].read_text(), filename=str(MODULES[name]))
+    package = name if is_package(name) else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                submodule = f"{target}.{alias.name}"
+                if submodule in MODULES:
+                    found.append((submodule, None, node.lineno))
+                else:
+                    found.append((target, alias.name, node.lineno))
+    return found
+
+
+def internal_graph() -> dict[str, set[str]]:
+    """Module -> the library and recipe modules it imports (the nearest known module of each import)."""
+    graph: dict[str, set[str]] = {name: set() for name in MODULES}
+    for name in MODULES:
+        for target, _, _ in imports_of(name):
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def strongly_connected_components(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative; components of more than one module are circles."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    components: list[list[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                components.append(sorted(component))
+    return components
+
+
+def floor_of(name: str) -> int | None:
+    for level, (_, patterns) in enumerate(FLOORS):
+        for pattern in patterns:
+            if name == pattern or (pattern.endswith(".*") and name.startswith(pattern[:-1])):
+                return level
+    return None
+
+
+def test_the_checker_finds_a_circle_and_resolves_relative_imports():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert [c for c in strongly_connected_components(graph) if len(c) > 1] == [["a", "b", "c"]]
+    # from .ops import scored_attention (a name) -> the ops package; from .ops import masks -> the submodule.
+    assert "hf_neural_attn.ops" in internal_graph()["hf_neural_attn.attention"]
+
+
+def test_the_import_graph_has_no_circle():
+    circles = [c for c in strongly_connected_components(internal_graph()) if len(c) > 1]
+    assert circles == [], f"import circles (function-level imports count): {circles}"
+
+
+def test_every_library_module_has_a_floor():
+    library = [name for name in MODULES if name.startswith("hf_neural_attn")]
+    assert [name for name in library if floor_of(name) is None] == []
+
+
+def test_library_modules_import_only_their_floor_and_below():
+    graph = internal_graph()
+    upward = []
+    for name, targets in graph.items():
+        if not name.startswith("hf_neural_attn"):
+            continue
+        for target in targets:
+            if target.startswith("hf_neural_attn") and floor_of(target) > floor_of(name):
+                upward.append(f"{name} ({FLOORS[floor_of(name)][0]}) imports {target} ({FLOORS[floor_of(target)][0]})")
+    assert upward == []
+
+
+def test_the_library_does_not_import_the_recipes():
+    graph = internal_graph()
+    assert [(n, t) for n, ts in graph.items() if n.startswith("hf_neural_attn") for t in ts if t.startswith("recipes")] == []
+
+
+def test_recipes_import_only_public_names_of_the_library():
+    private = []
+    for name in MODULES:
+        if not name.startswith("recipes"):
+            continue
+        for target, imported, line in imports_of(name):
+            if not target.startswith("hf_neural_attn"):
+                continue
+            if target not in PUBLIC_MODULES or (imported or "").startswith("_"):
+                private.append(f"{name}:{line} imports {target}{'.' + imported if imported else ''}")
+    assert private == []
+
+
+def test_recipes_read_no_private_attribute_of_the_library():
+    """``hf_neural_attn._x`` or ``plotting._x`` in recipe code reaches past the public API as much as an import."""
+    pattern = re.compile(r"\b(?:hf_neural_attn|plotting|scorers)\._\w+")
+    found = [
+        f"{name}: {match}"
+        for name, path in MODULES.items()
+        if name.startswith("recipes")
+        for match in pattern.findall(path.read_text())
+    ]
+    assert found == []
+
+
+def test_the_public_modules_are_the_ones_docs_api_lists():
+    text = (ROOT / "docs" / "api.md").read_text()
+    section = text.split("## Public modules", 1)
+    assert len(section) == 2, "docs/api.md has no 'Public modules' section"
+    listed = set(re.findall(r"`(hf_neural_attn(?:\.\w+)*)`", section[1].split("\n## ", 1)[0]))
+    assert listed == set(PUBLIC_MODULES)
+
+
+def test_library_modules_do_not_import_the_package_root():
+    """``from . import __version__`` made a module depend on the package ``__init__``, which imports everything."""
+    graph = internal_graph()
+    library = [name for name in graph if name.startswith("hf_neural_attn.")]
+    assert sorted(name for name in library if "hf_neural_attn" in graph[name]) == []
