@@ -17,14 +17,14 @@ from ._version import __version__
 # Before anything touches transformers: below the floor the failures are hard to read, so say which release is needed.
 _compat.check_transformers_version()
 
-from . import attention, patched_config  # noqa: E402
-from .loading import auto  # noqa: E402
-from .loading.adapters import push_adapter_to_hub, save_adapter  # noqa: E402
-from .loading.checkpoints import from_pretrained  # noqa: E402
-from .patching import patch_model, unpatch_model  # noqa: E402
-from .peft_utils import peft_modules_to_save  # noqa: E402
-from .record import PatchRecord, is_patched, patch_record, scorer_parameters  # noqa: E402
-from .scorers import (  # noqa: E402
+from . import attention, patched_config
+from .loading import auto
+from .loading.adapters import push_adapter_to_hub, save_adapter
+from .loading.checkpoints import from_pretrained
+from .patching import patch_model, unpatch_model
+from .peft_utils import peft_modules_to_save
+from .record import PatchRecord, is_patched, patch_record, scorer_parameters
+from .scorers import (
     AdditiveConfig,
     GeneralConfig,
     HeaConfig,

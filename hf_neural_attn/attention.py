@@ -21,7 +21,8 @@ from .families import FAMILIES
 from .families.base import offloaded_weights_loaded
 from .ops import scored_attention
 from .ops.masks import as_additive_mask
-from .record import ATTN_IMPLEMENTATION, EXTRAS_KWARG, FALLBACK_ATTR, SCORER_ATTR, PatchRecord
+from .patched_config import is_patched_config
+from .record import ATTN_IMPLEMENTATION, EXTRAS_KWARG, FALLBACK_ATTR, SCORER_ATTR
 from .scorers import Scorer
 
 try:  # where transformers 5 collects output_attentions (forward hooks on the attention modules)
@@ -59,7 +60,8 @@ def hf_neural_attention_forward(
                 "(use AutoModel*.from_config, which patches it); or the name was set by hand (use "
                 "hf_neural_attn.patch_model)."
             )
-        family_name, implementation = getattr(module, FALLBACK_ATTR)
+        family_name, patched_over = getattr(module, FALLBACK_ATTR)
+        implementation = runnable_base(base_implementation(getattr(module, "config", None)) or patched_over)
         if need_weights and implementation != "eager":
             # Only the eager path returns probabilities. It adds its mask to the logits, so it gets the
             # additive form of the mask this call carries (which may be SDPA's boolean one, or None for causal).
@@ -144,21 +146,31 @@ def _additive_mask(attention_mask, query: torch.Tensor, key: torch.Tensor, is_ca
     )
 
 
+def base_implementation(config) -> str | None:
+    """The base implementation a patched config holds (what ``set_attn_implementation`` last chose), or None for a
+    config the patch did not mark."""
+    return config.base_attn_implementation if is_patched_config(config) else None
+
+
+def runnable_base(base: str) -> str:
+    """The implementation the modules the patch does not score run over ``base``: eager and SDPA as they are; flash
+    and flex need masks of their own, which the scored modules do not take, so everything else runs SDPA."""
+    return base if base in ("eager", "sdpa") else "sdpa"
+
+
 def hf_neural_attention_mask(*args, config=None, **kwargs):
     """The mask builder registered as ``"hf_neural_attn"`` (transformers' ``AttentionMaskInterface`` API).
 
-    Builds what the model's original implementation would get, read from the patch record on ``config``
-    (transformers passes the model's config to mask builders): SDPA's mask (boolean, or None where SDPA's
-    ``is_causal`` or no mask is exact) over an SDPA base, the eager float mask over an eager one. So the
-    modules the patch does not score (cross-attention, layers left out by ``layers=``) run exactly as
-    before; the scored modules turn any of them into an additive mask (:func:`_additive_mask`).
+    Builds what the model's base implementation would get (:func:`base_implementation` of ``config``, which
+    transformers passes to mask builders): SDPA's mask (boolean, or None where SDPA's ``is_causal`` or no mask is
+    exact) over an SDPA base, the eager float mask over an eager one. So the modules the patch does not score
+    (cross-attention, layers left out by ``layers=``) run exactly as they would unpatched; the scored modules turn
+    any of them into an additive mask (:func:`_additive_mask`).
 
-    Bases other than eager and SDPA (flash, flex) run their unscored modules through SDPA (see
-    ``patching._FALLBACK_IMPLEMENTATIONS``) and get SDPA's mask. A config without a readable record (a
-    sub-config the patch did not mark) gets the eager mask, which every path accepts.
+    Bases other than eager and SDPA (flash, flex) run their unscored modules through SDPA (:func:`runnable_base`) and
+    get SDPA's mask. A config the patch did not mark gets the eager mask, which every path accepts.
     """
-    record = PatchRecord.of(config) if config is not None else None
-    base = record.base_attn_implementation if record is not None else None
+    base = base_implementation(config)
     builder = eager_mask if base in (None, "eager") else sdpa_mask
     return builder(*args, config=config, **kwargs)
 

@@ -7,8 +7,9 @@ class is switched to a subclass of its own config class (``LlamaConfig`` -> ``Ll
 
 * ``isinstance(config, LlamaConfig)`` and ``config.model_type == "llama"`` still hold, so the model's code,
   PEFT and Trainer see the config they expect;
-* its attention implementation reads ``"hf_neural_attn"`` and cannot be set to anything else
-  (``model.set_attn_implementation("eager")`` would silently drop the scorers, so it raises instead);
+* its attention implementation reads ``"hf_neural_attn"``, which makes transformers call the scorers; setting another
+  (``model.set_attn_implementation("eager")``, ``config._attn_implementation = "sdpa"``) changes the *base*
+  implementation underneath (:attr:`_PatchedConfigMixin.base_attn_implementation`), and the scorers keep running;
 * ``save_pretrained`` writes ``model_type: "hf_neural_attn"`` (the base type is kept in the record) and
   ``attn_implementation: "hf_neural_attn"``, plus a two-line loader file listed in ``auto_map``. With the
   library imported, transformers' Auto classes load such a checkpoint patched (:mod:`hf_neural_attn.loading.auto`);
@@ -27,7 +28,7 @@ from typing import Any
 from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from .record import ATTN_IMPLEMENTATION, PATCHED_MODEL_TYPE, RECORD_KEY
+from .record import ATTN_IMPLEMENTATION, PATCHED_MODEL_TYPE, RECORD_KEY, known_implementations
 
 LOADER_MODULE = "hf_neural_attn_loader"  # the loader file written beside config.json (without ".py")
 LOADER_CONFIG_CLASS = "PatchedCheckpointConfig"
@@ -58,9 +59,11 @@ class _PatchedConfigMixin:
 
     _base_config_class: type[PretrainedConfig]
 
-    # A data descriptor wins over the instance's ``_attn_implementation_internal`` (which keeps the base model's
-    # implementation, restored by unpatch). transformers reads and writes the implementation through this name,
-    # including ``set_attn_implementation`` and ``config._attn_implementation = ...``.
+    # A data descriptor wins over the instance's ``_attn_implementation_internal``, which keeps the *base*
+    # implementation: the one the modules the patch does not score run, whose masks the scored modules get, and
+    # that unpatch_model restores. transformers reads and writes the implementation through this name
+    # (``set_attn_implementation``, ``config._attn_implementation = ...``, generation utilities): it always reads
+    # "hf_neural_attn", which is what makes transformers call the scorers, and a value written is the new base.
     @property
     def _attn_implementation_internal(self) -> str:
         return ATTN_IMPLEMENTATION
@@ -69,13 +72,24 @@ class _PatchedConfigMixin:
     def _attn_implementation_internal(self, value: str | None) -> None:
         if value in (None, ATTN_IMPLEMENTATION):  # transformers re-asserting what it read: nothing changes
             return
-        raise ValueError(
-            f"This model is patched by hf_neural_attn: its attention runs the scorers, and attn_implementation="
-            f"{value!r} would silently drop them. Attention maps come from the patched model itself "
-            "(output_attentions=True). To run the unscored layers with another implementation, call "
-            "hf_neural_attn.unpatch_model(model), set it there, and patch again; for the unpatched model, unpatch "
-            "a copy (copy.deepcopy(model))."
-        )
+        if not isinstance(value, str):
+            raise TypeError(f"An attention implementation is a name, got {type(value).__name__} {value!r}.")
+        if value not in known_implementations():  # transformers checks what set_attn_implementation is given
+            raise ValueError(
+                f"attn_implementation={value!r} is not an attention implementation transformers knows; the "
+                f"possible ones are {known_implementations()}."
+            )
+        self.__dict__["_attn_implementation_internal"] = value
+        record = self.__dict__.get(RECORD_KEY)
+        if isinstance(record, dict):  # the top config: a save records the new base (sub-configs carry no record)
+            self.__dict__[RECORD_KEY] = {**record, "base_attn_implementation": value}
+
+    @property
+    def base_attn_implementation(self) -> str:
+        """The implementation the model runs under the patch: its unscored modules run it (eager or SDPA; flash and
+        flex need masks of their own, so under those the unscored modules run SDPA), the scored ones get its masks.
+        Set it as on any model, ``model.set_attn_implementation("eager")``; the scorers keep running."""
+        return self.__dict__.get("_attn_implementation_internal") or "eager"
 
     # transformers refuses output_attentions=True on a config whose implementation is not "eager", since SDPA and
     # flash return no probabilities. The patched attention returns them for every layer, scored or not.

@@ -5,10 +5,10 @@ How the swap works, using transformers' own extension points rather than copies 
 * One attention function, registered in ``AttentionInterface`` as ``"hf_neural_attn"``, becomes the
   model's ``attn_implementation``. For a module that carries a scorer it computes attention with that
   scorer; every other module (layers left out by ``layers=``, cross-attention) is sent to the model's
-  original implementation.
-* The same name is registered in ``AttentionMaskInterface`` with transformers' eager mask builder, which
-  always materialises the causal and padding mask. (An attention name without a registered mask gets
-  *no mask at all* from transformers, which would silently make a causal model bidirectional.)
+  base implementation (the one it ran before the patch, or the one ``set_attn_implementation`` chose since).
+* The same name is registered in ``AttentionMaskInterface`` with a builder that makes the base implementation's
+  mask. (An attention name without a registered mask gets *no mask at all* from transformers, which would
+  silently make a causal model bidirectional.)
 * QANA's extra query rows read the attention module's hidden states, which transformers does not pass
   to attention functions. A forward pre-hook on each patched module computes the query slices (with
   row-wise RoPE) and adds them to the call's kwargs; the model's attention forward passes its kwargs on
@@ -16,8 +16,8 @@ How the swap works, using transformers' own extension points rather than copies 
 * New parameters live in a submodule ``attn_scorer`` of each patched attention module, so they appear in
   ``state_dict`` / ``named_parameters`` and save with the model.
 * The patched model gets its own copy of its config (transformers 5 models share the config object they
-  were built from), of a subclass that records the patch in ``config.hf_neural_attn``, refuses another
-  ``attn_implementation``, and saves a config.json that transformers' Auto classes load patched once the
+  were built from), of a subclass that records the patch in ``config.hf_neural_attn``, takes another
+  ``attn_implementation`` as the new base (the scorers keep running), and saves a config.json that transformers' Auto classes load patched once the
   library is imported and refuse to load without it (:mod:`hf_neural_attn.patched_config`).
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import operator
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -50,11 +51,6 @@ from .record import (
     patched_key_dim,
 )
 from .scorers import Scorer, ScorerConfig, scorer_class
-
-# Unpatched modules of a patched model keep running their own implementation when it is one of these two, with
-# the mask it would get unpatched (see attention.hf_neural_attention_mask). Flash and flex need masks of their
-# own, so those modules run SDPA.
-_FALLBACK_IMPLEMENTATIONS = ("eager", "sdpa")
 
 
 def patch_model(
@@ -119,14 +115,20 @@ def patch_model(
     # Build every new module before touching the model, so a failure here changes nothing. Offloaded weights
     # are loaded while their module is read (as accelerate loads them for a call); the scorers are created on the
     # module's execution device and stay there, outside the offloading.
-    new_scorers, narrow_projections = {}, {}
+    new_scorers, narrow_projections, resolved = {}, {}, {}
     key_dim = getattr(config, "key_dim", None)
     for index in selected:
         with offloaded_weights_loaded(attention_modules[index]):
             scorer_type.check_module(config, attention_modules[index])
-            new_scorers[index] = scorer_type(config, family.geometry(attention_modules[index]))
+            geometry = family.geometry(attention_modules[index])
+            resolved[index] = config.resolved(geometry)
+            new_scorers[index] = scorer_type(resolved[index], geometry)
             if key_dim is not None:
                 narrow_projections[index] = family.narrow_key_projections(attention_modules[index], key_dim)
+    # Options the model decides ("auto") are recorded as what was computed, so that a saved record does not depend
+    # on the loading version's rule; where the layers differ (SmolLM3's layers without RoPE), "auto" stays.
+    if all(options == resolved[selected[0]] for options in resolved.values()):
+        config = resolved[selected[0]]
 
     from_scratch = config.from_scratch_reason()
     if from_scratch:
@@ -146,7 +148,9 @@ def patch_model(
     )
     # From here on the model changes; nothing below can fail on user input.
     _adopt_private_configs(model)
-    fallback = (family.name, base_implementation if base_implementation in _FALLBACK_IMPLEMENTATIONS else "sdpa")
+    # The base implementation is read from each module's config at call time (set_attn_implementation changes it);
+    # the one at patch time serves modules that hold no config.
+    fallback = (family.name, base_implementation)
     for module in config_readers:
         setattr(module, FALLBACK_ATTR, fallback)
     for index, scorer_module in new_scorers.items():
@@ -216,6 +220,8 @@ def _scorer_config(scorer: str | ScorerConfig, h: int | None, options: dict[str,
 def _normalise_layers(layers, num_layers: int) -> list[int]:
     if layers is None:
         return list(range(num_layers))
+    if isinstance(layers, Mapping):  # iterating would read its keys and drop its values in silence
+        raise ValueError(f"layers must be None (every layer), a layer index or a list of layer indices; got {layers!r}.")
     if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__") or getattr(layers, "ndim", None) == 0:
         layers = [layers]
     selected = []

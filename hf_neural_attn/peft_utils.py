@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from .record import SCORER_ATTR, is_patched, patched_key_dim
+from transformers import PretrainedConfig
+
+from ._warnings import warn_user
+from .record import PATCHED_MODEL_TYPE, SCORER_ATTR, inner_transformers_model, is_patched, patched_key_dim
 
 
 def peft_modules_to_save(model: nn.Module) -> list[str]:
@@ -28,14 +31,23 @@ def peft_modules_to_save(model: nn.Module) -> list[str]:
     entries (a new classification head, say) to the list as usual.
 
     Args:
-        model: the patched transformers model (or a PEFT model wrapping it; the names are then those inside
-            its base model, which is what PEFT matches against).
+        model: the patched transformers model, a PEFT model wrapping it, or a sentence-transformers
+            ``SentenceTransformer`` holding it. The names are those inside the transformers model, which is what
+            PEFT matches against (``st.add_adapter(...)`` hands the config to the transformers model).
+
+    Warns when the model's ``name_or_path`` is a checkpoint on disk that is not patched: an adapter saved from the
+    model (PEFT, transformers' or sentence-transformers' ``save``) names that checkpoint as its base, and the
+    loaders that rebuild the base from that name load it unpatched and drop the trained scorers. Save the patched
+    model and load it back before adding adapters (docs/peft.md).
 
     Raises:
         ValueError: ``model`` is not patched.
     """
     if hasattr(model, "get_base_model"):  # a PeftModel: PEFT matches names inside the wrapped model
         model = model.get_base_model()
+    inner = inner_transformers_model(model)
+    if inner is not None:  # a SentenceTransformer: its adapters go to the transformers model it holds
+        model = inner
     if not is_patched(model):
         raise ValueError(
             "This model is not patched by hf_neural_attn, so it has no scorer modules for PEFT to train. "
@@ -46,5 +58,25 @@ def peft_modules_to_save(model: nn.Module) -> list[str]:
             f"This model was patched with key_dim={patched_key_dim(model)}, a from-scratch option whose new query and "
             "key projections must train in full: train all its parameters rather than adapters."
         )
+    _warn_if_adapters_would_name_an_unpatched_base(model)
     suffix = f".{SCORER_ATTR}"
     return [name for name, _ in model.named_modules() if name.endswith(suffix)]
+
+
+def _warn_if_adapters_would_name_an_unpatched_base(model: nn.Module) -> None:
+    """See :func:`peft_modules_to_save`. Only a checkpoint readable without a download is looked at."""
+    base = getattr(getattr(model, "config", None), "name_or_path", None)
+    if not base:
+        return
+    try:
+        saved, _ = PretrainedConfig.get_config_dict(base, local_files_only=True)
+    except (OSError, ValueError):
+        return
+    if saved.get("model_type") != PATCHED_MODEL_TYPE:
+        warn_user(
+            f"Adapters saved from this model will name {base} as their base model, which is not patched: "
+            "loaders that rebuild the base from that name (sentence-transformers, peft.AutoPeftModel*) will load it "
+            "without the scorers and drop the trained scorer tensors. Save the patched model first and train the "
+            "adapters on the model loaded back from it (model.save_pretrained(dir), or st.save(dir) for "
+            "sentence-transformers), or patch the base by hand before loading the adapter (docs/peft.md)."
+        )

@@ -21,9 +21,11 @@ from typing import Any, ClassVar
 
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ._version import __version__
 from ._warnings import warn_user
+from .families import FAMILIES
 from .ops.triton import triton_unavailable_reason
 from .scorers import SCORERS, ScorerConfig
 
@@ -41,6 +43,13 @@ EXTRAS_KWARG = "hf_neural_attn_extras"  # per-query scorer inputs passed from th
 
 # The compute path a checkpoint recorded with impl="triton" runs where Triton cannot: the default per-call rule.
 PORTABLE_IMPL = "auto"
+
+
+def known_implementations() -> list[str]:
+    """The attention implementations a model can run under the patch (``base_attn_implementation``): eager, and
+    those registered in transformers' ``AttentionInterface`` (SDPA, flash, flex, kernels loaded so far), not ours."""
+    ours = ATTN_IMPLEMENTATION  # the patch's own name, and the generic family's probe
+    return ["eager", *(name for name in ALL_ATTENTION_FUNCTIONS.valid_keys() if not name.startswith(ours))]
 
 
 def damaged(source: str, filename: str, field_name: str | None, problem: str) -> ValueError:
@@ -119,6 +128,13 @@ class PatchRecord:
             if value is not None and not isinstance(value, str):
                 raise damaged(source, filename, name, f"must be a name, got {value!r}")
             names[name] = value
+        if names["family"] is not None and names["family"] not in FAMILIES:
+            problem = f"names no model family of this version ({sorted(FAMILIES)}), got {names['family']!r}"
+            raise damaged(source, filename, "family", problem)
+        implementation = names["base_attn_implementation"]
+        if implementation is not None and implementation not in known_implementations():
+            problem = f"names no attention implementation ({known_implementations()}), got {implementation!r}"
+            raise damaged(source, filename, "base_attn_implementation", problem)
         return cls(scorer, dict(options), tuple(layers), **names, version=version, origin=(source, filename))
 
     @classmethod

@@ -105,7 +105,7 @@ def test_weights_the_base_checkpoint_lacks_are_named(tmp_path):
     perturb_scorers(model)
     hf_neural_attn.save_adapter(model, tmp_path / "adapter")
     config = LlamaConfig.from_pretrained(base, num_labels=3)
-    with pytest.warns(UserWarning, match=r"missing: \['score.weight'\].*not in the adapter.*save the full model"):
+    with pytest.warns(UserWarning, match=r"lacks 1 weight.*transformers' load report.*not in the adapter.*Save the full"):
         loaded = hf_neural_attn.from_pretrained(tmp_path / "adapter", config=config)
     assert not hasattr(config, "hf_neural_attn") and config._attn_implementation is None  # caller's config as it was
     saved = hf_neural_attn.scorer_parameters(model)

@@ -1,5 +1,6 @@
-"""A patched model owns its config: siblings built from the same config object, the caller's object, and
-``set_attn_implementation`` never silently run, save or share a different model than the user believes."""
+"""A patched model owns its config: siblings built from the same config object and the caller's object never
+silently run, save or share a different model than the user believes (switching the implementation:
+test_attn_implementation.py)."""
 
 from __future__ import annotations
 
@@ -95,29 +96,6 @@ def test_every_module_of_a_patched_model_reads_its_private_config():
         if isinstance(value, PretrainedConfig)
     }
     assert configs == {id(model.config)}
-
-
-def test_set_attn_implementation_on_a_patched_model_refuses_and_changes_nothing():
-    _, model, _, _ = _siblings("llama")
-    inputs = model_inputs("llama")
-    hf_neural_attn.patch_model(model, "qana")
-    perturb_scorers(model)
-    expected = model(**inputs).logits
-    for implementation in ("eager", "sdpa"):
-        with pytest.raises(ValueError, match="patched by hf_neural_attn.*output_attentions=True"):
-            model.set_attn_implementation(implementation)
-        with pytest.raises(ValueError, match="patched by hf_neural_attn"):
-            model.config._attn_implementation = implementation
-    assert hf_neural_attn.is_patched(model)
-    assert model.config._attn_implementation == "hf_neural_attn"
-    torch.testing.assert_close(model(**inputs).logits, expected, rtol=0, atol=0)
-    model.set_attn_implementation("hf_neural_attn")  # asking for what it runs is fine
-
-    # Unpatched, the model is an ordinary transformers model again.
-    hf_neural_attn.unpatch_model(model)
-    model.set_attn_implementation("eager")
-    assert model.config._attn_implementation == "eager"
-    assert type(model.config) is LlamaConfig
 
 
 def test_a_patched_config_survives_deepcopy_and_pickle():

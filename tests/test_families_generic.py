@@ -19,8 +19,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.olmo.modeling_olmo import OlmoAttention, apply_rotary_pos_emb, eager_attention_forward
 
 import hf_neural_attn
-from hf_neural_attn.record import FALLBACK_ATTR
 from hf_neural_attn.families import FAMILIES, UnsupportedAttentionError
+from hf_neural_attn.record import FALLBACK_ATTR
 
 HEAD_DIM = {"head_dim": 8}  # configs whose default head_dim is not hidden_size / heads
 

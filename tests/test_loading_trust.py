@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
-from transformers import LlamaConfig, LlamaForSequenceClassification, LlamaModel
+from transformers import LlamaModel
 
 import hf_neural_attn
 from hf_neural_attn.loading.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
@@ -192,24 +192,6 @@ def test_output_loading_info_returns_the_model_and_transformers_info(tmp_path):
     _, _, adapter = saved_adapter(tmp_path / "a")
     model, info = hf_neural_attn.from_pretrained(adapter, output_loading_info=True)
     assert hf_neural_attn.is_patched(model) and not info["unexpected_keys"]
-
-
-def test_can_load_ignoring_mismatched_shapes(tmp_path):
-    """transformers' test_can_load_ignoring_mismatched_shapes, through hf_neural_attn (full and adapter)."""
-    torch.manual_seed(0)
-    model = LlamaForSequenceClassification(LlamaConfig(**tiny_llama().config.to_diff_dict(), num_labels=3)).eval()
-    hf_neural_attn.patch_model(model, "neural", proj_dim=2)
-    perturb_scorers(model)
-    model.save_pretrained(tmp_path / "full")
-    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
-        hf_neural_attn.from_pretrained(tmp_path / "full", num_labels=5)
-    with pytest.warns(UserWarning, match="mismatched.*score.weight"):
-        loaded = hf_neural_attn.from_pretrained(tmp_path / "full", num_labels=5, ignore_mismatched_sizes=True)
-    assert loaded.config.num_labels == 5 and loaded.score.weight.shape[0] == 5
-    inputs = model_inputs("llama")
-    assert loaded(**inputs).logits.shape == (2, 5)
-    saved = hf_neural_attn.scorer_parameters(model)
-    assert all(torch.equal(p, saved[n]) for n, p in hf_neural_attn.scorer_parameters(loaded).items())
 
 
 def test_dtype_device_map_and_revision_reach_transformers(tmp_path):

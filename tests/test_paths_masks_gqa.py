@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import F64, HIDDEN, geometry, logits, model_inputs, perturb_scorers, randomise, tiny_gpt2
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_neural_attn
 from hf_neural_attn import ops

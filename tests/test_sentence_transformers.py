@@ -95,3 +95,62 @@ def test_a_process_that_never_imports_the_library_does_not_get_the_plain_model(e
 def test_anything_else_is_still_refused_clearly():
     with pytest.raises(TypeError, match="patch_model expects a transformers PreTrainedModel, got Sequential"):
         hf_neural_attn.patch_model(torch.nn.Sequential(torch.nn.Linear(2, 2)), "qana")
+
+
+def train_step(model, parameters) -> None:
+    optimizer = torch.optim.AdamW(parameters, lr=1e-2)
+    features = model.preprocess(SENTENCES) if hasattr(model, "preprocess") else model.tokenize(SENTENCES)
+    for _ in range(2):
+        embeddings = model(dict(features))["sentence_embedding"]
+        loss = (embeddings[0] @ embeddings[1]) - (embeddings[0] @ embeddings[2])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
+def test_lora_with_the_scorers_through_sentence_transformers_saves_and_loads(encoder, tmp_path):
+    """The whole route of sentence-transformers' PEFT support: the patched model saved and loaded back (so the
+    adapter's recorded base is patched), LoRA plus the scorers added with ``st.add_adapter``, a training step,
+    ``st.save``, and a reload that gives the same embeddings."""
+    from peft import LoraConfig
+
+    hf_neural_attn.patch_model(encoder, "qana", h=2)
+    encoder.save(str(tmp_path / "patched"))
+    model = sentence_transformers.SentenceTransformer(str(tmp_path / "patched"), device="cpu")
+    names = hf_neural_attn.peft_modules_to_save(model)
+    inner = model[0].auto_model
+    assert names == [name for name, _ in inner.named_modules() if name.endswith(".attn_scorer")]  # relative names
+    before = embed(model)
+    model.add_adapter(LoraConfig(target_modules=["query", "value"], modules_to_save=names))
+    trainable = [name for name, parameter in model.named_parameters() if parameter.requires_grad]
+    assert any(".attn_scorer.modules_to_save." in name for name in trainable)
+    assert any("lora_A" in name for name in trainable)
+    train_step(model, [parameter for parameter in model.parameters() if parameter.requires_grad])
+    expected = embed(model)
+    assert (expected - before).abs().max() > 1e-3
+    model.save(str(tmp_path / "lora"))
+    loaded = sentence_transformers.SentenceTransformer(str(tmp_path / "lora"), device="cpu")
+    assert hf_neural_attn.is_patched(loaded)
+    torch.testing.assert_close(embed(loaded), expected, rtol=0, atol=1e-6)
+
+
+def test_adapter_names_for_a_model_whose_checkpoint_is_not_patched_warn(encoder):
+    hf_neural_attn.patch_model(encoder, "qana", h=2)  # patched in memory; its base on disk is plain MiniLM
+    with pytest.warns(UserWarning, match="not patched.*drop the trained scorer tensors.*st.save"):
+        hf_neural_attn.peft_modules_to_save(encoder)
+
+
+def test_save_adapter_takes_a_sentence_transformer(encoder, tmp_path):
+    hf_neural_attn.patch_model(encoder, "neural", h=2)
+    with torch.no_grad():
+        for parameter in hf_neural_attn.scorer_parameters(encoder).values():
+            parameter.add_(torch.randn_like(parameter) * 0.2)
+    hf_neural_attn.save_adapter(encoder, tmp_path / "adapter")
+    loaded = hf_neural_attn.from_pretrained(tmp_path / "adapter")  # the transformers model the ST holds
+    features = encoder.tokenize(SENTENCES)
+    inner = encoder[0].auto_model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded.eval()(**features).last_hidden_state, inner(**features).last_hidden_state, rtol=0, atol=1e-6
+        )

@@ -37,10 +37,17 @@ from transformers.utils import cached_file
 from .._version import __version__
 from .._warnings import warn_user
 from ..patched_config import base_config
-from ..record import PatchRecord, is_patched, patch_record, patched_key_dim, scorer_parameters
+from ..record import (
+    PatchRecord,
+    inner_transformers_model,
+    is_patched,
+    patch_record,
+    patched_key_dim,
+    scorer_parameters,
+)
 from .checksums import base_checksum_names, base_checksums, changed_base_tensors, loaded_parameter
 from .files import FILE_KWARGS, load_config, names_on_disk, read_tensors, unreadable_weights_are_errors
-from .load import check_model_fits_record, load_patched_model, read_record, report_base_loading
+from .load import check_model_fits_record, load_patched_model, read_record, warn_missing_base_weights
 
 ADAPTER_CONFIG_NAME = "hf_neural_attn_adapter.json"
 ADAPTER_WEIGHTS_NAME = "hf_neural_attn_adapter.safetensors"
@@ -64,7 +71,9 @@ def save_adapter(
 
     Args:
         model: a model patched by :func:`patch_model` whose base weights are those of the base model
-            (for example trained with only :func:`scorer_parameters` unfrozen).
+            (for example trained with only :func:`scorer_parameters` unfrozen), or a sentence-transformers
+            ``SentenceTransformer`` holding one (the adapter is that of its transformers model, and loads back as
+            that model).
         save_directory: the folder to write (created if needed). It must not hold a full checkpoint.
         base_model_name_or_path: the Hub repo id or local folder of the unpatched base weights. Default: the
             name or path the model was loaded from (``model.config.name_or_path``); a local folder is
@@ -180,6 +189,17 @@ def load_adapter_model(
         base, revision = str(base_model_name_or_path), base_model_revision
     else:
         base, revision = metadata["base_model_name_or_path"], base_model_revision or metadata["base_model_revision"]
+        if not (isinstance(base, str) and base):
+            raise ValueError(
+                f"{source}/{ADAPTER_CONFIG_NAME} is damaged: base_model_name_or_path must name the base model (a "
+                f"Hub repo id or a folder), got {base!r}. Restore the file, or pass base_model_name_or_path= to "
+                "hf_neural_attn.from_pretrained."
+            )
+        if revision is not None and not isinstance(revision, str):
+            raise ValueError(
+                f"{source}/{ADAPTER_CONFIG_NAME} is damaged: base_model_revision must be a revision name or null, "
+                f"got {revision!r}. Restore the file, or pass base_model_revision=."
+            )
     if model_class is None:
         model_class = getattr(transformers, metadata["architectures"][0], None)
     if model_class is None:
@@ -241,12 +261,7 @@ def load_adapter_model(
             f"differ, e.g. {changed[:3]}. It would not reproduce the saved model. Load the base it was saved "
             "on (base_model_name_or_path= / base_model_revision=), or save the full model instead."
         )
-    report_base_loading(
-        info,
-        base,
-        missing_hint="The missing weights were initialised at random and are not in the adapter, so outputs differ "
-        "from the saved model's; save the full model (model.save_pretrained) when more than the scorers was trained.",
-    )
+    warn_missing_base_weights(info, base)
     return (model, info) if hf_kwargs.get("output_loading_info", False) else model
 
 
@@ -257,6 +272,9 @@ def _adapter_contents(
     model: nn.Module, base_model_name_or_path, base_model_revision
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """What :func:`save_adapter` writes: the JSON metadata and the tensors. Checks everything first."""
+    inner = inner_transformers_model(model)
+    if inner is not None:  # a SentenceTransformer: the adapter is that of the transformers model it holds
+        model = inner
     if hasattr(model, "peft_config") and not isinstance(model, PreTrainedModel):
         raise TypeError(
             "save_adapter takes the patched transformers model, not a PEFT model. For LoRA plus scorers use the "

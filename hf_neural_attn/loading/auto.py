@@ -25,6 +25,10 @@ from functools import cache
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto import modeling_auto
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
+from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING
+from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING
+from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
+from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
 from ..patched_config import base_config, config_from_saved_dict
 from ..record import PATCHED_MODEL_TYPE, PatchRecord
@@ -52,11 +56,25 @@ def _auto_model_classes() -> list[type[_BaseAutoModelClass]]:
     ]
 
 
+# Where transformers maps a config class to what goes with the model (AutoTokenizer, AutoImageProcessor,
+# AutoFeatureExtractor, AutoProcessor): a patched folder's files resolve to the classes its base's would.
+_PREPROCESSOR_MAPPINGS = (TOKENIZER_MAPPING, IMAGE_PROCESSOR_MAPPING, FEATURE_EXTRACTOR_MAPPING, PROCESSOR_MAPPING)
+
+
 def register_patched_config(patched_class: type[PretrainedConfig], base_class: type[PretrainedConfig]) -> None:
-    """Map ``patched_class`` to a loader in every Auto model class that builds ``base_class``."""
+    """Map ``patched_class`` to a loader in every Auto model class that builds ``base_class``, and to
+    ``base_class``'s tokenizer, image processor, feature extractor and processor classes."""
     for auto_class in _auto_model_classes():
         if base_class in auto_class._model_mapping:
             auto_class._model_mapping.register(patched_class, _loader_for(auto_class), exist_ok=True)
+    for mapping in _PREPROCESSOR_MAPPINGS:
+        if base_class not in mapping:
+            continue
+        try:
+            classes = mapping[base_class]
+        except (ImportError, AttributeError):  # its dependency is missing: the base's Auto class fails the same way
+            continue
+        mapping.register(patched_class, classes, exist_ok=True)
 
 
 def _base_model_class(auto_class: type[_BaseAutoModelClass], config: PretrainedConfig):

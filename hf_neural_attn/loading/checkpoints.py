@@ -1,7 +1,9 @@
 """``hf_neural_attn.from_pretrained``: one entry point for both kinds of patched checkpoint.
 
-A folder or Hub repo holding ``hf_neural_attn_adapter.json`` is an adapter-only checkpoint (:mod:`.adapters`);
-anything else is read as a full checkpoint (:mod:`.full`).
+A folder or Hub repo holding ``hf_neural_attn_adapter.json`` is an adapter-only checkpoint (:mod:`.adapters`); one
+holding a PEFT adapter (``adapter_config.json``, no config.json) over a patched checkpoint is loaded as transformers
+loads PEFT adapters, on the patched base (:mod:`.peft_adapters`); anything else is read as a full checkpoint
+(:mod:`.full`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ import os
 from typing import Any
 
 from .adapters import find_adapter_config, load_adapter_model
+from .files import check_model_class, check_source
 from .full import load_full_checkpoint
+from .peft_adapters import load_peft_adapter_model, peft_adapter_base
 
 
 def from_pretrained(
@@ -57,6 +61,8 @@ def from_pretrained(
             weights that changed since the adapter was saved).
         OSError: an adapter's base model cannot be loaded (the message says how to point at it).
     """
+    check_model_class(model_class)
+    check_source(path_or_repo_id)
     adapter_config_file = find_adapter_config(path_or_repo_id, hf_kwargs)
     if adapter_config_file is not None:
         return load_adapter_model(
@@ -72,5 +78,10 @@ def from_pretrained(
         raise ValueError(
             f"{path_or_repo_id} is not an adapter-only checkpoint (it has no hf_neural_attn_adapter.json), so "
             "base_model_name_or_path / base_model_revision do not apply: a full checkpoint holds its base weights."
+        )
+    peft_base = peft_adapter_base(str(path_or_repo_id), hf_kwargs)
+    if peft_base is not None:
+        return load_peft_adapter_model(
+            str(path_or_repo_id), peft_base, model_class, impl, hf_kwargs, load_base=from_pretrained
         )
     return load_full_checkpoint(str(path_or_repo_id), model_class, impl, hf_kwargs)

@@ -7,7 +7,7 @@ Nothing here builds or patches a model; :mod:`.load` does, with what these funct
 from __future__ import annotations
 
 import json
-import logging
+import os
 from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import transformers
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig
+from transformers import AutoConfig, PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.utils import cached_file
 
@@ -60,6 +60,41 @@ def load_config(path_or_repo_id: str, hf_kwargs: dict[str, Any]) -> tuple[Any, d
     return config, {**loading, **unused}
 
 
+def check_source(path_or_repo_id) -> None:
+    """A path that can only mean a folder on this machine (absolute, or starting with ``.`` or ``~``) exists;
+    transformers would otherwise read it as a malformed Hub repo id and say so."""
+    if not isinstance(path_or_repo_id, (str, os.PathLike)):
+        raise TypeError(
+            f"path_or_repo_id must be a folder or a Hub repo id (a string or path), got {type(path_or_repo_id).__name__}."
+        )
+    path = os.fspath(path_or_repo_id)
+    if (os.path.isabs(path) or path.startswith((".", "~"))) and not os.path.isdir(os.path.expanduser(path)):
+        raise ValueError(
+            f"path_or_repo_id {path!r} is not a folder on this machine"
+            f"{' (it is a file)' if os.path.isfile(path) else ''}: check the path, or pass a Hub repo id."
+        )
+
+
+def check_model_class(model_class) -> None:
+    """``model_class`` (the caller's ``model_class=``) is a transformers model class, or None."""
+    if model_class is not None and not (isinstance(model_class, type) and issubclass(model_class, PreTrainedModel)):
+        raise TypeError(
+            f"model_class must be a transformers model class, such as transformers.LlamaForCausalLM, got "
+            f"{model_class!r}."
+        )
+
+
+def check_model_class_fits(model_class, config, describe: str) -> None:
+    """``model_class`` builds models of ``config``'s kind; else the ``ValueError`` says which kind each is."""
+    expected = getattr(model_class, "config_class", None)
+    if isinstance(expected, type) and not isinstance(config, expected):
+        raise ValueError(
+            f"model_class={model_class.__name__} builds {expected.__name__} models, but {describe} is a "
+            f"{getattr(config, 'model_type', type(config).__name__)!r} model ({type(config).__name__}). Pass a class "
+            "of its kind, or leave model_class out to build the recorded one."
+        )
+
+
 def model_class_for(config, source: str, model_class=None):
     """The transformers class to build: ``model_class`` when given, else ``config.architectures[0]``."""
     if model_class is not None:
@@ -84,18 +119,6 @@ def unreadable_weights_are_errors(source: str):
             f"The weights in {source} cannot be read ({error}); the file is truncated or corrupt. Save the "
             "model again, or download it again with force_download=True."
         ) from error
-
-
-@contextmanager
-def quiet_transformers():
-    """Hide transformers' load report, which lists the scorer weights as unexpected; we check it ourselves."""
-    logger = logging.getLogger("transformers")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def names_on_disk(model, parameters: Mapping[str, torch.Tensor]) -> dict[str, list[str]]:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..families import find_attention
 from ..patched_config import base_config
+from ..record import PatchRecord, damaged
 from .files import FILE_KWARGS, load_config, model_class_for, read_tensors
-from .load import load_patched_model, read_config_record, report_base_loading
+from .load import load_patched_model, read_config_record
 
 
 def load_full_checkpoint(source: str, model_class, impl: str | None, hf_kwargs: dict[str, Any]):
@@ -33,10 +35,19 @@ def load_full_checkpoint(source: str, model_class, impl: str | None, hf_kwargs: 
         lambda names: read_tensors(source, names, file_kwargs),
         describe=f"The checkpoint {source}",
         hint="The checkpoint is incomplete, or its config.json and weights come from different models.",
+        check_base=lambda base: check_record_fits(base, record, source),
     )
-    architectures = getattr(config, "architectures", None) or [None]
-    # Another class than the checkpoint's (a bare LlamaModel from a LlamaForCausalLM checkpoint) leaves the
-    # weights of the parts it lacks over, as intended: transformers does not warn about them either.
-    report = info if type(model).__name__ == architectures[0] else {**info, "unexpected_keys": []}
-    report_base_loading(report, source)
+    # transformers has logged its load report for the base model (missing, unexpected, mismatched weights).
     return (model, info) if output_loading_info else model
+
+
+def check_record_fits(model, record: PatchRecord, source: str) -> None:
+    """The base model a full checkpoint builds is of the recorded family and has the recorded layers: otherwise
+    its config.json's record was edited (the error names the field)."""
+    family, attention_modules, _ = find_attention(model)
+    if record.family not in (None, family.name):
+        problem = f"says {record.family!r}, but the model it builds is a {family.name!r} model"
+        raise damaged(source, "config.json", "family", problem)
+    if record.layers[-1] >= len(attention_modules):
+        problem = f"names attention layer {record.layers[-1]}, but the model has {len(attention_modules)}"
+        raise damaged(source, "config.json", "layers", problem)

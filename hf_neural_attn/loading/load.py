@@ -18,9 +18,9 @@ from .._version import __version__
 from .._warnings import warn_user
 from ..families import find_attention
 from ..patching import patch_model
-from ..record import RECORD_KEY, PatchRecord, scorer_parameters
+from ..record import RECORD_KEY, SCORER_ATTR, PatchRecord, scorer_parameters
 from ..scorers import ScorerConfig
-from .files import names_on_disk, quiet_transformers, unreadable_weights_are_errors
+from .files import check_model_class_fits, names_on_disk, unreadable_weights_are_errors
 
 
 def read_record(data: Any, source: str, filename: str) -> PatchRecord:
@@ -144,20 +144,26 @@ def load_patched_model(
     Returns:
         (the patched model, transformers' loading info with the scorer weights not listed as unexpected).
     """
+    check_model_class_fits(model_class, config, describe)
     loading_kwargs = dict(loading_kwargs)
     loading_kwargs.pop("output_loading_info", None)
+    # A PEFT adapter to load on top (sentence-transformers passes its path this way): transformers would load it
+    # before the patch exists, and drop the scorer copies it holds. It goes on once the model is patched.
+    adapter_name = loading_kwargs.pop("adapter_name", "default")
+    adapter_kwargs = dict(loading_kwargs.pop("adapter_kwargs", None) or {})
+    adapter_path = adapter_kwargs.pop("_adapter_model_path", None)
     # Unpatched layers (and unpatch_model) should run what the saved model ran, unless told otherwise.
     if record.base_attn_implementation in ("eager", "sdpa"):
         loading_kwargs.setdefault("attn_implementation", record.base_attn_implementation)
-    narrow_keys = record.key_dim is not None
-    if narrow_keys:
-        # QANA's key_dim saved narrower q_proj/k_proj than the base class builds: transformers may not load them
-        # into the full-width layers; the patch below puts the narrow ones in place and they are filled from disk.
-        loading_kwargs["ignore_mismatched_sizes"] = True
-    with unreadable_weights_are_errors(weights_source), quiet_transformers():
-        model, info = model_class.from_pretrained(
+    if record.key_dim is not None:
+        _refuse_offloading_narrow_keys(record, loading_kwargs.get("device_map"), loading_kwargs.get("offload_folder"))
+    with unreadable_weights_are_errors(weights_source):
+        model, info = _reporting_class(model_class, record).from_pretrained(
             weights_source, config=config, output_loading_info=True, **loading_kwargs
         )
+    model.__class__ = model_class
+    if record.key_dim is not None:
+        _refuse_offloading_narrow_keys(record, getattr(model, "hf_device_map", None), None)
     if check_base is not None:
         check_base(model)
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
@@ -169,15 +175,63 @@ def load_patched_model(
     with unreadable_weights_are_errors(weights_source):
         saved = read_scorer_tensors(all_names)
     fill_scorer_weights(model, saved, describe=describe, hint=hint, exact=exact)
-    info = dict(info)
-    info["unexpected_keys"] = type(info.get("unexpected_keys", []))(
-        key for key in info.get("unexpected_keys", []) if key not in all_names
-    )
-    if narrow_keys:  # the narrow projections were filled above; any other mismatch stays reported
-        info["mismatched_keys"] = type(info.get("mismatched_keys", []))(
-            entry for entry in info.get("mismatched_keys", []) if _key_name(entry) not in all_names
-        )
+    if adapter_path is not None:
+        if "token" in loading_kwargs:
+            adapter_kwargs.setdefault("token", loading_kwargs["token"])
+        model.load_adapter(adapter_path, adapter_name=adapter_name, adapter_kwargs=adapter_kwargs)
     return model, info
+
+
+def _refuse_offloading_narrow_keys(record: PatchRecord, device_map, offload_folder) -> None:
+    """QANA's ``key_dim`` puts narrower query and key projections in place of the base model's, which accelerate's
+    offloading cannot hold: its offloaded copies of the base's weights have the base's shapes (the first forward
+    would fail inside accelerate). Refuse a ``device_map`` (asked for, or the one transformers chose) that offloads:
+    a layer on "disk", or on "cpu" beside layers on an accelerator, or an ``offload_folder``."""
+    placements = set(device_map.values()) if isinstance(device_map, dict) else set()
+    offloads = "disk" in placements or ("cpu" in placements and placements - {"cpu", "disk", torch.device("cpu")})
+    if offloads or offload_folder is not None:
+        raise ValueError(
+            f"This checkpoint was patched with key_dim={record.key_dim}, whose narrower query and key projections "
+            f"accelerate's offloading cannot hold (device_map {device_map!r}"
+            f"{f', offload_folder {offload_folder!r}' if offload_folder is not None else ''}). Load it on one device "
+            "(device_map='cpu', or a single GPU), or give it the memory to keep every layer on one."
+        )
+
+
+def _reporting_class(model_class, record: PatchRecord):
+    """``model_class`` as transformers should load a patched checkpoint's base: the same class, whose load report
+    (transformers' own log, and ``output_loading_info``) leaves out what the patch fills afterwards.
+
+    transformers loads the base model unpatched, so its report would list the scorer tensors in the checkpoint as
+    unexpected and, under QANA's ``key_dim``, the narrower query and key projections of the patched layers as
+    mismatched (the base class builds them full width). Everything else it reports as it would for the base model,
+    and a mismatch it would refuse without ``ignore_mismatched_sizes`` it still refuses. The model is handed back
+    as an instance of ``model_class`` itself (:func:`load_patched_model` resets its class).
+    """
+    scorer_marker = f".{SCORER_ATTR}."
+
+    class PatchedCheckpointBase(model_class):
+        def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
+            super()._adjust_missing_and_unexpected_keys(loading_info)
+            loading_info.unexpected_keys = {
+                key for key in loading_info.unexpected_keys if scorer_marker not in f".{key}"
+            }
+            if record.key_dim is not None:
+                narrowed = _patched_attention_prefixes(self, record)
+                loading_info.mismatched_keys = {
+                    entry for entry in loading_info.mismatched_keys if not _key_name(entry).startswith(narrowed)
+                }
+
+    for name in ("__name__", "__qualname__", "__module__"):  # transformers names the class in its messages
+        setattr(PatchedCheckpointBase, name, getattr(model_class, name))
+    return PatchedCheckpointBase
+
+
+def _patched_attention_prefixes(model, record: PatchRecord) -> tuple[str, ...]:
+    """``"<module name>."`` of each attention module ``record`` patches in ``model`` (not yet patched)."""
+    _, attention_modules, _ = find_attention(model)
+    patched = {id(attention_modules[index]) for index in record.layers if index < len(attention_modules)}
+    return tuple(f"{name}." for name, module in model.named_modules() if id(module) in patched)
 
 
 def _key_name(entry) -> str:
@@ -185,14 +239,13 @@ def _key_name(entry) -> str:
     return entry[0] if isinstance(entry, tuple) else entry
 
 
-def report_base_loading(info: dict, source: str, missing_hint: str = "") -> None:
-    """Warn about base weights transformers could not match (scorer weights already taken out of ``info``);
-    ``missing_hint`` is added when some are missing."""
-    problems = []
-    for label in ("missing", "unexpected", "mismatched"):
-        names = sorted(str(name) for name in info.get(f"{label}_keys", ()))
-        if names:
-            problems.append(f"{label}: {names[:5]}{' ...' if len(names) > 5 else ''}")
-    if problems:
-        hint = f" {missing_hint}" if info.get("missing_keys") and missing_hint else ""
-        warn_user(f"Loading the base model from {source}: " + "; ".join(problems) + "." + hint)
+def warn_missing_base_weights(info: Mapping[str, Any], base: str) -> None:
+    """After an adapter's base model loaded with weights missing (transformers' load report lists them): say what it
+    means for the adapter, which cannot have them."""
+    missing = info.get("missing_keys") or ()
+    if missing:
+        warn_user(
+            f"The base model {base} lacks {len(missing)} weight(s) of this model (transformers' load report above "
+            "names them): they were initialised at random and are not in the adapter, so outputs differ from the "
+            "saved model's. Save the full model (model.save_pretrained) when more than the scorers was trained."
+        )

@@ -52,6 +52,11 @@ class AdditiveConfig(MLPScorerConfig):
     def has_gates(self) -> bool:
         return self.mode == "residual"
 
+    def from_scratch_reason(self) -> str | None:
+        if self.mode == "replace":
+            return "mode='replace' scores with the additive term alone, without the dot product"
+        return None
+
 
 class AdditiveScorer(Scorer):
     name = "additive"

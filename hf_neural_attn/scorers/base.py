@@ -111,6 +111,12 @@ class ScorerConfig:
         """Why these options cannot keep a pretrained model's outputs (``patch_model`` warns with it), or None."""
         return None
 
+    def resolved(self, geometry: AttentionGeometry) -> ScorerConfig:
+        """This config with every option whose value depends on the model (an ``"auto"``) resolved for an attention
+        module of this ``geometry``: what the patch computes, and so what its record says. Options resolved here
+        make a saved record independent of the loading version's rule."""
+        return self
+
     @property
     def has_gates(self) -> bool:
         """Whether the scorer has per-head gates alpha (a ``gate`` parameter) that weigh its term beside the dot

@@ -39,6 +39,7 @@ model's RoPE. ``pair_input="concat"`` is the paper's input, [q'_i ; k'_j] of the
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import ClassVar
@@ -112,6 +113,14 @@ class NeuralAttentionConfig(MLPScorerConfig):
 
     def hidden_widths(self) -> list[int]:
         return [self.h // 2**i for i in range(self.depth)]  # validate() keeps every width >= 1
+
+    def resolved(self, geometry: AttentionGeometry) -> NeuralAttentionConfig:
+        return dataclasses.replace(self, pair_input=self.resolved_pair_input(geometry.rope_partner))
+
+    def from_scratch_reason(self) -> str | None:
+        if self.mode == "replace":
+            return "mode='replace' scores with the MLP alone, without the dot product"
+        return None
 
     def resolved_pair_input(self, rope_partner: tuple[int, ...] | None) -> str:
         """``pair_input`` for a module with this RoPE pairing (``AttentionGeometry.rope_partner``; None: no RoPE)."""
