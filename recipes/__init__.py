@@ -6,7 +6,8 @@ root (``pip install -e ".[recipes]"`` first): ``accelerate launch -m recipes.fin
   with no arguments, the offline demo (``make demo``). It imports ``finetune``, never the other way round.
 * ``args.py``: the command line (Hugging Face example-script flag names; the scorer flags generated from the scorer
   configs' field declarations) and YAML/JSON config files.
-* ``tasks.py``: data loading, preprocessing and evaluation for each task kind.
+* ``tasks/``: data loading, preprocessing and evaluation, one module per task kind (``clm``, ``glue``, ``image``)
+  and a registry of them (``recipes.tasks.get_task``).
 * ``modeling.py``: building the model, tokenizer or image processor, and the patch.
 * ``checkpointing.py``: atomic Accelerate checkpoints and resuming.
 * ``hub.py``: deciding quickly whether the Hugging Face Hub is reachable (else: offline mode); the push check.

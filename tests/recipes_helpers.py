@@ -141,7 +141,7 @@ def write_glue_files(
     folder: Path, task: str, train_rows: int = 32, eval_rows: int = 16, fmt: str = "csv"
 ) -> dict[str, Path]:
     """GLUE-shaped files with the task's columns; labels follow a simple rule of the words, so a model can learn."""
-    from recipes.tasks import TASK_TO_KEYS
+    from recipes.tasks.glue import TASK_TO_KEYS
 
     folder.mkdir(parents=True, exist_ok=True)
     first, second = TASK_TO_KEYS[task]

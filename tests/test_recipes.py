@@ -27,7 +27,9 @@ from recipes_helpers import (  # fresh_accelerate_state: an autouse fixture
 )
 
 import hf_neural_attn
-from recipes import checkpointing, report, scorer_plots, tasks
+from recipes import checkpointing, report, scorer_plots
+from recipes.tasks import base as task_base
+from recipes.tasks import clm, glue
 from recipes.args import GLUE_TASKS, RecipeError, parse_args
 from recipes.finetune import main as finetune_main
 from recipes.finetune import run
@@ -101,42 +103,42 @@ def test_glue_metrics_match_values_computed_by_hand():
     predictions = [1, 1, 1, 0, 0, 1, 0]
     references = [1, 1, 1, 0, 0, 0, 1]
     # Matthews: (TP*TN - FP*FN) / sqrt((TP+FP)(TP+FN)(TN+FP)(TN+FN)) = (6 - 1) / sqrt(4*4*3*3) = 5/12.
-    cola = tasks.load_local_metric("glue", "cola").compute(predictions=predictions, references=references)
+    cola = task_base.load_local_metric("glue", "cola").compute(predictions=predictions, references=references)
     assert cola == {"matthews_correlation": pytest.approx(5 / 12, abs=1e-12)}
     # F1 = 2TP / (2TP + FP + FN) = 6/8; accuracy = 5/7.
-    mrpc = tasks.load_local_metric("glue", "mrpc").compute(predictions=predictions, references=references)
+    mrpc = task_base.load_local_metric("glue", "mrpc").compute(predictions=predictions, references=references)
     assert mrpc == {"accuracy": pytest.approx(5 / 7), "f1": pytest.approx(0.75)}
-    qqp = tasks.load_local_metric("glue", "qqp").compute(predictions=predictions, references=references)
+    qqp = task_base.load_local_metric("glue", "qqp").compute(predictions=predictions, references=references)
     assert qqp == mrpc
     for config in ("sst2", "qnli", "rte", "wnli", "mnli", "mnli_mismatched"):
-        scores = tasks.load_local_metric("glue", config).compute(predictions=[0, 2, 1, 1], references=[0, 1, 1, 1])
+        scores = task_base.load_local_metric("glue", config).compute(predictions=[0, 2, 1, 1], references=[0, 1, 1, 1])
         assert scores == {"accuracy": pytest.approx(0.75)}, config
     # Pearson of x = [1, 2, 3, 4], y = [2, 4, 5, 9]: centred x = [-1.5, -0.5, 0.5, 1.5], y = [-3, -1, 0, 4];
     # sum(xy) = 4.5 + 0.5 + 0 + 6 = 11, sum(x^2) = 5, sum(y^2) = 26 -> 11 / sqrt(130).
     # Spearman with a tie, x = [1, 2, 2, 3] -> ranks [1, 2.5, 2.5, 4], y = [1, 3, 2, 4] -> ranks [1, 3, 2, 4]:
     # centred [-1.5, 0, 0, 1.5] and [-1.5, 0.5, -0.5, 1.5] -> 4.5 / sqrt(4.5 * 5) = 3 / sqrt(10).
-    stsb = tasks.load_local_metric("glue", "stsb")
+    stsb = task_base.load_local_metric("glue", "stsb")
     assert stsb.compute(predictions=[1, 2, 3, 4], references=[2, 4, 5, 9])["pearson"] == pytest.approx(
         11 / math.sqrt(130)
     )
     assert stsb.compute(predictions=[1, 2, 2, 3], references=[1, 3, 2, 4])["spearmanr"] == pytest.approx(
         3 / math.sqrt(10)
     )
-    accuracy = tasks.load_local_metric("accuracy").compute(predictions=[0, 1, 2, 2], references=[0, 1, 1, 2])
+    accuracy = task_base.load_local_metric("accuracy").compute(predictions=[0, 1, 2, 2], references=[0, 1, 1, 2])
     assert accuracy == {"accuracy": pytest.approx(0.75)}
 
 
 def test_glue_metrics_degenerate_inputs_follow_scikit_learn():
-    cola = tasks.load_local_metric("glue", "cola")
+    cola = task_base.load_local_metric("glue", "cola")
     assert cola.compute(predictions=[1, 1, 1], references=[1, 0, 1]) == {"matthews_correlation": 0.0}
-    mrpc = tasks.load_local_metric("glue", "mrpc")
+    mrpc = task_base.load_local_metric("glue", "mrpc")
     assert mrpc.compute(predictions=[0, 0], references=[0, 0]) == {"accuracy": 1.0, "f1": 0.0}
     # A perfect anti-correlation and a constant prediction.
     assert cola.compute(predictions=[1, 0, 1, 0], references=[0, 1, 0, 1])["matthews_correlation"] == pytest.approx(
         -1.0
     )
     assert math.isnan(
-        tasks.load_local_metric("glue", "stsb").compute(predictions=[2, 2, 2], references=[1, 2, 3])["pearson"]
+        task_base.load_local_metric("glue", "stsb").compute(predictions=[2, 2, 2], references=[1, 2, 3])["pearson"]
     )
 
 
@@ -146,7 +148,7 @@ def test_glue_metrics_degenerate_inputs_follow_scikit_learn():
 @pytest.mark.parametrize("n, block, stride", [(100, 16, 16), (100, 16, 5), (101, 16, 1), (10, 16, 8), (17, 16, 16)])
 def test_sliding_windows_score_every_token_exactly_once(n, block, stride):
     ids = torch.arange(1000, 1000 + n)
-    windows = tasks.make_windows(ids, block, stride, "sliding")
+    windows = clm.make_windows(ids, block, stride, "sliding")
     scored = []
     for window in windows:
         assert len(window["input_ids"]) <= block
@@ -164,15 +166,15 @@ def test_full_window_protocol_is_the_authors_loop():
     # Their loop: windows of block + 1 tokens starting every `stride` tokens, partial windows skipped,
     # every prediction of a window scored, perplexity = exp(mean window loss).
     ids = torch.arange(50)
-    windows = tasks.make_windows(ids, 8, 4, "full_window")
+    windows = clm.make_windows(ids, 8, 4, "full_window")
     starts = [int(w["input_ids"][0]) for w in windows]
     assert starts == [begin for begin in range(0, 50, 4) if begin + 9 <= 50]
     for window in windows:
         assert torch.equal(window["targets"], window["input_ids"] + 1)
     sums, counts = torch.tensor([8.0, 16.0]), torch.tensor([8.0, 8.0])
-    assert tasks.perplexity_from_windows(sums, counts, "full_window")["eval_loss"] == pytest.approx(1.5)
+    assert clm.perplexity_from_windows(sums, counts, "full_window")["eval_loss"] == pytest.approx(1.5)
     # The token-weighted protocol weighs windows by their scored tokens instead.
-    assert tasks.perplexity_from_windows(torch.tensor([8.0, 16.0]), torch.tensor([8.0, 2.0]), "sliding")[
+    assert clm.perplexity_from_windows(torch.tensor([8.0, 16.0]), torch.tensor([8.0, 2.0]), "sliding")[
         "eval_loss"
     ] == pytest.approx(2.4)
 
@@ -182,12 +184,12 @@ def test_sliding_perplexity_equals_the_model_loss_on_one_window(assets):
 
     model = AutoModelForCausalLM.from_pretrained(assets["gpt2"]).eval()
     ids = torch.randint(3, 200, (40,), generator=torch.Generator().manual_seed(0))
-    (window,) = tasks.make_windows(ids, 64, 64, "sliding")
-    batch = tasks.WindowCollator(0)([window])
+    (window,) = clm.make_windows(ids, 64, 64, "sliding")
+    batch = clm.WindowCollator(0)([window])
     with torch.no_grad():
-        nll, count = tasks.window_nll(model(input_ids=batch["input_ids"]).logits, batch["targets"])
+        nll, count = clm.window_nll(model(input_ids=batch["input_ids"]).logits, batch["targets"])
         reference = model(input_ids=ids[None], labels=ids[None]).loss
-    result = tasks.perplexity_from_windows(nll.double(), count.double(), "sliding")
+    result = clm.perplexity_from_windows(nll.double(), count.double(), "sliding")
     assert count.item() == 39
     assert result["eval_loss"] == pytest.approx(reference.item(), rel=1e-5)
     assert result["perplexity"] == pytest.approx(math.exp(reference.item()), rel=1e-5)
@@ -389,9 +391,9 @@ def test_clm_run_leaves_a_loadable_checkpoint_results_card_and_plot(assets, tmp_
     # The text loader keeps each line's line break (keep_linebreaks); the lines are joined with blank lines.
     text = "\n\n".join(Path(assets["validation_txt"]).read_text().splitlines(keepends=True))
     ids = torch.tensor(tokenizer(text)["input_ids"])
-    batch = tasks.WindowCollator(0)(tasks.make_windows(ids, 32, 32, "sliding"))
+    batch = clm.WindowCollator(0)(clm.make_windows(ids, 32, 32, "sliding"))
     with torch.no_grad():
-        nll, count = tasks.window_nll(
+        nll, count = clm.window_nll(
             model(**{k: batch[k] for k in ("input_ids", "attention_mask")}).logits, batch["targets"]
         )
     assert math.exp(nll.double().sum() / count.double().sum()) == pytest.approx(results["perplexity"], rel=1e-5)
@@ -473,7 +475,7 @@ def test_glue_task_end_to_end_with_official_metrics(task, assets, tmp_path):
     # Recompute the predictions from the saved model and the metrics by hand.
     model = hf_neural_attn.from_pretrained(str(out)).eval()
     tokenizer = AutoTokenizer.from_pretrained(out)
-    first, second = tasks.TASK_TO_KEYS[task]
+    first, second = glue.TASK_TO_KEYS[task]
 
     def predict(path):
         rows = [json.loads(line) for line in path.read_text().splitlines()] if fmt == "json" else _csv_rows(path)
