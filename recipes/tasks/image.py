@@ -100,7 +100,8 @@ class ImageTask(Task):
             pixel_values = processor(images, return_tensors="pt")["pixel_values"]
             if pixel_values.shape[-1] != size or pixel_values.shape[-2] != size:
                 raise RecipeError(
-                    f"The image processor makes {tuple(pixel_values.shape[-2:])} images but the model expects {size}x{size}."
+                    f"The image processor makes {tuple(pixel_values.shape[-2:])} images but the model expects "
+                    f"{size}x{size}."
                 )
             result = {"pixel_values": pixel_values, "labels": list(examples[label_column])}
             if "example_index" in examples:
