@@ -1,8 +1,9 @@
 """recipes/stats.py against values computed by hand or from tables, and ``recipes.compare --seeds N`` end to end on
-the tiny assets of recipes_helpers."""
+the tiny assets of recipes_helpers (one seed: test_recipes_compare.py)."""
 
 from __future__ import annotations
 
+import csv
 import math
 import re
 
@@ -14,8 +15,9 @@ from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fix
     tiny_recipe_assets,
 )
 
-from recipes import report, stats
+from recipes import stats
 from recipes.args import RecipeError, parse_args
+from recipes.compare import COMPARISON_PLOT, COMPARISON_TABLE, compare, main
 
 # ------------------------------------------------------------------------------------------------ stats
 
@@ -95,8 +97,6 @@ def tiny_flags(assets, output_dir) -> list[str]:
 
 
 def test_compare_with_two_seeds_reports_mean_std_and_the_paired_interval(assets, tmp_path, capsys):
-    from recipes.compare import compare, main
-
     out = tmp_path / "compare"
     runs = compare(parse_args(tiny_flags(assets, out)), seeds=2)
     assert [(run["label"], run["seed"]) for run in runs] == [
@@ -114,35 +114,27 @@ def test_compare_with_two_seeds_reports_mean_std_and_the_paired_interval(assets,
     assert values["baseline", 42] != values["baseline", 43], "the seeds made no difference"
     assert not (out / "baseline").exists()
 
-    table = (out / report.COMPARISON_TABLE).read_text()
+    # The sweep's summary table: mean ± std over the seeds, the paired difference with its interval and verdict.
+    table = (out / COMPARISON_TABLE).read_text()
     baseline = [values["baseline", 42], values["baseline", 43]]
     patched = [values["qana", 42], values["qana", 43]]
-    assert f"| baseline | none (baseline) | 0 | {stats.format_mean_std(baseline)} |" in table
+    assert f"| `baseline` | scorer=none | 0 | {stats.format_mean_std(baseline)} |" in table
     difference = stats.paired_difference(patched, baseline)
-    assert f"| {stats.format_difference(difference)} | {stats.verdict(difference, False)} |" in table
+    assert f"| {stats.format_difference(difference)} | {stats.verdict(difference, False)} | 2/2 |" in table
     # The interval is Student's t with one degree of freedom around the mean difference.
-    qana_row = next(line for line in table.splitlines() if line.startswith("| qana |"))
+    qana_row = next(line for line in table.splitlines() if line.startswith("| `qana` |"))
     low, high = map(float, re.search(r"\[([-+]\d[.\d]*), ([-+]\d[.\d]*)\]", qana_row).groups())
-    half = 12.7062047 * abs((patched[0] - baseline[0]) - (patched[1] - baseline[1])) / 2
+    half = 12.706 * abs((patched[0] - baseline[0]) - (patched[1] - baseline[1])) / 2
     assert (high - low) / 2 == pytest.approx(half, abs=1e-4)
-    assert "perplexity (mean ± std, 2 seeds)" in table and "## Per seed" in table
-    assert f"| 43 | {report.format_value(baseline[1])} | {report.format_value(patched[1])} |" in table
-    assert "Student's t with 1 degree of freedom" in table
-    assert (out / report.COMPARISON_PLOT).stat().st_size > 5_000
+    assert "perplexity (mean ± std)" in table and "95 % Student-t interval (1 degree of freedom)" in table
+    # Each seed's values are in the sweep's sweep.csv.
+    with open(out / "sweep.csv") as handle:
+        rows = {(row["configuration"], int(row["seed"])): row for row in csv.DictReader(handle)}
+    assert {key: float(row["perplexity"]) for key, row in rows.items()} == values
+    assert (out / COMPARISON_PLOT).stat().st_size > 5_000
     assert "± " in capsys.readouterr().out
 
     assert main([*tiny_flags(assets, tmp_path / "bad"), "--seeds", "0"]) == 2
     assert "--seeds must be at least 1" in capsys.readouterr().err
     with pytest.raises(RecipeError, match="--seeds must be at least 1"):
         compare(parse_args(tiny_flags(assets, tmp_path / "bad")), seeds=0)
-
-
-def test_compare_with_one_seed_says_there_is_no_error_bar(assets, tmp_path):
-    from recipes.compare import compare
-
-    out = tmp_path / "one"
-    compare(parse_args(tiny_flags(assets, out)))
-    table = (out / report.COMPARISON_TABLE).read_text()
-    assert (out / "baseline" / "all_results.json").is_file() and (out / "qana" / "all_results.json").is_file()
-    assert 'read "no difference"' in table and "One seed gives no error bar" in table
-    assert not list(out.glob("seed_*"))
