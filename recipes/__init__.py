@@ -3,17 +3,20 @@ root (``pip install -e ".[recipes]"`` first): ``accelerate launch -m recipes.fin
 
 * ``finetune.py``: one run: parse, then setup -> train -> write outputs (causal LM, the nine GLUE tasks, images).
 * ``compare.py``: baseline and patched runs with the same data, seed and budget, as a markdown table and a plot;
-  with no arguments, the offline demo (``make demo``). It imports ``finetune``, never the other way round.
+  with no arguments, the offline demo (``make demo``). It is a sweep of one configuration paired with its
+  baseline, so it imports ``sweep`` (which imports ``finetune``), never the other way round.
 * ``args.py``: the command line (Hugging Face example-script flag names; the scorer flags generated from the scorer
   configs' field declarations) and YAML/JSON config files.
-* ``tasks.py``: data loading, preprocessing and evaluation for each task kind.
+* ``tasks/``: data loading, preprocessing and evaluation, one module per task kind (``clm``, ``glue``, ``image``)
+  and a registry of them (``recipes.tasks.get_task``).
 * ``modeling.py``: building the model, tokenizer or image processor, and the patch.
 * ``checkpointing.py``: atomic Accelerate checkpoints and resuming.
 * ``hub.py``: deciding quickly whether the Hugging Face Hub is reachable (else: offline mode); the push check.
-* ``report.py``: ``all_results.json``, the model card, the training plot, the comparison table, the Hub upload.
+* ``report.py``: ``all_results.json``, the model card, the training plot, evaluation curves, the Hub upload.
 * ``metrics/``: offline `evaluate` modules (GLUE, accuracy).
 * ``configs/``: example configs reproducing the papers' setups; ``accelerate_configs/``: launch configs.
-* ``sweep.py``, ``stats.py``: grids of runs over seeds, and the statistics of their comparison.
+* ``sweep/``: grids of runs over seeds from one config, resumable: ``plan.py``, ``run.py``, ``report.py``;
+  ``stats.py``: the statistics of comparisons over seeds.
 * ``harness.py``: evaluation with lm-evaluation-harness.
 
 See ``docs/recipes.md``.

@@ -7,174 +7,181 @@ Run from the repository root, as a module:
     accelerate launch -m recipes.compare --model_name_or_path gpt2 --task clm --scorer qana --h 4 \\
         --max_train_steps 2000 --eval_steps 250 --output_dir outputs/compare-gpt2-qana
 
-takes the flags of ``recipes.finetune`` and runs it twice: once unpatched (``--scorer none``, patch flags dropped)
-into ``<output_dir>/baseline``, once as given into ``<output_dir>/<scorer>``. Then it writes
-``<output_dir>/comparison.md`` (a markdown table: metrics, parameters added, change against the baseline, then the
-patched run's scorer history and attention maps) and ``<output_dir>/comparison.png`` (both evaluation curves) and
-prints the table. A relative change of the primary metric smaller than ``--no_difference_below`` percent (default
-1.0) is reported as "no difference": below the spread that seeds and summation order alone give (see
-``docs/recipes.md``).
+takes the flags of ``recipes.finetune`` and runs them as a sweep (``recipes.sweep``) of one configuration paired
+with its baseline: once unpatched (``--scorer none``, patch flags dropped) into ``<output_dir>/baseline``, once as
+given into ``<output_dir>/<scorer>``. Then it writes ``<output_dir>/comparison.md`` (the sweep's summary table:
+primary metric, parameters added, the difference to the baseline and its verdict; then the patched run's scorer
+history and attention maps), ``<output_dir>/comparison.png`` (the evaluation curves), the sweep's ``sweep.csv``
+and ``sweep_summary.csv`` (every run's metrics), and prints the table. With one seed, a relative change of the
+primary metric smaller than ``--no_difference_below`` percent (default 1.0) reads "no difference": below the
+spread that seeds and summation order alone give (see ``docs/recipes.md``).
 
 ``--seeds N`` (N >= 2) repeats both runs with seeds ``seed, seed+1, ..., seed+N-1`` into
-``<output_dir>/seed_<s>/baseline`` and ``<output_dir>/seed_<s>/<scorer>``; the table then shows every metric as mean
+``<output_dir>/seed_<s>/baseline`` and ``<output_dir>/seed_<s>/<scorer>``; the table then shows the metric as mean
 ± standard deviation over the seeds and the paired difference patched − baseline (seed by seed) with its 95 %
 confidence interval, called larger than the seed noise only when the interval excludes 0 (``recipes/stats.py``);
 the plot shows the mean curves with min–max bands.
+
+As in a sweep, every run checkpoints and the command can be run again into the same folder: runs that finished
+with the same settings are skipped (not retrained), an interrupted one resumes from its newest checkpoint, and a
+folder holding a run with other settings stops the comparison before anything runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import logging
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from recipes import report
-from recipes.args import RecipeError, parse_args, patch_settings
-from recipes.finetune import run
-from recipes.tasks import get_task
-
-logger = logging.getLogger("recipes")
+from recipes.args import RecipeError, parse_args, parse_values
+from recipes.report import HISTORY_FILE, RESULTS_FILE, describe_patch, plot_evaluation_curves, scorer_section
+from recipes.sweep.plan import (
+    MANAGED_FLAGS,
+    SweepPlan,
+    baseline_flags,
+    check_run_folders,
+    describe_flags,
+    plan_runs,
+)
+from recipes.sweep.report import markdown_table, summarize, sweep_notes, write_csvs
+from recipes.sweep.run import is_main_process, run_sweep
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo_offline.yaml"
-# A relative change (percent) of the primary metric below this is reported as no difference: the offline demo's
-# baseline reached perplexities 0.83% apart with seeds 42, 43 and 44 (docs/recipes.md).
+COMPARISON_TABLE = "comparison.md"
+COMPARISON_PLOT = "comparison.png"
+# A relative change (percent) of the primary metric below this reads "no difference" when there is one seed: about
+# the seed noise of the offline demo's baseline (docs/recipes.md, "Comparing with the baseline", has the figures).
 NO_DIFFERENCE_BELOW = 1.0
 
 
+def run_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """A parsed run's settings as flags (``--config`` already applied, so without it)."""
+    return {name: value for name, value in vars(args).items() if name != "config"}
+
+
 def baseline_args(args: argparse.Namespace) -> argparse.Namespace:
-    """The same run without the patch: --scorer none, every patch setting, the gate schedule and the scorer learning
-    rate unset."""
-    base = copy.deepcopy(args)
-    for name in patch_settings():
-        setattr(base, name, None)
-    base.scorer = "none"
-    base.scorer_learning_rate = None
-    base.train_only_new_params = False
-    base.gate_schedule = "learned"
-    base.gate_warmup_steps = None
-    return base
+    """The same run without the patch (the sweep's baseline): --scorer none, and every patch setting, the gate
+    schedule, the scorer learning rate and --train_only_new_params back to their defaults."""
+    return parse_values(baseline_flags(run_flags(args)), source="The baseline of the comparison")
 
 
-def compare(
+def single_seed_folder(root: Path, configuration: str, seed: int) -> Path:
+    """One seed: ``<output_dir>/baseline`` and ``<output_dir>/<scorer>``."""
+    return root / configuration
+
+
+def per_seed_folder(root: Path, configuration: str, seed: int) -> Path:
+    """Several seeds: ``<output_dir>/seed_<s>/baseline`` and ``<output_dir>/seed_<s>/<scorer>``."""
+    return root / f"seed_{seed}" / configuration
+
+
+def comparison_plan(
     args: argparse.Namespace, no_difference_below: float = NO_DIFFERENCE_BELOW, seeds: int = 1
-) -> list[dict[str, Any]]:
-    """Run baseline and patched with ``args``, for ``seeds`` seeds from ``args.seed`` on; write and print the
-    comparison. Returns every run's results (``label``, ``seed``, ``patch``, ``results``, ``history``), seed by
-    seed, baseline first."""
+) -> SweepPlan:
+    """The comparison as a sweep: ``args`` as its one configuration (named after the scorer), paired with its
+    baseline, over ``seeds`` seeds from ``args.seed`` on; every run checked, nothing run."""
     if args.scorer == "none":
         raise RecipeError(
             "compare.py runs the baseline itself: give the patched run's flags (--scorer qana or neural)."
         )
     if args.push_to_hub:
         raise RecipeError("compare.py does not upload; push one run with recipes.finetune --push_to_hub.")
+    if args.resume_from_checkpoint:
+        raise RecipeError(
+            "compare.py resumes its runs itself: drop --resume_from_checkpoint and run the same command again."
+        )
     if seeds < 1:
         raise RecipeError(f"--seeds must be at least 1, got {seeds}.")
-    root = Path(args.output_dir)
-    seed_list = [args.seed + offset for offset in range(seeds)]
-    results = []
-    for seed in seed_list:
-        # One seed: <output_dir>/baseline and <output_dir>/<scorer>, as always; several: one folder per seed.
-        folder = root if seeds == 1 else root / f"seed_{seed}"
-        base = baseline_args(args)
-        base.seed, base.output_dir = seed, str(folder / "baseline")
-        patched = copy.deepcopy(args)
-        patched.seed, patched.output_dir = seed, str(folder / args.scorer)
-        for label, run_args in (("baseline", base), (args.scorer, patched)):
-            outcome = run(run_args)
-            results.append(
-                {
-                    "label": label,
-                    "seed": seed,
-                    "output_dir": run_args.output_dir,
-                    "patch": report.describe_patch(outcome["patch"]),
-                    "results": outcome,
-                    "history": outcome["history"],
-                }
-            )
-
-    from accelerate import PartialState
-
-    if PartialState().is_main_process:
-        if seeds == 1:
-            write_single_seed(args, root, results, no_difference_below)
-        else:
-            write_seeds(args, root, results, seed_list)
-    return results
+    flags = {name: value for name, value in run_flags(args).items() if name not in MANAGED_FLAGS}
+    unpatched = baseline_args(args)
+    plan = SweepPlan(
+        name="the comparison",
+        config_path=None,
+        grid="full",
+        mode="ablation",
+        description="",
+        seeds=[args.seed + offset for offset in range(seeds)],
+        baseline=True,
+        root=Path(args.output_dir),
+        axes={},
+        base_flags=flags,
+        command_line=[],
+        base_name=args.scorer,
+        base_changes=describe_flags({k: v for k, v in flags.items() if getattr(unpatched, k) != v}),
+        run_folder=single_seed_folder if seeds == 1 else per_seed_folder,
+        no_difference_below=no_difference_below,
+    )
+    return plan_runs(plan)
 
 
-def write_single_seed(
-    args: argparse.Namespace, root: Path, results: list[dict[str, Any]], no_difference_below: float
-) -> None:
-    """comparison.md and comparison.png of one baseline and one patched run."""
-    task = get_task(args.task)
-    metrics = task.metric_names()
-    table = report.comparison_table(results, metrics, task.greater_is_better, no_difference_below)
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A run's JSON output, or None where it is not there (a process that does not share the main one's disk)."""
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def compare(
+    args: argparse.Namespace, no_difference_below: float = NO_DIFFERENCE_BELOW, seeds: int = 1
+) -> list[dict[str, Any]]:
+    """Run baseline and patched with ``args``, for ``seeds`` seeds from ``args.seed`` on (runs that finished before
+    are skipped); write and print the comparison. Returns every run, seed by seed, baseline first: ``label``,
+    ``seed``, ``output_dir``, ``action`` (skipped, started or resumed from a checkpoint), ``results`` (its
+    all_results.json) and ``history`` (its training history)."""
+    plan = comparison_plan(args, no_difference_below, seeds)
+    check_run_folders(plan)
+    if is_main_process():
+        print(f"Comparison of baseline and {args.scorer}: {plan.status_line()}.")
+    log = run_sweep(plan)
+    if is_main_process():
+        write_comparison(plan)
+    return [
+        {
+            "label": entry["configuration"],
+            "seed": entry["seed"],
+            "output_dir": entry["output_dir"],
+            "action": entry["action"],
+            "results": read_json(Path(entry["output_dir"]) / RESULTS_FILE),
+            "history": read_json(Path(entry["output_dir"]) / HISTORY_FILE),
+        }
+        for entry in log
+    ]
+
+
+def write_comparison(plan: SweepPlan) -> None:
+    """comparison.md (the sweep's summary table with its notes, the curves, the patched run's scorer pictures),
+    comparison.png (the evaluation curves; mean and min–max band over several seeds), sweep.csv and
+    sweep_summary.csv of a finished comparison; prints the table."""
+    summary = summarize(plan)
+    baseline, patched = plan.configurations  # a sweep lists its baselines first
+    first = summary.found[patched.name][plan.seeds[0]]
+    several = len(plan.seeds) > 1
+    task = first["task"]
     header = (
-        f"# {args.task}: baseline vs {report.describe_patch(results[1]['results']['patch'])}\n\n"
-        f"Same data, seed ({args.seed}) and budget ({results[0]['results']['train_steps']} steps, total batch "
-        f"{results[0]['results']['total_train_batch_size']}); model {results[0]['results']['model_source']}.\n\n"
-    )
-    patched_dir = Path(results[1]["output_dir"]).resolve().relative_to(root.resolve())
-    pictures = report.scorer_section(results[1]["results"].get("plots"), prefix=f"{patched_dir.as_posix()}/")
-    note = report.no_difference_note(no_difference_below)
-    (root / report.COMPARISON_TABLE).write_text(
-        header + table + f"\n{note}\n\n![evaluation curves]({report.COMPARISON_PLOT})\n" + pictures
-    )
-    report.plot_comparison(
-        results,
-        task.primary_metric,
-        root / report.COMPARISON_PLOT,
-        f"{args.task}: evaluation {task.primary_metric}",
-    )
-    print("\n" + table)
-    print(note)
-    print(f"Wrote {root / report.COMPARISON_TABLE} and {root / report.COMPARISON_PLOT}")
-
-
-def write_seeds(args: argparse.Namespace, root: Path, results: list[dict[str, Any]], seeds: list[int]) -> None:
-    """comparison.md (mean ± std over seeds, the paired difference with its confidence interval, one row per
-    seed) and comparison.png (mean curves, min–max bands) of runs repeated over several seeds."""
-    task = get_task(args.task)
-    metrics = task.metric_names()
-    groups = []
-    for label in ("baseline", args.scorer):
-        runs = [entry for entry in results if entry["label"] == label]
-        groups.append(
-            {
-                "label": label,
-                "patch": runs[0]["patch"],
-                "runs": [entry["results"] for entry in runs],
-                "histories": [entry["history"] for entry in runs],
-            }
-        )
-    table = report.seeds_comparison_table(groups, metrics, task.greater_is_better)
-    first = results[0]["results"]
-    header = (
-        f"# {args.task}: baseline vs {report.describe_patch(results[1]['results']['patch'])}, {len(seeds)} seeds\n\n"
+        f"# {task}: baseline vs {describe_patch(first['patch'])}{f', {len(plan.seeds)} seeds' if several else ''}\n\n"
         f"Same data and budget ({first['train_steps']} steps, total batch {first['total_train_batch_size']}) for "
-        f"every run, seeds {', '.join(map(str, seeds))}; model {first['model_source']}.\n\n"
+        f"every run, seed{'s' if several else ''} {', '.join(map(str, plan.seeds))}; model {first['model_source']}."
+        "\n\n"
     )
-    note = report.seeds_note(seeds)
-    per_seed = report.per_seed_table(groups, seeds, task.primary_metric)
-    patched_dir = Path(results[1]["output_dir"]).resolve().relative_to(root.resolve())
-    pictures = report.scorer_section(results[1]["results"].get("plots"), prefix=f"{patched_dir.as_posix()}/")
-    if pictures:
-        pictures = pictures.replace("## What the new scorers do", f"## What the new scorers do (seed {seeds[0]})", 1)
-    (root / report.COMPARISON_TABLE).write_text(
-        header
-        + table
-        + f"\n{note}\n\n## Per seed\n\n{per_seed}\n![evaluation curves]({report.COMPARISON_PLOT})\n"
-        + pictures
+    table = markdown_table(plan, summary)
+    notes = sweep_notes(plan)
+    patched_dir = patched.runs[0].output_dir.resolve().relative_to(plan.root.resolve())
+    pictures = scorer_section(first.get("plots"), prefix=f"{patched_dir.as_posix()}/")
+    if pictures and several:
+        pictures = pictures.replace("## What the new scorers do", f"## What the new scorers do (seed {plan.seeds[0]})")
+    (plan.root / COMPARISON_TABLE).write_text(
+        header + table + f"\n{notes}\n![evaluation curves]({COMPARISON_PLOT})\n" + pictures
     )
-    report.plot_comparison_seeds(
-        groups, task.primary_metric, root / report.COMPARISON_PLOT, f"{args.task}: evaluation {task.primary_metric}"
-    )
+    histories = {
+        configuration.name: [read_json(run.output_dir / HISTORY_FILE) for run in configuration.runs]
+        for configuration in (baseline, patched)
+    }
+    title = f"{task}: evaluation {summary.metric}"
+    plot_evaluation_curves(histories, summary.metric, plan.root / COMPARISON_PLOT, title)
+    write_csvs(plan, summary)
     print("\n" + table)
-    print(note)
-    print(f"Wrote {root / report.COMPARISON_TABLE} and {root / report.COMPARISON_PLOT}")
+    print(notes)
+    print(f"Wrote {plan.root / COMPARISON_TABLE}, {plan.root / COMPARISON_PLOT} and the sweep's CSV files")
 
 
 def run_demo(

@@ -612,7 +612,7 @@ def write_outputs(state: TrainingRun) -> dict[str, Any]:
         state.preprocessor.save_pretrained(args.output_dir)
         output = Path(args.output_dir)
         report.write_json(output / report.RESULTS_FILE, results)
-        report.write_json(output / "training_history.json", history)
+        report.write_json(output / report.HISTORY_FILE, history)
         title = f"{args.task}: {report.describe_patch(bundle.patch)}"
         report.plot_training(history, task.primary_metric, output / report.PLOT_FILE, title)
         (output / report.CARD_FILE).write_text(report.model_card(results, output))

@@ -55,7 +55,8 @@ def go_offline() -> None:
 
 def hub_resources(args: argparse.Namespace) -> list[str]:
     """The Hub ids this run would download from (local paths excluded)."""
-    from .tasks import EMBEDDED_CORPUS, uses_embedded_model
+    from .args import EMBEDDED_CORPUS
+    from .tasks.base import uses_embedded_model
 
     names = [
         args.model_name_or_path,

@@ -1,5 +1,5 @@
-"""What a run leaves behind: ``all_results.json``, the model card (README.md), the training plot, the
-comparison table and plot, and the Hub upload."""
+"""What a run leaves behind: ``all_results.json``, the model card (README.md), the training plot, and the Hub
+upload; and the evaluation curves of several runs (``recipes.compare``'s plot)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,9 @@ import hf_neural_attn
 logger = logging.getLogger(__name__)
 
 RESULTS_FILE = "all_results.json"
+HISTORY_FILE = "training_history.json"
 PLOT_FILE = "training_curves.png"
 CARD_FILE = "README.md"
-COMPARISON_TABLE = "comparison.md"
-COMPARISON_PLOT = "comparison.png"
 # Folders and files of a run that are not part of the model repository.
 HUB_IGNORE_PATTERNS = ["step_*", "epoch_*", ".*", "runs/*", "finetune/*", "*.partial/*"]
 
@@ -90,19 +89,36 @@ def _log_scale(axis) -> None:
     axis.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
 
 
-def plot_comparison(runs: list[dict[str, Any]], metric: str, path: str | os.PathLike, title: str) -> None:
-    """The evaluation curves of several runs in one plot."""
+def plot_evaluation_curves(
+    histories: dict[str, list[dict[str, Any] | None]], metric: str, path: str | os.PathLike, title: str
+) -> None:
+    """The evaluation curves of several runs in one plot: run label -> its training histories, one per seed (None
+    for a seed not finished). A run of several seeds is drawn as the mean over them with a band from the lowest to
+    the highest seed, at the steps every seed evaluated."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(7, 4.5))
-    for run in runs:
-        points = [(e["step"], e[metric]) for e in run["history"]["evaluations"] if metric in e]
-        if points:
-            axis.plot(*zip(*points), marker="o", label=run["label"])
-    axis.set(title=title, xlabel="step", ylabel=METRIC_LABELS.get(metric, metric))
+    banded = False
+    for label, runs in histories.items():
+        curves = [{e["step"]: e[metric] for e in h["evaluations"] if metric in e} for h in runs if h is not None]
+        steps = sorted(set.intersection(*(set(curve) for curve in curves))) if curves else []
+        if not steps:
+            continue
+        values = [[curve[step] for curve in curves] for step in steps]
+        legend = label if len(curves) == 1 else f"{label} (mean of {len(curves)} seeds)"
+        (line,) = axis.plot(steps, [sum(v) / len(v) for v in values], marker="o", label=legend)
+        if len(curves) > 1:
+            lowest, highest = [min(v) for v in values], [max(v) for v in values]
+            axis.fill_between(steps, lowest, highest, color=line.get_color(), alpha=0.2)
+            banded = True
+    axis.set(
+        title=title + (" (band: min–max over seeds)" if banded else ""),
+        xlabel="step",
+        ylabel=METRIC_LABELS.get(metric, metric),
+    )
     if metric == "perplexity":  # spans orders of magnitude early in training
         _log_scale(axis)
     axis.grid(alpha=0.3, which="both")
@@ -121,6 +137,8 @@ def comparison_table(
     """A markdown table: one row per run, its patch, added parameters, metrics, and change vs the first run.
 
     A relative change of the primary metric smaller than ``no_difference_below`` percent reads "no difference".
+    recipes.compare no longer writes it (its table is the sweep's, ``recipes.sweep.report.markdown_table``);
+    tests/test_options.py still tests it, and this goes when that test does.
     """
     primary = metrics[0]
     header = ["run", "patch", "params added", *[METRIC_LABELS.get(m, m) for m in metrics]]
@@ -144,93 +162,8 @@ def comparison_table(
     return "\n".join(lines) + "\n"
 
 
-def seeds_comparison_table(groups: list[dict[str, Any]], metrics: list[str], greater_is_better: bool) -> str:
-    """A markdown table of runs repeated over seeds: one row per run (the first is the baseline), each metric as
-    mean ± sample standard deviation, and the primary metric's paired difference to the baseline (seed by seed)
-    with its 95 % confidence interval and the verdict of :func:`recipes.stats.verdict`.
-
-    ``groups``: ``{"label", "patch", "runs"}``, ``runs`` the ``all_results`` of each seed, in the same seed order
-    in every group.
-    """
-    from recipes import stats
-
-    primary = metrics[0]
-    seeds = len(groups[0]["runs"])
-    header = ["run", "patch", "params added"]
-    header += [f"{METRIC_LABELS.get(m, m)} (mean ± std, {seeds} seeds)" for m in metrics]
-    header += [f"Δ {METRIC_LABELS.get(primary, primary)} vs baseline, paired (95 % CI)", "verdict", "train time (s)"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    baseline = [run[primary] for run in groups[0]["runs"]]
-    for group in groups:
-        runs = group["runs"]
-        row = [group["label"], group["patch"], f"{runs[0].get('parameters', {}).get('added_by_patch', 0):,}"]
-        row += [stats.format_mean_std([run[m] for run in runs]) if m in runs[0] else "—" for m in metrics]
-        if group is groups[0]:
-            row += ["—", "—"]
-        else:
-            difference = stats.paired_difference([run[primary] for run in runs], baseline)
-            row += [stats.format_difference(difference), stats.verdict(difference, greater_is_better)]
-        row.append(stats.format_mean_std([run.get("train_runtime_s", 0.0) for run in runs], digits=1))
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def per_seed_table(groups: list[dict[str, Any]], seeds: list[int], metric: str) -> str:
-    """One row per seed: each run's ``metric`` and each patched run's difference to the baseline."""
-    label = METRIC_LABELS.get(metric, metric)
-    header = ["seed"] + [f"{group['label']} {label}" for group in groups]
-    header += [f"{group['label']} − baseline" for group in groups[1:]]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for index, seed in enumerate(seeds):
-        values = [group["runs"][index][metric] for group in groups]
-        row = [str(seed)] + [format_value(value) for value in values]
-        row += [f"{value - values[0]:+.4f}" for value in values[1:]]
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def seeds_note(seeds: list[int]) -> str:
-    """What the seed table's spread, interval and verdict mean."""
-    return (
-        f"Each run was repeated with seeds {', '.join(map(str, seeds))} (the same seeds, so the same data order "
-        "and initial weights, for baseline and patched). ± is the sample standard deviation over seeds. The "
-        "difference is patched − baseline seed by seed; its 95 % confidence interval uses Student's t with "
-        f"{len(seeds) - 1} degree{'s' if len(seeds) != 2 else ''} of freedom. When the interval excludes 0 the difference is called larger than "
-        "the seed noise, otherwise within it; a few seeds give wide intervals, and with many comparisons about one "
-        "in twenty excludes 0 by chance."
-    )
-
-
-def plot_comparison_seeds(groups: list[dict[str, Any]], metric: str, path: str | os.PathLike, title: str) -> None:
-    """Evaluation curves of runs repeated over seeds: the mean over seeds per run, the band from the lowest to
-    the highest seed. ``groups``: ``{"label", "histories"}`` (one training history per seed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    for group in groups:
-        curves = [{e["step"]: e[metric] for e in h["evaluations"] if metric in e} for h in group["histories"]]
-        steps = sorted(set.intersection(*(set(curve) for curve in curves))) if curves else []
-        if not steps:
-            continue
-        values = [[curve[step] for curve in curves] for step in steps]
-        means = [sum(v) / len(v) for v in values]
-        (line,) = axis.plot(steps, means, marker="o", label=f"{group['label']} (mean of {len(curves)} seeds)")
-        axis.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=line.get_color(), alpha=0.2)
-    axis.set(title=title + " (band: min–max over seeds)", xlabel="step", ylabel=METRIC_LABELS.get(metric, metric))
-    if metric == "perplexity":
-        _log_scale(axis)
-    axis.grid(alpha=0.3, which="both")
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-
-
 def no_difference_note(no_difference_below: float) -> str:
-    """What "no difference" in the comparison table means."""
+    """What "no difference" means in a one-seed comparison (``recipes.compare --no_difference_below``)."""
     return (
         f'Changes smaller than {no_difference_below:g}% of the baseline\'s value read "no difference": one run per '
         "model cannot tell them from seed noise (a different seed, or only a different floating-point summation "

@@ -1,8 +1,7 @@
 """The few statistics a comparison over seeds needs, in plain Python (no SciPy: it is not a dependency).
 
 * :func:`mean` and :func:`sample_std` (n - 1 in the denominator) of one metric over seeds;
-* :func:`student_t_quantile`, Student's t quantile, from the t distribution's CDF (the regularized incomplete
-  beta function, evaluated by its continued fraction) inverted by bisection; exact to ~1e-10;
+* :func:`student_t_975`, the 95 % critical value of Student's t, from a table;
 * :func:`paired_difference`: patched − baseline seed by seed (the same seed gives both runs the same data order and
   initial weights), its mean and a confidence interval with N − 1 degrees of freedom;
 * :func:`verdict`: whether that difference is larger than the seed noise, in words.
@@ -16,10 +15,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-CONFIDENCE = 0.95
 ONE_SEED = "one seed: no error bar"
 WITHIN_NOISE = "within seed noise"
 LARGER_THAN_NOISE = "difference larger than seed noise"
+NO_DIFFERENCE = "no difference"
 
 
 def mean(values: Sequence[float]) -> float:
@@ -38,78 +37,32 @@ def sample_std(values: Sequence[float]) -> float | None:
     return math.sqrt(math.fsum((value - centre) ** 2 for value in values) / (len(values) - 1))
 
 
-def _beta_continued_fraction(a: float, b: float, x: float) -> float:
-    """The continued fraction of the incomplete beta function (modified Lentz; Numerical Recipes' betacf)."""
-    tiny, epsilon = 1e-300, 1e-15
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    result = d
-    for m in range(1, 10_000):
-        for numerator in (
-            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
-        ):
-            d = 1.0 + numerator * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + numerator / c
-            c = c if abs(c) > tiny else tiny
-            result *= d * c
-        if abs(d * c - 1.0) < epsilon:
-            return result
-    raise ArithmeticError(f"incomplete beta continued fraction did not converge (a={a}, b={b}, x={x})")
+# Student's t quantile t_{0.975}(dof), the half-width factor of a two-sided 95 % interval, as printed in every t
+# table (three decimals). Degrees of freedom between two rows take the row below: a slightly larger factor, so a
+# slightly wider interval, never a narrower one.
+# fmt: off
+T_975 = {
+    1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+    11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
+    21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042,
+    40: 2.021, 60: 2.000, 120: 1.980,
+}
+# fmt: on
 
 
-def regularized_incomplete_beta(x: float, a: float, b: float) -> float:
-    """I_x(a, b), the CDF of the Beta(a, b) distribution at x in [0, 1]."""
-    if not 0.0 <= x <= 1.0:
-        raise ValueError(f"x must be in [0, 1], got {x}")
-    if x in (0.0, 1.0):
-        return x
-    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    front = math.exp(log_front)
-    # The continued fraction converges fast for x < (a + 1) / (a + b + 2); use the symmetry I_x(a,b) =
-    # 1 - I_{1-x}(b,a) on the other side.
-    if x < (a + 1.0) / (a + b + 2.0):
-        return front * _beta_continued_fraction(a, b, x) / a
-    return 1.0 - front * _beta_continued_fraction(b, a, 1.0 - x) / b
-
-
-def student_t_cdf(t: float, dof: float) -> float:
-    """P(T <= t) for Student's t with ``dof`` degrees of freedom."""
-    if dof <= 0:
-        raise ValueError(f"degrees of freedom must be positive, got {dof}")
-    tail = 0.5 * regularized_incomplete_beta(dof / (dof + t * t), dof / 2.0, 0.5)  # P(T > |t|)
-    return 1.0 - tail if t > 0 else tail
-
-
-def student_t_quantile(p: float, dof: float) -> float:
-    """The t with P(T <= t) = p (e.g. p = 0.975 for a two-sided 95 % interval): bisection on the CDF."""
-    if not 0.0 < p < 1.0:
-        raise ValueError(f"p must be strictly between 0 and 1, got {p}")
-    if p < 0.5:
-        return -student_t_quantile(1.0 - p, dof)
-    if p == 0.5:
-        return 0.0
-    low, high = 0.0, 1.0
-    while student_t_cdf(high, dof) < p:  # bracket the quantile
-        low, high = high, high * 2.0
-    for _ in range(200):
-        middle = 0.5 * (low + high)
-        if student_t_cdf(middle, dof) < p:
-            low = middle
-        else:
-            high = middle
-        if high - low <= 1e-12 * max(1.0, high):
-            break
-    return 0.5 * (low + high)
+def student_t_975(dof: int) -> float:
+    """t_{0.975} with ``dof`` degrees of freedom (the 95 % two-sided critical value), from :data:`T_975`."""
+    if isinstance(dof, bool) or not isinstance(dof, int) or dof < 1:
+        raise ValueError(f"degrees of freedom must be a positive integer, got {dof!r}")
+    return T_975[max(row for row in T_975 if row <= dof)]
 
 
 @dataclass(frozen=True)
 class PairedDifference:
     """patched − baseline over the seeds both were run with.
 
-    ``ci_low``/``ci_high`` bound the mean difference with probability ``confidence`` (Student t, n - 1 degrees of
-    freedom); they and ``std`` are None for a single seed.
+    ``ci_low``/``ci_high`` bound the mean difference with 95 % confidence (Student t, n - 1 degrees of freedom);
+    they and ``std`` are None for a single seed.
     """
 
     n: int
@@ -118,7 +71,6 @@ class PairedDifference:
     ci_low: float | None
     ci_high: float | None
     baseline_mean: float
-    confidence: float = CONFIDENCE
 
     @property
     def relative(self) -> float | None:
@@ -130,10 +82,8 @@ class PairedDifference:
         return self.ci_low is not None and (self.ci_low > 0 or self.ci_high < 0)
 
 
-def paired_difference(
-    patched: Sequence[float], baseline: Sequence[float], confidence: float = CONFIDENCE
-) -> PairedDifference:
-    """The mean of patched[i] − baseline[i] (seed i of each) and its confidence interval."""
+def paired_difference(patched: Sequence[float], baseline: Sequence[float]) -> PairedDifference:
+    """The mean of patched[i] − baseline[i] (seed i of each) and its 95 % confidence interval."""
     if len(patched) != len(baseline):
         raise ValueError(f"paired values need the same seeds: {len(patched)} patched vs {len(baseline)} baseline")
     if not patched:
@@ -142,15 +92,21 @@ def paired_difference(
     centre, spread = mean(differences), sample_std(differences)
     low = high = None
     if spread is not None:
-        half = student_t_quantile(0.5 + confidence / 2.0, len(differences) - 1) * spread / math.sqrt(len(differences))
+        half = student_t_975(len(differences) - 1) * spread / math.sqrt(len(differences))
         low, high = centre - half, centre + half
-    return PairedDifference(len(differences), centre, spread, low, high, mean(baseline), confidence)
+    return PairedDifference(len(differences), centre, spread, low, high, mean(baseline))
 
 
-def verdict(difference: PairedDifference, greater_is_better: bool) -> str:
-    """In words: one seed (no error bar), within seed noise, or larger than seed noise (better or worse)."""
+def verdict(difference: PairedDifference, greater_is_better: bool, no_difference_below: float | None = None) -> str:
+    """In words: larger than seed noise (better or worse), or within it. One seed gives no error bar: without
+    ``no_difference_below`` that is what it says; with it (a percentage of the baseline), a relative change below
+    it reads "no difference" and one above it "better" or "worse" (``recipes.compare``'s threshold)."""
     if difference.n < 2:
-        return ONE_SEED
+        if no_difference_below is None or difference.relative is None:
+            return ONE_SEED
+        if abs(difference.relative) < no_difference_below:
+            return NO_DIFFERENCE
+        return "better" if (difference.mean > 0) == greater_is_better else "worse"
     if not difference.excludes_zero:
         return WITHIN_NOISE
     better = (difference.mean > 0) == greater_is_better

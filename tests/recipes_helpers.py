@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
 import random
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -71,26 +73,103 @@ TINY_GPT2 = {
 TINY_GPT2_OVERRIDES = "n_layer=2,n_embd=32,n_head=2,resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0"
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Each in-process run builds its own Accelerator; reset Accelerate's process-wide singletons after it."""
-    yield
+def reset_accelerate_state() -> None:
+    """Forget Accelerate's process-wide singletons, which the last in-process run's Accelerator set."""
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread for in-process recipe runs: tiny models gain nothing from two, and on a busy machine two
-    threads that wait for each other make a run many times slower."""
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """One intra-op thread while in the block: tiny models gain nothing from two, and on a busy machine two threads
+    that wait for each other make a run many times slower."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def in_process_runs() -> Iterator[None]:
+    """Where recipe runs happen in this process (a module-scoped fixture's, which the function-scoped fixtures
+    below do not cover): one thread, and Accelerate's state reset afterwards."""
+    with single_thread():
+        try:
+            yield
+        finally:
+            reset_accelerate_state()
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Each in-process run builds its own Accelerator; reset Accelerate's process-wide singletons after it."""
     yield
-    torch.set_num_threads(threads)
+    reset_accelerate_state()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread for in-process recipe runs (see single_thread)."""
+    with single_thread():
+        yield
+
+
+def recipe_assets(root: Path) -> dict[str, Path]:
+    """Tiny GPT-2, Llama and ViT checkpoints, text files and image folders under ``root``, as recipe flags name
+    them (a test module builds them once, in a module-scoped fixture)."""
+    train, validation = write_text_files(root / "text")
+    images_train, images_validation = write_image_folders(root / "images")
+    return {
+        "root": root,
+        "gpt2": save_tiny_gpt2(root / "tiny-gpt2"),
+        "llama": save_tiny_llama(root / "tiny-llama"),
+        "vit": save_tiny_vit(root / "tiny-vit"),
+        "train_txt": train,
+        "validation_txt": validation,
+        "images_train": images_train,
+        "images_validation": images_validation,
+    }
+
+
+def finetune_in_process(output_dir: Path, *flags: str) -> dict:
+    """``recipes.finetune`` run here, with ``flags`` into ``output_dir``; returns what ``run`` returns."""
+    from recipes.args import parse_args
+    from recipes.finetune import run
+
+    return run(parse_args([*flags, "--output_dir", str(output_dir)]))
+
+
+def clm_flags(assets, *extra: str) -> list[str]:
+    """A 4-step causal-LM run of the tiny GPT-2 on the assets' text files, then ``extra``."""
+    return [
+        *("--model_name_or_path", str(assets["gpt2"]), "--train_file", str(assets["train_txt"])),
+        *("--validation_file", str(assets["validation_txt"])),
+        *("--task", "clm", "--block_size", "32", "--per_device_train_batch_size", "4"),
+        *("--per_device_eval_batch_size", "4", "--learning_rate", "1e-3", "--max_train_steps", "4"),
+        *extra,
+    ]
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """The pixel size of a PNG a run wrote (a truncated or non-PNG file fails)."""
+    from PIL import Image
+
+    assert path.is_file() and path.stat().st_size > 5_000, f"{path} missing or empty"
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        image.load()
+        return image.size
+
+
+def map_size(heads: int) -> tuple[int, int]:
+    """attention_maps.png: a column per head; rows patched, unpatched, difference (plotting's documented size)."""
+    return round(100 * (2.4 * heads + 1.2)), round(100 * (2.4 * 3 + 1.0))
 
 
 def tiny_recipe_assets(root: Path) -> dict[str, Path]:
@@ -141,7 +220,7 @@ def write_glue_files(
     folder: Path, task: str, train_rows: int = 32, eval_rows: int = 16, fmt: str = "csv"
 ) -> dict[str, Path]:
     """GLUE-shaped files with the task's columns; labels follow a simple rule of the words, so a model can learn."""
-    from recipes.tasks import TASK_TO_KEYS
+    from recipes.tasks.glue import TASK_TO_KEYS
 
     folder.mkdir(parents=True, exist_ok=True)
     first, second = TASK_TO_KEYS[task]

@@ -1,8 +1,9 @@
 """recipes/stats.py against values computed by hand or from tables, and ``recipes.compare --seeds N`` end to end on
-the tiny assets of recipes_helpers."""
+the tiny assets of recipes_helpers (one seed: test_recipes_compare.py)."""
 
 from __future__ import annotations
 
+import csv
 import math
 import re
 
@@ -14,42 +15,32 @@ from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fix
     tiny_recipe_assets,
 )
 
-from recipes import report, stats
+from recipes import stats
 from recipes.args import RecipeError, parse_args
+from recipes.compare import COMPARISON_PLOT, COMPARISON_TABLE, compare, main
 
 # ------------------------------------------------------------------------------------------------ stats
 
 
-@pytest.mark.parametrize(
-    "p, dof, expected",
-    [
-        # Two-sided 95 % critical values as printed in every t table, and a few more.
-        (0.975, 1, 12.7062047),
-        (0.975, 2, 4.3026527),
-        (0.975, 4, 2.7764451),
-        (0.975, 9, 2.2621572),
-        (0.975, 30, 2.0422725),
-        (0.995, 2, 9.9248432),
-        (0.95, 1, 6.3137515),  # Cauchy: tan(0.45 pi)
-        (0.975, 10**8, 1.9599640),  # the normal quantile in the limit
-    ],
-)
-def test_student_t_quantile_matches_tables(p, dof, expected):
-    assert stats.student_t_quantile(p, dof) == pytest.approx(expected, abs=2e-7)
-    assert stats.student_t_quantile(1 - p, dof) == pytest.approx(-expected, abs=2e-7)
+@pytest.mark.parametrize("dof, expected", [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (29, 2.045)])
+def test_student_t_975_is_the_printed_table(dof, expected):
+    # Two-sided 95 % critical values as every t table prints them.
+    assert stats.student_t_975(dof) == expected
 
 
-def test_student_t_cdf_closed_forms():
-    # dof = 1 is the Cauchy distribution: F(t) = 1/2 + atan(t)/pi; dof = 2: F(t) = 1/2 + t / (2 sqrt(2 + t^2)).
-    for t in (-3.0, -0.5, 0.0, 0.7, 4.0):
-        assert stats.student_t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, abs=1e-12)
-        assert stats.student_t_cdf(t, 2) == pytest.approx(0.5 + t / (2 * math.sqrt(2 + t * t)), abs=1e-12)
-    assert stats.student_t_quantile(0.5, 7) == 0.0
-    # I_x(1, 1) = x (uniform); I_x(2, 1) = x^2.
-    assert stats.regularized_incomplete_beta(0.3, 1, 1) == pytest.approx(0.3)
-    assert stats.regularized_incomplete_beta(0.3, 2, 1) == pytest.approx(0.09)
-    with pytest.raises(ValueError):
-        stats.student_t_quantile(1.0, 3)
+def test_student_t_975_against_closed_forms_and_between_rows():
+    # dof = 1 is the Cauchy distribution, t = tan(0.475 pi); dof = 2: t = (2p - 1) sqrt(2 / (1 - (2p - 1)^2)).
+    assert stats.student_t_975(1) == pytest.approx(math.tan(0.475 * math.pi), abs=5e-4)
+    assert stats.student_t_975(2) == pytest.approx(0.95 * math.sqrt(2 / (1 - 0.95**2)), abs=5e-4)
+    # Every row lies between its neighbours, above the normal quantile 1.95996.
+    values = [stats.student_t_975(dof) for dof in sorted(stats.T_975)]
+    assert values == sorted(values, reverse=True) and values[-1] > 1.95996
+    # Between two rows, the row below: a wider interval, never a narrower one.
+    assert stats.student_t_975(35) == stats.student_t_975(30) == 2.042
+    assert stats.student_t_975(10**6) == stats.student_t_975(120) == 1.980
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="positive integer"):
+            stats.student_t_975(bad)
 
 
 def test_mean_std_and_paired_difference_by_hand():
@@ -63,7 +54,7 @@ def test_mean_std_and_paired_difference_by_hand():
     # Differences patched - baseline: -0.5, -0.3, -0.4 -> mean -0.4, std 0.1, half-width t(0.975, 2) 0.1 / sqrt 3.
     baseline, patched = [10.0, 11.0, 12.0], [9.5, 10.7, 11.6]
     difference = stats.paired_difference(patched, baseline)
-    half = 4.30265273 * 0.1 / math.sqrt(3)
+    half = 4.303 * 0.1 / math.sqrt(3)
     assert (difference.n, difference.mean, difference.std) == (3, pytest.approx(-0.4), pytest.approx(0.1))
     assert difference.ci_low == pytest.approx(-0.4 - half) and difference.ci_high == pytest.approx(-0.4 + half)
     assert difference.relative == pytest.approx(-0.4 / 11 * 100)
@@ -76,10 +67,13 @@ def test_mean_std_and_paired_difference_by_hand():
 
     # Differences +0.2 and -0.4: mean -0.1, std 0.4243, half-width 12.706 * 0.3 = 3.81: within the noise.
     noisy = stats.paired_difference([10.2, 10.6], [10.0, 11.0])
-    assert noisy.ci_low == pytest.approx(-0.1 - 12.7062047 * 0.3, abs=1e-6)
+    assert noisy.ci_low == pytest.approx(-0.1 - 12.706 * 0.3, abs=1e-6)
     assert stats.verdict(noisy, greater_is_better=False) == "within seed noise"
     one = stats.paired_difference([9.0], [10.0])
     assert one.ci_low is None and stats.verdict(one, False) == "one seed: no error bar"
+    # recipes.compare's threshold for one seed: -10 % is beyond 5 % (better when lower is better), not beyond 20 %.
+    assert (stats.verdict(one, False, 5.0), stats.verdict(one, True, 5.0)) == ("better", "worse")
+    assert stats.verdict(one, False, 20.0) == "no difference"
     with pytest.raises(ValueError, match="same seeds"):
         stats.paired_difference([1.0, 2.0], [1.0])
 
@@ -103,8 +97,6 @@ def tiny_flags(assets, output_dir) -> list[str]:
 
 
 def test_compare_with_two_seeds_reports_mean_std_and_the_paired_interval(assets, tmp_path, capsys):
-    from recipes.compare import compare, main
-
     out = tmp_path / "compare"
     runs = compare(parse_args(tiny_flags(assets, out)), seeds=2)
     assert [(run["label"], run["seed"]) for run in runs] == [
@@ -122,35 +114,27 @@ def test_compare_with_two_seeds_reports_mean_std_and_the_paired_interval(assets,
     assert values["baseline", 42] != values["baseline", 43], "the seeds made no difference"
     assert not (out / "baseline").exists()
 
-    table = (out / report.COMPARISON_TABLE).read_text()
+    # The sweep's summary table: mean ± std over the seeds, the paired difference with its interval and verdict.
+    table = (out / COMPARISON_TABLE).read_text()
     baseline = [values["baseline", 42], values["baseline", 43]]
     patched = [values["qana", 42], values["qana", 43]]
-    assert f"| baseline | none (baseline) | 0 | {stats.format_mean_std(baseline)} |" in table
+    assert f"| `baseline` | scorer=none | 0 | {stats.format_mean_std(baseline)} |" in table
     difference = stats.paired_difference(patched, baseline)
-    assert f"| {stats.format_difference(difference)} | {stats.verdict(difference, False)} |" in table
+    assert f"| {stats.format_difference(difference)} | {stats.verdict(difference, False)} | 2/2 |" in table
     # The interval is Student's t with one degree of freedom around the mean difference.
-    qana_row = next(line for line in table.splitlines() if line.startswith("| qana |"))
+    qana_row = next(line for line in table.splitlines() if line.startswith("| `qana` |"))
     low, high = map(float, re.search(r"\[([-+]\d[.\d]*), ([-+]\d[.\d]*)\]", qana_row).groups())
-    half = 12.7062047 * abs((patched[0] - baseline[0]) - (patched[1] - baseline[1])) / 2
+    half = 12.706 * abs((patched[0] - baseline[0]) - (patched[1] - baseline[1])) / 2
     assert (high - low) / 2 == pytest.approx(half, abs=1e-4)
-    assert "perplexity (mean ± std, 2 seeds)" in table and "## Per seed" in table
-    assert f"| 43 | {report.format_value(baseline[1])} | {report.format_value(patched[1])} |" in table
-    assert "Student's t with 1 degree of freedom" in table
-    assert (out / report.COMPARISON_PLOT).stat().st_size > 5_000
+    assert "perplexity (mean ± std)" in table and "95 % Student-t interval (1 degree of freedom)" in table
+    # Each seed's values are in the sweep's sweep.csv.
+    with open(out / "sweep.csv") as handle:
+        rows = {(row["configuration"], int(row["seed"])): row for row in csv.DictReader(handle)}
+    assert {key: float(row["perplexity"]) for key, row in rows.items()} == values
+    assert (out / COMPARISON_PLOT).stat().st_size > 5_000
     assert "± " in capsys.readouterr().out
 
     assert main([*tiny_flags(assets, tmp_path / "bad"), "--seeds", "0"]) == 2
     assert "--seeds must be at least 1" in capsys.readouterr().err
     with pytest.raises(RecipeError, match="--seeds must be at least 1"):
         compare(parse_args(tiny_flags(assets, tmp_path / "bad")), seeds=0)
-
-
-def test_compare_with_one_seed_says_there_is_no_error_bar(assets, tmp_path):
-    from recipes.compare import compare
-
-    out = tmp_path / "one"
-    compare(parse_args(tiny_flags(assets, out)))
-    table = (out / report.COMPARISON_TABLE).read_text()
-    assert (out / "baseline" / "all_results.json").is_file() and (out / "qana" / "all_results.json").is_file()
-    assert 'read "no difference"' in table and "One seed gives no error bar" in table
-    assert not list(out.glob("seed_*"))

@@ -1,4 +1,5 @@
-"""recipes/sweep.py: planning and validation, a killed sweep that resumes, the report, and the shipped sweep configs.
+"""recipes/sweep/ (plan.py, run.py, report.py, the command line): planning and validation, a killed sweep that
+resumes, the report, and the shipped sweep configs.
 
 Runs use the tiny GPT-2 and text files of recipes_helpers (4 optimizer steps each, about a second a run).
 """
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,8 @@ from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fix
 
 from recipes import checkpointing, finetune, stats, sweep
 from recipes.args import RecipeError, scorer_flags
+from recipes.sweep import plan as sweep_plan
+from recipes.sweep import run as sweep_run
 
 # The QANA options of the paper's ablations (hf_neural_attn/scorers/qana.py); the shipped QANA sweep needs them.
 QANA_ABLATION_OPTIONS = ("key_dim", "skip", "rope", "u_rank")
@@ -42,7 +47,7 @@ def assets(tmp_path_factory):
 @pytest.fixture
 def no_run_plots(monkeypatch):
     """Each run's own pictures (training curves, scorer history) take most of a tiny run's time and are tested in
-    test_recipes.py; the sweep's tests skip them."""
+    test_recipes_finetune.py; the sweep's tests skip them."""
     monkeypatch.setattr(finetune.scorer_plots, "draw", lambda *args, **kwargs: {})
     monkeypatch.setattr(finetune.report, "plot_training", lambda *args, **kwargs: None)
 
@@ -107,17 +112,17 @@ def test_bad_sweep_configs_fail_before_anything_runs(assets, tmp_path, monkeypat
     for name, (values, message) in bad_configs(assets, tmp_path).items():
         path = write_config(tmp_path / f"{name.replace(' ', '_')}.yaml", **values)
         with pytest.raises(RecipeError, match=message):
-            sweep.build_plan(path, "reduced" if "reduced" in values else "full")
+            sweep_plan.build_plan(path, "reduced" if "reduced" in values else "full")
     assert not (tmp_path / "out").exists()
     config = write_config(tmp_path / "ok.yaml", base=tiny_base(assets, tmp_path / "out"), axes={"h": [2, 4]})
     with pytest.raises(RecipeError, match="has no reduced: section"):
-        sweep.build_plan(config, "reduced")
+        sweep_plan.build_plan(config, "reduced")
     with pytest.raises(RecipeError, match=r"The command line sets \['--h'\], which the sweep varies"):
-        sweep.build_plan(config, "full", ["--h", "8"])
+        sweep_plan.build_plan(config, "full", ["--h", "8"])
     listed = write_config(tmp_path / "listed.yaml", base=tiny_base(assets, tmp_path / "out"), seeds=[3, 4])
     with pytest.raises(RecipeError, match="lists its seeds"):
-        sweep.build_plan(listed, "full", ["--seed", "8"])
-    assert sweep.build_plan(config, "full", ["--seed", "8"]).seeds == [8]
+        sweep_plan.build_plan(listed, "full", ["--seed", "8"])
+    assert sweep_plan.build_plan(config, "full", ["--seed", "8"]).seeds == [8]
 
 
 def test_sweep_plan_grid_reduced_and_command_line_overrides(assets, tmp_path):
@@ -133,7 +138,9 @@ def test_sweep_plan_grid_reduced_and_command_line_overrides(assets, tmp_path):
         baseline=True,
         reduced={"seeds": 1, "base": {"max_train_steps": 2}, "axes": {"proj": None, "h": [4]}},
     )
-    plan = sweep.build_plan(config, "full", ["--model_name_or_path", str(assets["gpt2"]), "--weight_decay", "0.05"])
+    plan = sweep_plan.build_plan(
+        config, "full", ["--model_name_or_path", str(assets["gpt2"]), "--weight_decay", "0.05"]
+    )
     names = [c.name for c in plan.configurations]
     # Grid: every combination; a baseline for each value of the axis that changes more than the patch (first only
     # sets layers, a patch flag: its baseline is the plain one).
@@ -166,13 +173,13 @@ def test_sweep_plan_grid_reduced_and_command_line_overrides(assets, tmp_path):
     assert plan.by_name("h=2__proj=first").baseline == "baseline"
     assert plan.by_name("baseline__proj=all").runs[0].args.scorer == "none"
 
-    reduced = sweep.build_plan(config, "reduced", ["--model_name_or_path", str(assets["gpt2"])])
+    reduced = sweep_plan.build_plan(config, "reduced", ["--model_name_or_path", str(assets["gpt2"])])
     assert [c.name for c in reduced.configurations] == ["baseline", "h=4"]
     assert reduced.seeds == [5] and reduced.runs()[1].args.max_train_steps == 2
 
     # Ablation (the default): the base point once, an axis value equal to the base maps onto it.
     ablation = write_config(tmp_path / "ablation.yaml", base=tiny_base(assets, tmp_path / "a"), axes={"h": [1, 2, 4]})
-    plan = sweep.build_plan(ablation)
+    plan = sweep_plan.build_plan(ablation)
     assert [c.name for c in plan.configurations] == ["base", "h=1", "h=4"]
     assert [(tuple(v.label for v in choices), name) for choices, name in plan.cells] == [
         ((), "base"),
@@ -182,7 +189,7 @@ def test_sweep_plan_grid_reduced_and_command_line_overrides(assets, tmp_path):
     ]
     # Sweep runs checkpoint, so that a killed one resumes: every quarter of the budget by default.
     no_checkpoints = {**tiny_base(assets, tmp_path / "b"), "checkpointing_steps": None, "max_train_steps": 8}
-    plan = sweep.build_plan(write_config(tmp_path / "c.yaml", base=no_checkpoints))
+    plan = sweep_plan.build_plan(write_config(tmp_path / "c.yaml", base=no_checkpoints))
     assert (plan.runs()[0].args.checkpointing_steps, plan.runs()[0].args.checkpoints_total_limit) == ("2", 1)
 
 
@@ -208,16 +215,16 @@ def test_a_killed_sweep_resumes_its_interrupted_run_and_skips_finished_ones(
     assert (out / "base" / "seed_42" / "all_results.json").is_file()
     interrupted = out / "h=4" / "seed_42"
     assert checkpointing.find_latest(interrupted) == interrupted / "step_2"
-    assert (interrupted / sweep.RUN_RECORD).is_file() and not (interrupted / "all_results.json").exists()
+    assert (interrupted / sweep_plan.RUN_RECORD).is_file() and not (interrupted / "all_results.json").exists()
     assert not (out / "base" / "seed_43").exists() and not (out / "sweep.md").exists()
 
-    plan = sweep.build_plan(config)
-    sweep.check_run_folders(plan)
+    plan = sweep_plan.build_plan(config)
+    sweep_plan.check_run_folders(plan)
     assert [r.status for r in plan.runs()] == ["done", "interrupted", "pending", "pending"]
     read = []
     real_read = checkpointing.read_progress
     monkeypatch.setattr(checkpointing, "read_progress", lambda path: read.append(Path(path)) or real_read(path))
-    log = sweep.run_sweep(plan)
+    log = sweep_run.run_sweep(plan)
     assert [(e["configuration"], e["seed"], e["action"]) for e in log] == [
         ("base", 42, "skipped"),
         ("h=4", 42, "resumed from step_2"),
@@ -247,7 +254,7 @@ def test_a_killed_sweep_resumes_its_interrupted_run_and_skips_finished_ones(
     (stray / "notes.txt").write_text("mine")
     other = write_config(tmp_path / "s3.yaml", base=tiny_base(assets, out), axes={"h": [2, 8]})
     with pytest.raises(RecipeError, match="holds files but no sweep_run.json"):
-        sweep.check_run_folders(sweep.build_plan(other))
+        sweep_plan.check_run_folders(sweep_plan.build_plan(other))
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -318,15 +325,28 @@ def helpers_png(path: Path) -> bool:
 # ------------------------------------------------------------------------------------- shipped configs
 
 
-@pytest.mark.parametrize("grid", sweep.GRIDS)
+@pytest.mark.parametrize("grid", sweep_plan.GRIDS)
 @pytest.mark.parametrize("name", sorted(p.stem for p in (helpers.ROOT / "recipes" / "sweeps").glob("*.yaml")))
 def test_shipped_sweep_configs_are_valid(name, grid):
     assert set(QANA_ABLATION_OPTIONS) <= set(scorer_flags())  # the QANA ablations' options are recipe flags
     path = helpers.ROOT / "recipes" / "sweeps" / f"{name}.yaml"
-    plan = sweep.build_plan(path, grid)
+    plan = sweep_plan.build_plan(path, grid)
     assert len(plan.runs()) == SHIPPED_RUNS[name, grid], [c.name for c in plan.configurations]
     assert plan.baseline and plan.mode == "ablation" and len(plan.seeds) >= 2
     for run in plan.runs():  # offline: a model built from a config, the embedded pydoc_data text
         assert run.args.model_name_or_path is None and run.args.dataset_name == "pydoc_data"
         assert run.args.checkpointing_steps is not None
     assert json.dumps(plan.base_flags)  # plain values, for SUMMARY.md
+
+
+def test_the_sweep_runs_as_a_module(tmp_path):
+    # `python -m recipes.sweep` (recipes/sweep/__main__.py), as the docs run it: a shipped sweep's plan, nothing run.
+    config = helpers.ROOT / "recipes" / "sweeps" / "qana_ablations.yaml"
+    command = [sys.executable, "-m", "recipes.sweep", "--config", str(config), "--grid", "reduced", "--dry_run"]
+    command += ["--output_dir", str(tmp_path)]
+    finished = subprocess.run(
+        command, cwd=helpers.ROOT, env=helpers.offline_env(), capture_output=True, text=True, timeout=300, check=False
+    )
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert f"11 configurations x 2 seeds = 22 runs in {tmp_path}; 0 done, 0 interrupted, 22 to run." in finished.stdout
+    assert "pending      h=1 seed 42" in finished.stdout and not list(tmp_path.iterdir())

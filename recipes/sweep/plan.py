@@ -1,0 +1,552 @@
+"""A sweep's plan: the config read and checked, and every run it implies, before anything runs.
+
+:func:`build_plan` reads a sweep config (its format: ``recipes/sweep/__init__.py`` and ``docs/recipes.md``);
+``recipes.compare`` builds a :class:`SweepPlan` in code and calls :func:`plan_runs` the same way. Every run's flags
+go through the recipes' own argument checks here, and :func:`check_run_folders` reads each run folder already there
+(done, interrupted or pending; a folder of another run is refused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recipes import finetune
+from recipes.args import (
+    GATE_SETTINGS,
+    RecipeError,
+    build_parser,
+    check_config_values,
+    given_flags,
+    parse_values,
+    patch_settings,
+)
+from recipes.report import RESULTS_FILE
+
+SWEEP_KEYS = ("description", "base", "axes", "mode", "seeds", "baseline", "reduced")
+MODES = ("ablation", "grid")
+GRIDS = ("full", "reduced")
+RUN_RECORD = "sweep_run.json"  # in each run folder: what the sweep started there (settings, configuration, seed)
+BASE_CHANGES = "— (base)"  # the "flags" cell of an ablation's base point, which changes no flag
+# Flags the sweep sets for every run itself, and flags a sweep cannot use (every run would push to one repository).
+MANAGED_FLAGS = ("seed", "output_dir", "resume_from_checkpoint")
+REFUSED_FLAGS = ("push_to_hub", "hub_model_id", "hub_token", "hub_private_repo")
+# Settings that do not change a run's result: a finished run is the same run whatever they were.
+IGNORED_SETTINGS = frozenset(
+    {
+        "output_dir",
+        "config",
+        "resume_from_checkpoint",
+        "checkpointing_steps",
+        "checkpoints_total_limit",
+        "preprocessing_num_workers",
+        "overwrite_cache",
+        "with_tracking",
+        "report_to",
+        "push_to_hub",
+        "hub_model_id",
+        "hub_token",
+        "hub_private_repo",
+        "attention_map_layer",
+        "attention_map_tokens",
+    }
+)
+# A model or data source given on the command line replaces the config's (they exclude each other).
+MODEL_SOURCE_FLAGS = ("model_name_or_path", "config_name", "model_type")
+DATA_SOURCE_FLAGS = ("dataset_name", "train_file", "train_dir")
+DATA_FLAGS = (*DATA_SOURCE_FLAGS, "dataset_config_name", "validation_file", "validation_dir", "eval_split")
+
+
+@dataclass
+class AxisValue:
+    """One value of one axis: the flags it sets, and its label in run names, tables and plots."""
+
+    axis: str
+    label: str
+    flags: dict[str, Any]
+
+
+@dataclass
+class Run:
+    """One seed of one configuration."""
+
+    configuration: str
+    seed: int
+    output_dir: Path
+    args: argparse.Namespace
+    key: dict[str, Any]  # the settings a run already in output_dir must have been started with
+    status: str = "pending"  # pending, done, interrupted
+
+
+@dataclass
+class Configuration:
+    """A set of flags run over every seed: a point of the sweep, or a baseline."""
+
+    name: str
+    kind: str  # "configuration" or "baseline"
+    choices: tuple[AxisValue, ...]  # the axis values that define it (none: the base point)
+    flags: dict[str, Any]
+    changes: str  # the flags it changes, for the tables: ``h=1, layers=0``; ``scorer=none`` for a baseline
+    baseline: str | None = None  # the name of its paired baseline
+    runs: list[Run] = field(default_factory=list)
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 seed``, ``2 seeds``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def sweep_run_folder(root: Path, configuration: str, seed: int) -> Path:
+    """Where a sweep's run goes: ``<root>/<configuration>/seed_<seed>``."""
+    return root / configuration / f"seed_{seed}"
+
+
+@dataclass
+class SweepPlan:
+    """What the sweep runs: its settings (from a config, or from ``recipes.compare``), and once :func:`plan_runs`
+    has filled them in, its configurations (baselines first) and their runs."""
+
+    name: str  # in headings and run records: the config's stem, or the comparison's name
+    config_path: Path | None  # None for a plan built in code (recipes.compare)
+    grid: str
+    mode: str
+    description: str
+    seeds: list[int]
+    baseline: bool
+    root: Path
+    axes: dict[str, list[AxisValue]]
+    base_flags: dict[str, Any]
+    command_line: list[str]
+    base_name: str = "base"  # the run name of the base point (no axis value)
+    base_changes: str = BASE_CHANGES  # the base point's "flags" cell
+    run_folder: Callable[[Path, str, int], Path] = sweep_run_folder
+    # One seed gives no error bar; with this percentage a smaller relative change reads "no difference"
+    # (recipes.compare's --no_difference_below), without it the verdict says there is no error bar.
+    no_difference_below: float | None = None
+    configurations: list[Configuration] = field(default_factory=list)
+    cells: list[tuple[tuple[AxisValue, ...], str]] = field(default_factory=list)  # each point -> its configuration
+
+    @property
+    def source(self) -> str:
+        """The plan in error messages: ``sweep <config>``, or its name."""
+        return f"sweep {self.config_path}" if self.config_path is not None else self.name
+
+    def by_name(self, name: str) -> Configuration:
+        return next(c for c in self.configurations if c.name == name)
+
+    def runs(self) -> list[Run]:
+        """Every run, seed by seed (each seed's baselines first): after the first seed the sweep has a whole
+        picture, however far it gets."""
+        return [c.runs[index] for index in range(len(self.seeds)) for c in self.configurations]
+
+    def status_line(self) -> str:
+        """``3 configurations x 2 seeds = 6 runs in <root>; 2 done, 1 interrupted, 3 to run``, the statuses as
+        :func:`check_run_folders` found them."""
+        runs = self.runs()
+        count = {status: sum(run.status == status for run in runs) for status in ("done", "interrupted", "pending")}
+        return (
+            f"{plural(len(self.configurations), 'configuration')} x {plural(len(self.seeds), 'seed')} = "
+            f"{plural(len(runs), 'run')} in {self.root}; {count['done']} done, {count['interrupted']} interrupted, "
+            f"{count['pending']} to run"
+        )
+
+
+def format_label(value: Any) -> str:
+    """A flag value as it reads in run names and tables: ``null``, ``true``, ``0.001``, ``0,1``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return ",".join(format_label(item) for item in value)
+    return str(value)
+
+
+def safe_name(name: str) -> str:
+    """A run name usable as a folder name everywhere: other characters become '-'."""
+    return re.sub(r"[^A-Za-z0-9._=,+-]", "-", name)
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise RecipeError(f"Sweep config {path} does not exist.")
+    try:
+        if path.suffix.lower() == ".json":
+            values = json.loads(path.read_text())
+        else:
+            import yaml
+
+            values = yaml.safe_load(path.read_text())
+    except Exception as error:  # any parse error is the config's fault: say which file
+        raise RecipeError(f"Could not parse sweep config {path}: {error}") from error
+    if not isinstance(values, dict):
+        raise RecipeError(f"Sweep config {path} must be a mapping with base:, axes:, ...; got {type(values).__name__}.")
+    unknown = sorted(set(values) - set(SWEEP_KEYS))
+    if unknown:
+        raise RecipeError(f"Sweep config {path} has unknown key(s) {unknown}; its keys are {list(SWEEP_KEYS)}.")
+    return values
+
+
+def select_grid(values: dict[str, Any], grid: str, path: Path) -> dict[str, Any]:
+    """The config for ``--grid full`` (as written) or ``--grid reduced`` (its ``reduced:`` section applied)."""
+    if grid not in GRIDS:
+        raise RecipeError(f"--grid must be one of {list(GRIDS)}, got {grid!r}.")
+    selected = {key: value for key, value in values.items() if key != "reduced"}
+    if grid == "full":
+        return selected
+    reduced = values.get("reduced")
+    if not isinstance(reduced, dict):
+        raise RecipeError(f"--grid reduced: sweep config {path} has no reduced: section (a mapping).")
+    unknown = sorted(set(reduced) - set(SWEEP_KEYS) | ({"reduced"} & set(reduced)))
+    if unknown:
+        raise RecipeError(f"Sweep config {path}: reduced: has unknown key(s) {unknown}.")
+    for key, value in reduced.items():
+        if key == "base":
+            if not isinstance(value, dict):
+                raise RecipeError(f"Sweep config {path}: reduced.base must be a mapping of flags.")
+            selected["base"] = {**(values.get("base") or {}), **value}
+        elif key == "axes":
+            if not isinstance(value, dict):
+                raise RecipeError(f"Sweep config {path}: reduced.axes must map axis names to lists (or null).")
+            axes = dict(values.get("axes") or {})
+            for axis, axis_values in value.items():
+                if axis not in axes:
+                    raise RecipeError(
+                        f"Sweep config {path}: reduced.axes names {axis!r}, which axes: does not have ({sorted(axes)})."
+                    )
+                if axis_values is None:
+                    del axes[axis]
+                else:
+                    axes[axis] = axis_values
+            selected["axes"] = axes
+        elif key == "seeds" and isinstance(values.get("seeds"), list) and type(value) is int and value >= 1:
+            selected["seeds"] = values["seeds"][:value]  # a count of a list of seeds: its first ones
+        else:
+            selected[key] = value
+    return selected
+
+
+def parse_axes(axes: Any, recipe_flags: set[str], path: Path) -> dict[str, list[AxisValue]]:
+    """Each axis's values as AxisValue: a scalar sets the axis's flag, a mapping sets its flags (+ ``label``)."""
+    if axes is None:
+        return {}
+    if not isinstance(axes, dict):
+        raise RecipeError(f"Sweep config {path}: axes must map axis names to lists of values.")
+    parsed: dict[str, list[AxisValue]] = {}
+    for axis, values in axes.items():
+        where = f"sweep config {path}, axis {axis!r}"
+        if not isinstance(values, list) or not values:
+            raise RecipeError(f"In {where}: give a non-empty list of values, got {values!r}.")
+        items = []
+        for value in values:
+            if isinstance(value, dict):
+                flags = {str(k).lstrip("-").replace("-", "_"): v for k, v in value.items() if k != "label"}
+                if not flags:
+                    raise RecipeError(f"In {where}: the value {value!r} sets no flag.")
+                label = value.get("label")
+                label = (
+                    format_label(label)
+                    if label is not None
+                    else ",".join(f"{k}={format_label(v)}" for k, v in flags.items())
+                )
+            elif isinstance(value, list):
+                raise RecipeError(f"In {where}: a value is a scalar or a mapping of flags, got the list {value!r}.")
+            else:
+                if axis not in recipe_flags:
+                    raise RecipeError(
+                        f"In {where}: {axis!r} is not a recipe flag, so its values must be mappings of flags "
+                        f"(e.g. {{layers: '0', proj_dim: 2, label: first}}), got {value!r}."
+                    )
+                flags, label = {axis: value}, format_label(value)
+            unknown = sorted(set(flags) - recipe_flags)
+            if unknown:
+                raise RecipeError(f"In {where}: unknown flag(s) {unknown}; see python -m recipes.finetune --help.")
+            managed = sorted(set(flags) & set(MANAGED_FLAGS + REFUSED_FLAGS))
+            if managed:
+                raise RecipeError(f"In {where}: {managed} cannot be swept (the sweep sets seed and folders itself).")
+            items.append(AxisValue(axis, label, flags))
+        labels = [item.label for item in items]
+        if len(set(labels)) != len(labels):
+            raise RecipeError(f"In {where}: two values have the same label ({labels}); give each a distinct label.")
+        parsed[axis] = items
+    return parsed
+
+
+def merge_command_line(base: dict[str, Any], command_line: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with the command line's flags on top; a model or data source there replaces the config's."""
+    merged = dict(base)
+    if any(flag in command_line for flag in MODEL_SOURCE_FLAGS):
+        for flag in MODEL_SOURCE_FLAGS:
+            merged.pop(flag, None)
+        if "model_name_or_path" in command_line:
+            merged.pop("config_overrides", None)
+    if any(flag in command_line for flag in DATA_SOURCE_FLAGS):
+        for flag in DATA_FLAGS:
+            merged.pop(flag, None)
+    merged.update(command_line)
+    return merged
+
+
+def comparable(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings that decide a run's result, as JSON would hold them."""
+    kept = {key: value for key, value in settings.items() if key not in IGNORED_SETTINGS}
+    return json.loads(json.dumps(kept, default=str))
+
+
+def differences(saved: dict[str, Any], planned: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Settings that differ; a setting the saved run did not know counts as equal if the plan leaves it unset."""
+    different = {}
+    for key in sorted(set(saved) | set(planned)):
+        if key not in saved and planned.get(key) is None:
+            continue
+        if saved.get(key) != planned.get(key):
+            different[key] = (saved.get(key), planned.get(key))
+    return different
+
+
+def patch_only_flags() -> set[str]:
+    """The flags a baseline drops: the patch's and its training's."""
+    return {*patch_settings(), *GATE_SETTINGS, "scorer_learning_rate", "train_only_new_params"}
+
+
+def baseline_flags(flags: dict[str, Any]) -> dict[str, Any]:
+    """A configuration's baseline: the same flags unpatched, ``--scorer none``."""
+    base = {key: value for key, value in flags.items() if key not in patch_only_flags()}
+    base["scorer"] = "none"
+    return base
+
+
+def run_defaults(flags: dict[str, Any]) -> dict[str, Any]:
+    """Checkpointing for sweep runs, so that a killed run resumes: every quarter of the budget, newest kept."""
+    flags = dict(flags)
+    if flags.get("checkpointing_steps") is None:
+        steps = flags.get("max_train_steps")
+        flags["checkpointing_steps"] = str(max(1, int(steps) // 4)) if steps else "epoch"
+    if flags.get("checkpoints_total_limit") is None:
+        flags["checkpoints_total_limit"] = 1
+    return flags
+
+
+def describe_flags(flags: dict[str, Any]) -> str:
+    """``h=1, layers=0``: flags as the tables show them."""
+    return ", ".join(f"{key}={format_label(value)}" for key, value in flags.items())
+
+
+def build_plan(config_path: str | os.PathLike, grid: str = "full", argv: list[str] | None = None) -> SweepPlan:
+    """Read and check the sweep config and every run it implies; nothing is run or written."""
+    path = Path(config_path)
+    values = select_grid(read_config(path), grid, path)
+    parser = build_parser()
+    recipe_flags = set(parser.recipe_flags) - {"config"}
+    mode = values.get("mode", "ablation")
+    if mode not in MODES:
+        raise RecipeError(f"Sweep config {path}: mode must be one of {list(MODES)}, got {mode!r}.")
+    baseline = values.get("baseline", False)
+    if not isinstance(baseline, bool):
+        raise RecipeError(f"Sweep config {path}: baseline must be true or false, got {baseline!r}.")
+    description = values.get("description") or ""
+    if not isinstance(description, str):
+        raise RecipeError(f"Sweep config {path}: description must be text.")
+    base = values.get("base") or {}
+    if not isinstance(base, dict):
+        raise RecipeError(f"Sweep config {path}: base must be a mapping of recipe flags.")
+    base = check_config_values(base, parser, f"Sweep config {path}, base:,")
+    for flag in sorted(set(base) & set(REFUSED_FLAGS + ("resume_from_checkpoint",))):
+        raise RecipeError(f"Sweep config {path}, base: {flag} cannot be set in a sweep (each run is managed by it).")
+    axes = parse_axes(values.get("axes"), recipe_flags, path)
+
+    command_line = given_flags(list(argv or []))
+    for flag in sorted(set(command_line) & set(REFUSED_FLAGS + ("resume_from_checkpoint",))):
+        raise RecipeError(f"--{flag} cannot be given to a sweep (it resumes its runs itself and does not upload).")
+    swept = {flag: axis for axis, items in axes.items() for item in items for flag in item.flags}
+    clashes = sorted(set(command_line) & set(swept))
+    if clashes:
+        raise RecipeError(
+            f"The command line sets {['--' + flag for flag in clashes]}, which the sweep varies (axes "
+            f"{sorted({swept[flag] for flag in clashes})}); drop them there or drop the axis."
+        )
+    shared = merge_command_line(base, command_line)
+    root_value = shared.pop("output_dir", None)
+    root = (
+        Path(root_value)
+        if root_value
+        else Path("outputs") / f"sweep-{path.stem}{'-reduced' if grid == 'reduced' else ''}"
+    )
+
+    seeds_value = values.get("seeds", 1)
+    first_seed = shared.pop("seed", 42)
+    if isinstance(seeds_value, bool) or not isinstance(seeds_value, (int, list)):
+        raise RecipeError(f"Sweep config {path}: seeds must be a count or a list of seeds, got {seeds_value!r}.")
+    if isinstance(seeds_value, int):
+        if seeds_value < 1:
+            raise RecipeError(f"Sweep config {path}: seeds must be at least 1, got {seeds_value}.")
+        if isinstance(first_seed, bool) or not isinstance(first_seed, int):
+            raise RecipeError(f"Sweep config {path}: seed must be an integer, got {first_seed!r}.")
+        seeds = [first_seed + offset for offset in range(seeds_value)]
+    else:
+        if "seed" in command_line:
+            raise RecipeError(f"--seed: sweep config {path} lists its seeds ({seeds_value}); edit the list instead.")
+        seeds = seeds_value
+        if (
+            not seeds
+            or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds)
+            or len(set(seeds)) != len(seeds)
+        ):
+            raise RecipeError(f"Sweep config {path}: seeds must be distinct integers, got {seeds!r}.")
+
+    plan = SweepPlan(
+        name=path.stem,
+        config_path=path,
+        grid=grid,
+        mode=mode,
+        description=description.strip(),
+        seeds=seeds,
+        baseline=baseline,
+        root=root,
+        axes=axes,
+        base_flags=shared,
+        command_line=list(argv or []),
+    )
+    return plan_runs(plan)
+
+
+def plan_runs(plan: SweepPlan) -> SweepPlan:
+    """Fill in ``plan``'s configurations (one per point of the sweep, an ablation's base point once; with
+    ``baseline``, the unpatched runs they are paired with) and each one's run per seed, every run's flags
+    parsed and checked. Returns the plan."""
+    if plan.mode == "ablation":  # the points of the sweep, each as the axis values that define it
+        points: list[tuple[AxisValue, ...]] = [()]
+        points += [(item,) for items in plan.axes.values() for item in items]
+    else:
+        points = list(itertools.product(*plan.axes.values())) if plan.axes else [()]
+
+    configurations: list[Configuration] = []
+    baselines: list[Configuration] = []
+    by_settings: dict[str, str] = {}
+    cells: list[tuple[tuple[AxisValue, ...], str]] = []
+    tasks = set()
+
+    def settings_key(args: argparse.Namespace) -> str:
+        settings = comparable(finetune.public_settings(args))
+        settings.pop("seed", None)
+        return json.dumps(settings, sort_keys=True)
+
+    def parse(flags: dict[str, Any], name: str) -> argparse.Namespace:
+        values = {**run_defaults(flags), "seed": plan.seeds[0]}
+        try:
+            return parse_values(values, source=f"Run {name!r} of {plan.source}")
+        except RecipeError as error:
+            raise RecipeError(f"Run {name!r} of {plan.source}: {error}") from error
+        except SystemExit as error:  # argparse's own exit on a bad value
+            raise RecipeError(f"Run {name!r} of {plan.source}: invalid flag values {flags}") from error
+
+    for choices in points:
+        if not choices:
+            name = plan.base_name
+        elif plan.mode == "ablation":
+            name = f"{choices[0].axis}={choices[0].label}"
+        else:
+            name = "__".join(f"{item.axis}={item.label}" for item in choices)
+        name = safe_name(name)
+        flags = dict(plan.base_flags)
+        for item in choices:
+            flags.update(item.flags)
+        args = parse(flags, name)
+        key = settings_key(args)
+        if key in by_settings:  # e.g. an ablation value equal to the base: the same run, run once
+            cells.append((choices, by_settings[key]))
+            continue
+        if name in {c.name for c in configurations}:
+            raise RecipeError(f"In {plan.source}, two different runs are both named {name!r}; give the values labels.")
+        tasks.add(args.task)
+        changes = describe_flags({k: v for c in choices for k, v in c.flags.items()}) or plan.base_changes
+        configuration = Configuration(name, "configuration", choices, flags, changes)
+        if plan.baseline:
+            if args.scorer == "none":
+                raise RecipeError(
+                    f"In {plan.source}, run {name!r} has --scorer none, a baseline itself; set baseline: false or "
+                    "give it a scorer."
+                )
+            unpatched = baseline_flags(flags)
+            base_key = settings_key(parse(unpatched, f"baseline of {name}"))
+            existing = next((b for b in baselines if by_settings.get(base_key) == b.name), None)
+            if existing is None:
+                non_patch = tuple(item for item in choices if set(item.flags) - patch_only_flags())
+                base_name = safe_name("__".join(["baseline", *(f"{i.axis}={i.label}" for i in non_patch)]))
+                if base_name in {b.name for b in baselines}:
+                    base_name = safe_name(f"baseline__{name}")
+                extra = describe_flags({k: v for c in non_patch for k, v in c.flags.items()})
+                existing = Configuration(
+                    base_name, "baseline", non_patch, unpatched, "scorer=none" + (f", {extra}" if extra else "")
+                )
+                baselines.append(existing)
+                by_settings[base_key] = base_name
+            configuration.baseline = existing.name
+        configurations.append(configuration)
+        by_settings[key] = name
+        cells.append((choices, name))
+    if len(tasks) > 1:
+        raise RecipeError(f"In {plan.source}, the runs mix tasks {sorted(tasks)}; a sweep compares runs of one task.")
+
+    plan.configurations, plan.cells = [*baselines, *configurations], cells
+    for configuration in plan.configurations:
+        for seed in plan.seeds:
+            output_dir = plan.run_folder(plan.root, configuration.name, seed)
+            flags = {
+                **run_defaults(configuration.flags),
+                "seed": seed,
+                "output_dir": str(output_dir),
+                "resume_from_checkpoint": "latest",
+            }
+            args = parse_values(flags, source=f"Run {configuration.name!r} (seed {seed}) of {plan.source}")
+            key = comparable(finetune.public_settings(args))
+            configuration.runs.append(Run(configuration.name, seed, output_dir, args, key))
+    return plan
+
+
+def read_settings(path: Path) -> dict[str, Any] | None:
+    """The ``settings`` recorded in a run's ``all_results.json`` or ``sweep_run.json``; None if it is missing or
+    unreadable."""
+    try:
+        return json.loads(path.read_text()).get("settings", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_run_folders(plan: SweepPlan) -> None:
+    """Set each run's status from its folder: done, interrupted or pending; refuse folders of other runs."""
+    problems = []
+    for run in plan.runs():
+        folder = run.output_dir
+        results, record = folder / RESULTS_FILE, folder / RUN_RECORD
+        saved = read_settings(results)  # None also for a file cut short by a kill while it was written
+        status = "done"
+        if saved is None and record.is_file():
+            saved, status = read_settings(record) or {}, "interrupted"
+        if saved is None:
+            if folder.is_dir() and any(folder.iterdir()):
+                problems.append(f"{folder} holds files but no {RUN_RECORD}: {plan.source} did not start it.")
+                continue
+            status = "pending"
+        else:
+            different = differences(comparable(saved), run.key)
+            if different:
+                details = ", ".join(f"{key}: there {old!r}, planned {new!r}" for key, (old, new) in different.items())
+                problems.append(f"{folder} holds a run with other settings ({details}).")
+                continue
+        run.status = status
+    if problems:
+        shown = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
+        raise RecipeError(
+            f"The folder {plan.root} holds runs that do not belong to {plan.source}:\n  {shown}\n"
+            "Use another --output_dir (or move those folders away): runs of different settings are not mixed."
+        )

@@ -1,0 +1,415 @@
+"""A sweep's report, from the runs finished so far: ``sweep.md``, ``sweep.csv``, ``sweep_summary.csv``, one plot per
+axis and ``SUMMARY.md`` (columns and contents in docs/recipes.md). ``recipes.compare`` writes its comparison with the
+same summary and table."""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from recipes import stats
+from recipes.report import METRIC_LABELS, RESULTS_FILE, no_difference_note
+from recipes.sweep.plan import RUN_RECORD, Configuration, SweepPlan, format_label, safe_name
+from recipes.tasks import get_task
+
+SWEEP_TABLE, SWEEP_CSV, SUMMARY_CSV, SUMMARY_FILE = "sweep.md", "sweep.csv", "sweep_summary.csv", "SUMMARY.md"
+BASE_LABEL = "(base)"  # an ablation plot's point for the base configuration, where no value of the axis is it
+
+
+@dataclass
+class Row:
+    """One configuration's aggregate over the seeds it finished."""
+
+    configuration: Configuration
+    values: dict[int, float]  # seed -> primary metric
+    difference: stats.PairedDifference | None
+    verdict: str
+    params_added: int | None
+    runtime: list[float]
+
+
+@dataclass
+class Summary:
+    """What the runs finished so far give: every report writer of a sweep (and recipes.compare) reads this."""
+
+    found: dict[str, dict[int, dict[str, Any]]]  # configuration name -> seed -> its all_results.json
+    rows: list[Row]  # one per configuration, in the plan's order
+    metric: str  # the task's primary metric
+    greater_is_better: bool
+    metrics: list[str]  # the task's metrics (and eval_loss for a language model): sweep.csv's columns
+
+    @property
+    def done(self) -> int:
+        """How many runs have finished."""
+        return sum(len(results) for results in self.found.values())
+
+
+def collect(plan: SweepPlan) -> dict[str, dict[int, dict[str, Any]]]:
+    """The finished runs' ``all_results.json``: configuration name -> seed -> results."""
+    found: dict[str, dict[int, dict[str, Any]]] = {}
+    for configuration in plan.configurations:
+        found[configuration.name] = {}
+        for run in configuration.runs:
+            path = run.output_dir / RESULTS_FILE
+            if path.is_file():
+                found[configuration.name][run.seed] = json.loads(path.read_text())
+    return found
+
+
+def summarize(plan: SweepPlan) -> Summary:
+    """Read the finished runs and aggregate each configuration over its seeds: the primary metric, the paired
+    difference to its baseline and its verdict, the parameters added, the training times."""
+    found = collect(plan)
+    task = get_task(plan.configurations[-1].runs[0].args.task)
+    metric, greater = task.primary_metric, task.greater_is_better
+    rows = []
+    for configuration in plan.configurations:
+        results = found[configuration.name]
+        values = {seed: float(r[metric]) for seed, r in results.items() if metric in r}
+        difference, verdict = None, ""
+        if configuration.baseline is not None:
+            base = found[configuration.baseline]
+            paired = [seed for seed in plan.seeds if seed in values and seed in base and metric in base[seed]]
+            if paired:
+                difference = stats.paired_difference(
+                    [values[s] for s in paired], [float(base[s][metric]) for s in paired]
+                )
+                verdict = stats.verdict(difference, greater, plan.no_difference_below)
+        first = next(iter(results.values()), None)
+        params = first.get("parameters", {}).get("added_by_patch", 0) if first else None
+        runtime = [float(r.get("train_runtime_s", 0.0)) for r in results.values()]
+        rows.append(Row(configuration, values, difference, verdict, params, runtime))
+    metrics = task.metric_names() + (["eval_loss"] if task.kind == "clm" else [])
+    return Summary(found, rows, metric, greater, metrics)
+
+
+def markdown_table(plan: SweepPlan, summary: Summary) -> str:
+    """The summary table (sweep.md, SUMMARY.md, recipes.compare's comparison.md): one row per configuration, its
+    flags, parameters added, primary metric (mean ± std over seeds), with a baseline the paired difference (95 %
+    interval) and its verdict, the seeds finished and the mean training time of a run."""
+    label = METRIC_LABELS.get(summary.metric, summary.metric)
+    several = len(plan.seeds) > 1
+    header = ["configuration", "flags", "params added", f"{label} (mean ± std)" if several else label]
+    if plan.baseline:
+        header += [f"Δ {label} vs baseline" + (", paired (95 % CI)" if several else ""), "verdict"]
+    header += ["seeds", "train time (s)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in summary.rows:
+        values = [row.values[s] for s in plan.seeds if s in row.values]
+        cells = [f"`{row.configuration.name}`", row.configuration.changes]
+        cells.append("—" if row.params_added is None else f"{row.params_added:,}")
+        cells.append(stats.format_mean_std(values) if values else "not run")
+        if plan.baseline:
+            if row.configuration.kind == "baseline":
+                cells += ["—", "—"]
+            elif row.difference is None:
+                cells += ["—", "no paired seeds yet"]
+            else:
+                cells += [stats.format_difference(row.difference), row.verdict]
+        cells.append(f"{len(values)}/{len(plan.seeds)}")
+        cells.append(stats.format_mean_std(row.runtime, digits=1) if row.runtime else "—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def axis_columns(plan: SweepPlan, configuration: Configuration) -> dict[str, str]:
+    """The label of each axis for a configuration (empty where it stays at the base)."""
+    chosen = {item.axis: item.label for item in configuration.choices}
+    return {f"axis:{axis}": chosen.get(axis, "") for axis in plan.axes}
+
+
+def write_csvs(plan: SweepPlan, summary: Summary) -> None:
+    """sweep.csv: one row per run and seed; sweep_summary.csv: one row per configuration (columns in
+    docs/recipes.md)."""
+    found, rows, metrics = summary.found, summary.rows, summary.metrics
+    fields = ["configuration", "kind", "baseline", "seed", "status", *[f"axis:{a}" for a in plan.axes], "flags"]
+    fields += [*metrics, "params_added", "train_steps", "train_runtime_s", "output_dir"]
+    with open(plan.root / SWEEP_CSV, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        for configuration in plan.configurations:
+            for run in configuration.runs:
+                results = found[configuration.name].get(run.seed)
+                row = {
+                    "configuration": configuration.name,
+                    "kind": configuration.kind,
+                    "baseline": configuration.baseline or "",
+                    "seed": run.seed,
+                    "status": "done"
+                    if results
+                    else ("interrupted" if (run.output_dir / RUN_RECORD).is_file() else "pending"),
+                    **axis_columns(plan, configuration),
+                    "flags": configuration.changes,
+                    "output_dir": str(run.output_dir),
+                }
+                if results:
+                    row.update({m: results.get(m, "") for m in metrics})
+                    row.update(
+                        params_added=results.get("parameters", {}).get("added_by_patch", 0),
+                        train_steps=results.get("train_steps"),
+                        train_runtime_s=results.get("train_runtime_s"),
+                    )
+                writer.writerow(row)
+    summary_fields = ["configuration", "kind", "baseline", *[f"axis:{a}" for a in plan.axes], "flags", "seeds_done"]
+    summary_fields += ["metric", "mean", "std", "baseline_mean", "diff_mean", "diff_std", "ci_low", "ci_high"]
+    summary_fields += ["relative_diff_percent", "verdict", "params_added", "train_runtime_s_mean"]
+    with open(plan.root / SUMMARY_CSV, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=summary_fields)
+        writer.writeheader()
+        for row in rows:
+            values = list(row.values.values())
+            difference = row.difference
+            writer.writerow(
+                {
+                    "configuration": row.configuration.name,
+                    "kind": row.configuration.kind,
+                    "baseline": row.configuration.baseline or "",
+                    **axis_columns(plan, row.configuration),
+                    "flags": row.configuration.changes,
+                    "seeds_done": len(values),
+                    "metric": summary.metric,
+                    "mean": stats.mean(values) if values else "",
+                    "std": stats.sample_std(values) if len(values) > 1 else "",
+                    "baseline_mean": difference.baseline_mean if difference else "",
+                    "diff_mean": difference.mean if difference else "",
+                    "diff_std": difference.std if difference and difference.std is not None else "",
+                    "ci_low": difference.ci_low if difference and difference.ci_low is not None else "",
+                    "ci_high": difference.ci_high if difference and difference.ci_high is not None else "",
+                    "relative_diff_percent": difference.relative
+                    if difference and difference.relative is not None
+                    else "",
+                    "verdict": row.verdict,
+                    "params_added": "" if row.params_added is None else row.params_added,
+                    "train_runtime_s_mean": stats.mean(row.runtime) if row.runtime else "",
+                }
+            )
+
+
+def axis_series(plan: SweepPlan, axis: str) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The lines of an axis's plot: (legend, [(value label, configuration name), ...]). Ablation: one line over
+    the axis's values; grid: one line per combination of the other axes."""
+    series: dict[str, list[tuple[str, str]]] = {}
+    for choices, name in plan.cells:
+        mine = [item for item in choices if item.axis == axis]
+        if not mine or (plan.mode == "ablation" and len(choices) != 1):
+            continue
+        others = ", ".join(f"{item.axis}={item.label}" for item in choices if item.axis != axis)
+        series.setdefault(others, []).append((mine[0].label, name))
+    order = {item.label: index for index, item in enumerate(plan.axes[axis])}
+    lines = [(legend, sorted(points, key=lambda p: order[p[0]])) for legend, points in series.items()]
+    if plan.mode == "ablation" and lines:
+        base = next(name for choices, name in plan.cells if not choices)
+        if base not in {name for _, name in lines[0][1]}:  # no value of this axis is the base: show it first
+            lines[0][1].insert(0, (BASE_LABEL, base))
+    return lines
+
+
+def plot_axis(plan: SweepPlan, axis: str, summary: Summary, path: Path) -> bool:
+    """``sweep_<axis>.png``: the primary metric over the axis's values, mean ± std over seeds with each seed as a
+    dot; the baseline as a band (mean ± std) where the whole axis shares one, else as grey points. Returns whether
+    it drew one (False while no run of the axis has finished)."""
+    rows, metric = {row.configuration.name: row for row in summary.rows}, summary.metric
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = axis_series(plan, axis)
+    labels = [item.label for item in plan.axes[axis]]
+    if any(label == BASE_LABEL for _, points in series for label, _ in points):
+        labels.insert(0, BASE_LABEL)
+    if not any(rows[name].values for _, points in series for _, name in points):
+        return False
+    figure, axes = plt.subplots(figsize=(max(5.0, 1.2 * len(labels) + 2), 4.5))
+    width = 0.25 / max(1, len(series))
+    for index, (legend, points) in enumerate(series):
+        offset = (index - (len(series) - 1) / 2) * width
+        xs, means, spreads = [], [], []
+        for label, name in points:
+            values = list(rows[name].values.values())
+            if not values:
+                continue
+            x = labels.index(label) + offset
+            xs.append(x)
+            means.append(stats.mean(values))
+            spreads.append(stats.sample_std(values) or 0.0)
+            axes.scatter([x] * len(values), values, s=12, alpha=0.4, color="black", zorder=3)
+        if xs:
+            axes.errorbar(xs, means, yerr=spreads, marker="o", capsize=4, label=legend or "mean ± std over seeds")
+    baselines = {rows[name].configuration.baseline for _, points in series for _, name in points} - {None}
+    if len(baselines) == 1:
+        values = list(rows[baselines.pop()].values.values())
+        if values:
+            centre, spread = stats.mean(values), stats.sample_std(values) or 0.0
+            axes.axhline(centre, color="grey", linestyle="--", label="baseline (mean ± std)")
+            if spread:
+                axes.axhspan(centre - spread, centre + spread, color="grey", alpha=0.2)
+    elif baselines:
+        for label, name in series[0][1]:
+            base = rows[name].configuration.baseline
+            values = list(rows[base].values.values()) if base else []
+            if values:
+                axes.errorbar(
+                    [labels.index(label)],
+                    [stats.mean(values)],
+                    yerr=[stats.sample_std(values) or 0.0],
+                    marker="s",
+                    color="grey",
+                    capsize=4,
+                    label="baseline (mean ± std)" if label == series[0][1][0][0] else None,
+                )
+    axes.set_xticks(range(len(labels)), labels)
+    axes.set(
+        xlabel=axis,
+        ylabel=METRIC_LABELS.get(metric, metric),
+        title=f"{axis}: {METRIC_LABELS.get(metric, metric)}, {len(plan.seeds)} seed(s), {plan.grid} grid",
+    )
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return True
+
+
+def write_report(plan: SweepPlan) -> dict[str, Path]:
+    """sweep.md, sweep.csv, sweep_summary.csv, sweep_<axis>.png and SUMMARY.md from the runs finished so far;
+    returns what it wrote (name -> path)."""
+    summary = summarize(plan)
+    metric = summary.metric
+    plan.root.mkdir(parents=True, exist_ok=True)
+    written = {}
+    plots = []
+    for axis in plan.axes:
+        path = plan.root / f"sweep_{safe_name(axis)}.png"
+        if plot_axis(plan, axis, summary, path):
+            plots.append((axis, path.name))
+            written[f"plot:{axis}"] = path
+    table = markdown_table(plan, summary)
+    total = len(plan.configurations) * len(plan.seeds)
+    notes = sweep_notes(plan)
+    pictures = "".join(f"![{axis}]({name})\n\n" for axis, name in plots)
+    heading = f"# Sweep {plan.name} ({plan.grid} grid)\n\n"
+    summary_line = (
+        f"{plan.mode.capitalize()} over {', '.join(plan.axes) or 'no axis'}; {len(plan.seeds)} seed(s) "
+        f"({', '.join(map(str, plan.seeds))}); primary metric {METRIC_LABELS.get(metric, metric)} "
+        f"({'higher' if summary.greater_is_better else 'lower'} is better); {summary.done}/{total} runs finished.\n\n"
+    )
+    (plan.root / SWEEP_TABLE).write_text(heading + summary_line + table + "\n" + notes + "\n" + pictures)
+    written["table"] = plan.root / SWEEP_TABLE
+    write_csvs(plan, summary)
+    written["csv"], written["summary_csv"] = plan.root / SWEEP_CSV, plan.root / SUMMARY_CSV
+    (plan.root / SUMMARY_FILE).write_text(summary_card(plan, summary, table, notes, pictures))
+    written["summary"] = plan.root / SUMMARY_FILE
+    return written
+
+
+def sweep_notes(plan: SweepPlan) -> str:
+    """What the table's ±, Δ, interval, verdict and training time mean, for the plan's number of seeds."""
+    if len(plan.seeds) < 2 and plan.no_difference_below is not None:
+        spread = no_difference_note(plan.no_difference_below)
+    elif len(plan.seeds) < 2:
+        spread = (
+            "One seed gives no error bar: a difference of about the size of the seed noise (docs/recipes.md has the "
+            "offline demo's) cannot be told from it. Set seeds: 2 or more."
+        )
+    else:
+        spread = f"± is the sample standard deviation over the {len(plan.seeds)} seeds. " + (
+            "Δ is the configuration minus its baseline seed by seed (the same seed gives both the same data "
+            f"order and initial weights), with a 95 % Student-t interval ({len(plan.seeds) - 1} degree"
+            f"{'s' if len(plan.seeds) != 2 else ''} of freedom); it is called larger than the seed noise only when "
+            "the interval excludes 0. With many configurations, about one in twenty intervals excludes 0 by chance."
+            if plan.baseline
+            else "No baseline was run (baseline: false), so there are no paired differences."
+        )
+    return f"{spread} Train time: the mean training time of one run, evaluations included.\n"
+
+
+def summary_card(plan: SweepPlan, summary: Summary, table: str, notes: str, pictures: str) -> str:
+    """SUMMARY.md, in the style of a model card: what was run on what, the table, and the caveats."""
+    found, done, total = summary.found, summary.done, len(plan.configurations) * len(plan.seeds)
+    first = next((r for results in found.values() for r in results.values()), None)
+    if first:
+        data = first["data"]
+        data_text = f"{data['dataset_name']}" + (f" ({data['dataset_config']})" if data.get("dataset_config") else "")
+        data_text += f", evaluated on `{data.get('eval_split')}`; {first.get('train_samples')} training examples"
+        if first.get("block_size"):
+            data_text += f" of {first['block_size']} tokens"
+        unpatched = first["parameters"]["total"] - first["parameters"].get("added_by_patch", 0)
+        model_text = (
+            f"{first['model_class']} from {first['model_source']}, "
+            f"{'trained from scratch' if first.get('from_scratch') else 'fine-tuned'}; {unpatched:,} parameters "
+            "without the patch (each configuration's additions are in the table)"
+        )
+        budget = (
+            f"{first['train_steps']} optimizer steps of {first['total_train_batch_size']} examples per run "
+            f"({first['num_processes']} process(es))"
+        )
+    else:
+        data_text = model_text = budget = "no run has finished yet"
+    runtime = sum(float(r.get("train_runtime_s", 0.0)) for results in found.values() for r in results.values())
+    command = ["python -m recipes.sweep --config", str(plan.config_path)]
+    command += (["--grid reduced"] if plan.grid == "reduced" else []) + plan.command_line
+    axes_lines = "".join(
+        f"  * `{axis}`: {', '.join(item.label for item in items)}\n" for axis, items in plan.axes.items()
+    )
+    base_rows = "".join(f"| {key} | {format_label(value)} |\n" for key, value in sorted(plan.base_flags.items()))
+    how = "one axis at a time from the base configuration" if plan.mode == "ablation" else "every combination"
+    count = sum(c.kind == "configuration" for c in plan.configurations)
+    with_baseline = ", each with its unpatched baseline (`--scorer none`, same seeds)" if plan.baseline else ""
+    if len(plan.seeds) < 2:
+        noise = "one seed, so no error bars"
+    else:
+        noise = (
+            f"{len(plan.seeds)} seeds; intervals from few seeds are wide, and a difference within the seed noise is "
+            "no evidence either way"
+        )
+    return f"""# Sweep `{plan.name}` ({plan.grid} grid)
+
+{plan.description or "A sweep of recipe runs."}
+
+## What was run
+
+* mode: **{plan.mode}** ({how}): {count} configurations{with_baseline}
+* axes:
+{axes_lines.rstrip() or "  * none (the base configuration only)"}
+* seeds: {", ".join(map(str, plan.seeds))}
+* runs finished: {done} of {total}; their training time in total {runtime / 60:.1f} min
+
+## Data
+
+{data_text}.
+
+## Model
+
+{model_text}.
+
+## Budget
+
+{budget}. The flags every run shares (then each configuration's own, in the table):
+
+| flag | value |
+|---|---|
+{base_rows}
+## Results
+
+{table}
+{notes}
+{pictures}## Caveats
+
+* Small scale: {budget}, on small models. These runs check the pipeline and show the size of effects at this
+  scale; they are not the papers' setups.
+* Seed noise: {noise}.
+* Unfinished runs are left out of the means (the seeds column says how many each has).
+
+## Reproduce
+
+```bash
+{" ".join(command)}
+```
+
+Rerunning it skips the finished runs and resumes interrupted ones; `--report_only` rewrites this report.
+"""

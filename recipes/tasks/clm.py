@@ -1,0 +1,249 @@
+"""The causal language-modelling task (``--task clm``): WikiText by default, the embedded Python documentation offline.
+
+Metrics: ``perplexity`` (and ``eval_loss``). ``--perplexity_protocol sliding`` is the standard protocol: the
+evaluation text is one token stream, cut into windows of ``block_size`` at ``--stride``; every token is scored
+exactly once, with the context its window gives it. ``full_window`` is the protocol of the Neural Attention
+authors' code: windows of ``block_size + 1`` tokens start every ``stride`` tokens, windows that do not fit are
+dropped, every one of the ``block_size`` predictions of a window is scored (overlapping windows score tokens again)
+and perplexity is ``exp`` of the mean window loss.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+
+# EMBEDDED_CORPUS: the Python documentation topics that ship with the interpreter, the demo's data; also selected
+# by --dataset_name pydoc_data (e.g. to train a demo checkpoint further).
+from recipes.args import EMBEDDED_CORPUS, RecipeError
+from recipes.tasks.base import (
+    DataInfo,
+    Task,
+    TaskData,
+    first_examples,
+    load_data,
+    local_text_files,
+    progress_bar,
+    require_columns,
+    split_off_validation,
+    uses_embedded_model,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CLM_DATASET = ("wikitext", "wikitext-2-raw-v1")
+
+
+def embedded_corpus(validation_every: int = 10):
+    """The Python documentation topics (``pydoc_data``, part of the standard library) as a text dataset.
+
+    Topics in sorted order; every ``validation_every``-th topic is held out for validation. Topics repeat
+    each other (``if`` and ``else`` are the same page, many share paragraphs), so validation paragraphs that
+    also occur in a training topic are dropped: the held-out text is text the model has not seen.
+    """
+    from pydoc_data.topics import topics
+
+    import datasets
+
+    names = sorted(topics)
+    train = [topics[name] for index, name in enumerate(names) if index % validation_every]
+    seen = {paragraph.strip() for text in train for paragraph in text.split("\n\n")}
+    validation = []
+    for index, name in enumerate(names):
+        if not index % validation_every:
+            unseen = [p for p in topics[name].split("\n\n") if p.strip() and p.strip() not in seen]
+            if unseen:
+                validation.append("\n\n".join(unseen))
+    return datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": train}),
+            "validation": datasets.Dataset.from_dict({"text": validation}),
+        }
+    )
+
+
+class CausalLMTask(Task):
+    kind = "clm"
+    primary_metric = "perplexity"
+    greater_is_better = False
+    pipeline_tag = "text-generation"
+
+    def load_raw(self, args):
+        percentage = args.validation_split_percentage or 5
+        if args.train_file:
+            builder, files = local_text_files(args)
+            kwargs = {"keep_linebreaks": True} if builder == "text" else {}
+            raw = load_data(builder, data_files=files, what="local data", **kwargs)
+            self.info = DataInfo("local files", files=list(files.values()))
+        elif args.dataset_name == EMBEDDED_CORPUS or (args.dataset_name is None and uses_embedded_model(args)):
+            raw = embedded_corpus()
+            self.info = DataInfo(EMBEDDED_CORPUS, dataset_config="topics")
+        else:
+            name, config = (args.dataset_name, args.dataset_config_name)
+            if name is None:
+                name, config = DEFAULT_CLM_DATASET[0], config or DEFAULT_CLM_DATASET[1]
+            raw = load_data(name, config)
+            self.info = DataInfo(name, dataset_config=config, hub_dataset=True)
+            if args.eval_split:
+                if args.eval_split not in raw:
+                    raise RecipeError(f"--eval_split {args.eval_split!r}: {name} has splits {list(raw)}.")
+                raw["validation"] = raw[args.eval_split]
+                self.info.eval_split = args.eval_split
+        if "validation" not in raw:
+            raw = split_off_validation(raw, percentage, args.seed)
+            self.info.eval_split = f"{percentage}% of train"
+        return raw
+
+    def check_raw(self, args, raw):
+        column = args.text_column_name
+        if column is None:
+            columns = raw["train"].column_names
+            column = "text" if "text" in columns else columns[0]
+        require_columns(raw, {"text": column}, ["train", "validation"])
+        for split in ("train", "validation"):
+            feature = raw[split].features[column]
+            if getattr(feature, "dtype", None) not in ("string", "large_string"):
+                raise RecipeError(f"The text column {column!r} of the {split} data holds {feature}, not text.")
+        self.text_column = column
+
+    def block_size(self, args, tokenizer, model_config) -> int:
+        limit = getattr(model_config, "n_positions", None) or getattr(model_config, "max_position_embeddings", None)
+        block = args.block_size or min(1024, tokenizer.model_max_length, limit or 1024)
+        if limit and block > limit:
+            raise RecipeError(f"--block_size {block} is longer than the model's {limit} positions.")
+        return block
+
+    def prepare(self, args, raw, tokenizer, model_config, labels, accelerator):
+        block = self.block_size(args, tokenizer, model_config)
+        stride = args.stride or block
+        if stride > block:
+            raise RecipeError(f"--stride {stride} is larger than the block size {block}: tokens would be skipped.")
+        column = self.text_column
+
+        def tokenize(examples):
+            return tokenizer(examples[column], verbose=False)
+
+        def group_texts(examples):
+            # Concatenate and cut into blocks of `block` tokens, dropping the remainder (run_clm's way).
+            concatenated = {key: list(itertools.chain.from_iterable(examples[key])) for key in examples}
+            total = (len(concatenated["input_ids"]) // block) * block
+            result = {key: [ids[i : i + block] for i in range(0, total, block)] for key, ids in concatenated.items()}
+            result["labels"] = [list(ids) for ids in result["input_ids"]]
+            return result
+
+        map_kwargs = {"num_proc": args.preprocessing_num_workers, "load_from_cache_file": not args.overwrite_cache}
+        with accelerator.main_process_first():
+            tokenized = raw["train"].map(
+                tokenize, batched=True, remove_columns=raw["train"].column_names, desc="Tokenizing", **map_kwargs
+            )
+            train = tokenized.map(group_texts, batched=True, desc=f"Grouping into blocks of {block}", **map_kwargs)
+        if len(train) == 0:
+            raise RecipeError(f"The training text is shorter than one block of {block} tokens; lower --block_size.")
+        train = first_examples(train, args.max_train_samples)
+
+        text = "\n\n".join(raw["validation"][column])
+        ids = torch.tensor(tokenizer(text, verbose=False)["input_ids"], dtype=torch.long)
+        windows = make_windows(ids, block, stride, args.perplexity_protocol)
+        if not windows:
+            raise RecipeError(
+                f"The validation text ({len(ids)} tokens) is too short for one {args.perplexity_protocol} window "
+                f"of {block} tokens."
+            )
+        windows = windows[: args.max_eval_samples] if args.max_eval_samples else windows
+        self.protocol = args.perplexity_protocol
+        self.block, self.stride = block, stride
+        logger.info(
+            "Evaluation: %d validation tokens, %d %s windows of %d tokens, stride %d",
+            len(ids),
+            len(windows),
+            args.perplexity_protocol,
+            block,
+            stride,
+        )
+        from transformers import default_data_collator
+
+        return TaskData(
+            train_dataset=train,
+            eval_datasets={"validation": windows},
+            train_collate=default_data_collator,
+            eval_collate=WindowCollator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
+            info=self.info,
+        )
+
+    def evaluate(self, model, dataloaders, accelerator, args, progress=True):
+        model.eval()
+        sums, counts = [], []
+        (dataloader,) = dataloaders.values()
+        with torch.no_grad():
+            for batch in progress_bar(dataloader, accelerator, "Evaluating", progress):
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                nll, count = window_nll(logits, batch["targets"])
+                nll, count = accelerator.gather_for_metrics((nll, count))
+                sums.append(nll.double().cpu())
+                counts.append(count.double().cpu())
+        model.train()
+        return perplexity_from_windows(torch.cat(sums), torch.cat(counts), self.protocol)
+
+
+def make_windows(ids: torch.Tensor, block: int, stride: int, protocol: str) -> list[dict[str, torch.Tensor]]:
+    """Evaluation windows over one token stream, as (input_ids, targets) with targets already shifted:
+    ``targets[j]`` is the token the model should predict after ``input_ids[:j+1]``, or -100 if not scored.
+    """
+    n = len(ids)
+    windows = []
+    if protocol == "full_window":
+        for begin in range(0, n - block, stride):  # windows of block + 1 tokens that fit entirely
+            window = ids[begin : begin + block + 1]
+            windows.append({"input_ids": window[:-1], "targets": window[1:].clone()})
+        return windows
+    # Sliding: every position 1 .. n-1 is predicted exactly once (position 0 has no context). The first
+    # window scores its `block` predictions; each later one scores the next `stride` positions, reading the
+    # `block` tokens before each (so every scored token has at least block - stride tokens of context).
+    first_target = 1
+    while first_target < n:
+        end_target = min(first_target + (block if first_target == 1 else stride), n)  # scores [first, end)
+        start = max(0, end_target - 1 - block)
+        inputs = ids[start : end_target - 1]  # input j predicts position start + j + 1
+        targets = ids[start + 1 : end_target].clone()
+        targets[: first_target - start - 1] = -100  # positions an earlier window already scored
+        windows.append({"input_ids": inputs, "targets": targets})
+        first_target = end_target
+    return windows
+
+
+class WindowCollator:
+    """Right-pads evaluation windows; padded positions are masked and never scored."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, windows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        length = max(len(w["input_ids"]) for w in windows)
+        input_ids = torch.full((len(windows), length), self.pad_token_id, dtype=torch.long)
+        targets = torch.full((len(windows), length), -100, dtype=torch.long)
+        attention_mask = torch.zeros((len(windows), length), dtype=torch.long)
+        for row, window in enumerate(windows):
+            size = len(window["input_ids"])
+            input_ids[row, :size] = window["input_ids"]
+            targets[row, :size] = window["targets"]
+            attention_mask[row, :size] = 1
+        return {"input_ids": input_ids, "targets": targets, "attention_mask": attention_mask}
+
+
+def window_nll(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-window summed negative log-likelihood of the scored targets, and their count."""
+    nll = F.cross_entropy(logits.float().transpose(1, 2), targets, ignore_index=-100, reduction="none")
+    scored = targets != -100
+    return (nll * scored).sum(dim=1), scored.sum(dim=1)
+
+
+def perplexity_from_windows(sums: torch.Tensor, counts: torch.Tensor, protocol: str) -> dict[str, float]:
+    if protocol == "full_window":
+        loss = (sums / counts).mean().item()  # the mean of the window losses, as the authors' code
+    else:
+        loss = (sums.sum() / counts.sum()).item()  # every token once: the corpus-level mean
+    return {"perplexity": math.exp(loss) if loss < 700 else float("inf"), "eval_loss": loss}

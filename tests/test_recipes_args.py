@@ -1,0 +1,192 @@
+"""recipes/args.py and the checks behind it: flags, config files, and bad input that fails before training starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import recipes_helpers as helpers
+from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fixtures
+    clm_flags,
+    finetune_in_process,
+    fresh_accelerate_state,  # noqa: F401
+    glue_file_args,
+    one_thread,  # noqa: F401
+    recipe_assets,
+    write_glue_files,
+)
+
+import hf_neural_attn
+from recipes.args import GLUE_TASKS, RecipeError, parse_args
+from recipes.finetune import main as finetune_main
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return recipe_assets(tmp_path_factory.mktemp("recipe_assets"))
+
+
+TINY_DISTILBERT = "n_layers=1,dim=32,n_heads=2,hidden_dim=64"  # a family the patch does not support
+
+
+def test_config_file_stands_in_for_flags_and_command_line_wins(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "task: sst2\nlearning_rate: 3e-4\nlayers: [0, 1]\nscorer: neural\nproj_dim: 2\ncheckpointing_steps: 50\n"
+    )
+    args = parse_args(["--config", str(config), "--learning_rate", "1e-3"])
+    assert (args.task, args.learning_rate, args.layers, args.scorer, args.proj_dim) == (
+        "sst2",
+        1e-3,
+        [0, 1],
+        "neural",
+        2,
+    )
+    assert args.checkpointing_steps == "50"
+    json_config = tmp_path / "run.json"
+    json_config.write_text(json.dumps({"task": "image", "scorer": "none", "num_train_epochs": 2}))
+    args = parse_args([str(json_config)])  # a config file as the first argument, like the HF scripts
+    assert (args.task, args.scorer, args.num_train_epochs) == ("image", "none", 2)
+    assert args.output_dir == str(Path("outputs") / "image-none")
+
+
+def test_shipped_configs_are_valid():
+    configs = sorted((helpers.ROOT / "recipes" / "configs").glob("*.yaml"))
+    assert len(configs) >= 5
+    for path in configs:
+        args = parse_args(["--config", str(path)])
+        assert args.task in ("clm", "image", *GLUE_TASKS), path
+
+
+def test_bad_config_values_are_errors(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("task: translation\n")
+    with pytest.raises(RecipeError, match="task='translation' is not one of"):
+        parse_args(["--config", str(config)])
+    config.write_text("learning_rat: 1e-3\n")
+    with pytest.raises(RecipeError, match="unknown key"):
+        parse_args(["--config", str(config)])
+
+
+def test_unknown_task_on_the_command_line_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--task", "summarization"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'summarization'" in capsys.readouterr().err
+
+
+def bad_input_cases(assets, tmp_path):
+    no_text = tmp_path / "no_text.csv"
+    no_text.write_text("body,label\nhello there,1\nbye now,0\n")
+    glue = write_glue_files(tmp_path / "glue", "mrpc")
+    return {
+        "missing file": (["--task", "clm", "--train_file", str(tmp_path / "nope.txt")], "does not exist"),
+        "text column not there": (
+            ["--task", "clm", "--train_file", str(no_text), "--text_column_name", "text"],
+            "no text column 'text'",
+        ),
+        "glue column not there": (
+            ["--task", "mrpc", *glue_file_args(glue), "--sentence2_key", "second"],
+            "no second text column 'second'",
+        ),
+        "image model for a text task": (
+            ["--task", "clm", "--model_name_or_path", str(assets["vit"])],
+            "cannot take --task clm",
+        ),
+        "text model for images": (
+            [
+                "--task",
+                "image",
+                "--model_name_or_path",
+                str(assets["gpt2"]),
+                "--train_dir",
+                str(assets["images_train"]),
+            ],
+            "cannot take --task image",
+        ),
+        "push without a repository": (["--task", "clm", "--push_to_hub"], "--push_to_hub needs --hub_model_id"),
+        "layer out of range": (
+            ["--task", "clm", "--model_name_or_path", str(assets["gpt2"]), "--train_file", str(assets["train_txt"])]
+            + ["--layers", "5"],
+            "out of range",
+        ),
+        "unsupported family for the patch": (
+            [
+                *("--task", "mrpc", *glue_file_args(glue)),
+                *("--model_type", "distilbert", "--config_overrides", TINY_DISTILBERT),
+            ],
+            "Cannot patch DistilBertForSequenceClassification",
+        ),
+        "baseline with patch options": (["--task", "clm", "--scorer", "none", "--h", "8"], "takes no patch options"),
+        "scorer options that do not fit together": (
+            ["--task", "clm", "--scorer", "neural", "--depth", "4", "--h", "4"],
+            "depth=4 needs h >= 8",
+        ),
+        "freezing a from-scratch model": (
+            ["--task", "clm", "--train_file", str(assets["train_txt"]), "--train_only_new_params"],
+            "built from scratch",
+        ),
+        "image task with text files": (["--task", "image", "--train_file", str(assets["train_txt"])], "not files"),
+        "nsea on a causal model": (
+            ["--task", "clm", "--model_name_or_path", str(assets["gpt2"]), "--train_file", str(assets["train_txt"])]
+            + ["--scorer", "nsea", "--mode", "replace"],
+            "nsea cannot serve GPT2Attention, a causal",
+        ),
+        "nsea without mode replace": (["--task", "clm", "--scorer", "nsea"], "mode='replace'"),
+        "gate schedule on the baseline": (
+            ["--task", "clm", "--scorer", "none", "--gate_schedule", "fixed"],
+            "--scorer none \\(the baseline\\) has no scorer",
+        ),
+        "gate schedule for a patch without gates": (
+            ["--task", "clm", "--scorer", "neural", "--mode", "replace", "--gate_schedule", "fixed"],
+            "--scorer neural with these options .* has none",
+        ),
+        "gate warmup without its length": (
+            ["--task", "clm", "--gate_schedule", "warmup"],
+            "needs --gate_warmup_steps N > 0",
+        ),
+        "gate warmup length without warmup": (
+            ["--task", "clm", "--gate_warmup_steps", "3"],
+            "--gate_warmup_steps is for --gate_schedule warmup only",
+        ),
+    }
+
+
+def test_bad_inputs_fail_before_training(assets, tmp_path):
+    for name, (flags, message) in bad_input_cases(assets, tmp_path).items():
+        output_dir = tmp_path / name.replace(" ", "_")
+        with pytest.raises(RecipeError, match=message):
+            finetune_in_process(output_dir, *flags, "--max_train_steps", "2", "--block_size", "32")
+        produced = list(output_dir.iterdir()) if output_dir.exists() else []
+        assert produced == [], f"{name}: the failed run wrote {produced}"
+
+
+def test_command_line_reports_errors_with_exit_code_2(tmp_path, capsys):
+    assert finetune_main(["--task", "clm", "--train_file", str(tmp_path / "missing.txt")]) == 2
+    assert "error: --train_file" in capsys.readouterr().err
+
+
+def test_recipe_scorer_choices_are_the_library_registry():
+    from recipes.args import SCORERS
+
+    assert set(SCORERS) == {"none", *hf_neural_attn.scorers.SCORERS}
+
+
+def test_gate_schedule_refuses_a_model_without_gates_even_when_the_options_cannot_tell(assets, tmp_path, monkeypatch):
+    # The flags are checked by building the scorer on the meta device; where that cannot tell (None), the patched
+    # model is checked before any data is prepared or anything written.
+    from recipes import args as recipe_args
+
+    monkeypatch.setattr(recipe_args, "scorer_has_gates", lambda scorer, options: None)
+    out = tmp_path / "run"
+    with pytest.raises(RecipeError, match=r"patch \(neural, .*mode=replace.*\) has none"):
+        finetune_in_process(
+            out, *clm_flags(assets, "--scorer", "neural", "--mode", "replace", "--gate_schedule", "fixed")
+        )
+    assert not out.exists()
+
+
+def test_train_only_new_params_without_any_patch_is_refused(assets, tmp_path):
+    with pytest.raises(RecipeError, match="--train_only_new_params needs a patch"):
+        finetune_in_process(tmp_path / "run", *clm_flags(assets, "--scorer", "none", "--train_only_new_params"))
