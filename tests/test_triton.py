@@ -236,10 +236,15 @@ def test_auto_takes_triton_on_cuda_only_once_switched_on(monkeypatch, name):
     assert resolve(scorer, "auto", device="cuda", **long) == expected
     assert resolve(scorer, "auto", device=torch.device("cuda", 1), dtype=torch.bfloat16, **long) == expected
     assert resolve(scorer, "auto", device="cpu", **long) == "blockwise"
-    # Calls that need the probabilities or dropout go to the reference path, whatever impl says.
+    # Calls that need the probabilities go to the reference path, whatever impl says (an explicit path warns once).
     for impl in ("auto", "triton", "chunked"):
         assert resolve(scorer, impl, device="cuda", need_weights=True) == "reference"
-        assert resolve(scorer, impl, device="cuda", dropout_active=True) == "reference"
+    # Dropout does not change the choice; the kernels, which apply none, refuse it, and auto goes around them.
+    assert resolve(scorer, "auto", device="cuda", dropout_active=True, **long) == "blockwise"
+    assert resolve(scorer, "chunked", device="cuda", dropout_active=True) == "blockwise"
+    if HAS_TRITON:
+        with pytest.raises(ValueError, match="apply no attention dropout"):
+            resolve(scorer, "triton", device="cuda", dropout_active=True)
     assert resolve(scorer, "reference", device="cuda") == "reference"
     assert resolve(scorer, "chunked", device="cuda") == "blockwise"  # the chunked choice, in its fused form
     with pytest.raises(ValueError, match="impl='fused' is not supported"):

@@ -29,6 +29,7 @@ import torch
 
 from .blockwise import blockwise_attention, blockwise_unsupported_reason
 from .chunked import chunked_attention
+from .dropout import AttentionDropout
 from .grouped import repeat_kv
 from .masks import as_additive_mask
 from .reference import reference_attention
@@ -76,24 +77,33 @@ def resolve_impl(
 ) -> str:
     """The path (a key of :data:`PATHS`) that serves one call of ``scorer`` under the ``impl`` choice.
 
-    * Calls that need the probabilities or attention dropout go to ``"reference"``, the only path that
-      materialises them, whatever ``impl`` says.
+    * Calls that need the probabilities returned (``output_attentions``) go to ``"reference"``, the only path that
+      materialises them; an explicit ``"chunked"`` or ``"triton"`` says so once (a warning).
     * ``"triton"``: the kernels, or a clear error when they cannot serve the call (``ImportError`` without
-      triton, ``ValueError`` naming the reason otherwise), never a silent fallback.
+      triton, ``ValueError`` naming the reason otherwise: attention dropout among them), never a silent fallback.
     * ``"auto"`` (the default): with :data:`TRITON_IN_AUTO` set, the kernels for CUDA tensors they support.
       Otherwise ``"reference"`` while the call's score tensor, ``batch * heads * q_len * kv_len`` numbers times
       the scorer's hidden width h, is at most :data:`REFERENCE_MAX_SCORES` (materialising it is then the faster
-      choice), else as ``"chunked"``.
+      choice), else as ``"chunked"``. Dropout does not change the rule: every path applies it.
     * ``"chunked"``: ``"blockwise"`` for a scorer with a fused form, ``"chunked"`` for the others; memory linear
       in the sequence length either way.
 
     Only shapes, dtype and device are read, so the choice can be checked for any device (tests pass
     ``device="cuda"`` on machines without one). ``impl`` was checked when the scorer's config was made.
     """
-    if need_weights or dropout_active or impl == "reference":
+    if need_weights:
+        if impl in ("chunked", "triton"):
+            _warn_once(
+                f"impl={impl!r} does not materialise the attention probabilities, so calls that return them "
+                "(output_attentions=True) run the reference path."
+            )
+        return "reference"
+    if impl == "reference":
         return "reference"
     if impl == "triton" or (impl == "auto" and TRITON_IN_AUTO and torch.device(device).type == "cuda"):
         reason = triton_unavailable_reason(device) or _fused_form_missing(scorer)
+        if reason is None and dropout_active:
+            reason = "the Triton kernels apply no attention dropout; use impl='auto' or 'chunked' for training with it"
         if reason is None:
             reason = kernel_unsupported_reason(
                 scorer.config.activation,
@@ -142,34 +152,31 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-def _no_dropout(path: str, dropout: float, training: bool) -> None:
-    if training and dropout > 0:
-        raise ValueError(f"The {path} path applies no attention dropout; use the reference path for it.")
-
-
 def blockwise_path(
-    scorer, query, key, value, attention_mask, *, scaling, dropout, training, extras, is_causal=False
+    scorer, query, key, value, attention_mask, *, scaling, dropout, extras, is_causal=False
 ) -> tuple[torch.Tensor, None]:
     """The blockwise path with the signature of :func:`.reference.reference_attention`: the scorer's fused term
     (``scorer.fused_inputs``), a block of queries at a time."""
-    _no_dropout("blockwise", dropout, training)
     inputs = scorer.fused_inputs(query, key, extras)
-    return blockwise_attention(inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal), None
+    output = blockwise_attention(
+        inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal, dropout=dropout
+    )
+    return output, None
 
 
 def triton_path(
-    scorer, query, key, value, attention_mask, *, scaling, dropout, training, extras, is_causal=False
+    scorer, query, key, value, attention_mask, *, scaling, dropout, extras, is_causal=False
 ) -> tuple[torch.Tensor, None]:
-    """The Triton kernels with the signature of :func:`.reference.reference_attention`."""
-    _no_dropout("Triton", dropout, training)
+    """The Triton kernels with the signature of :func:`.reference.reference_attention` (:func:`resolve_impl` sends
+    no call with dropout here)."""
     # Under autocast everything arrives in the autocast dtype already; otherwise align on the query's.
     key, value = key.to(query.dtype), value.to(query.dtype)
     inputs = scorer.fused_inputs(query, key, extras)
     return triton_attention(inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal), None
 
 
-# Every path takes keys and values with their kv heads (grouped-query attention) and any mask form, and returns
-# (output (batch, heads, q_len, head_dim), probabilities or None).
+# Every path takes keys and values with their kv heads (grouped-query attention), any mask form and the call's
+# AttentionDropout or None, and returns (output (batch, heads, q_len, head_dim), probabilities or None).
 PATHS = {
     "reference": reference_attention,
     "chunked": chunked_attention,
@@ -202,6 +209,9 @@ def scored_attention(
             blocks it hides); with ``attention_mask`` None it is the mask, built by each path where needed.
         need_weights: the caller wants the probabilities (``output_attentions``).
 
+        dropout, training: attention dropout probability, applied in training mode (one seed per call,
+            :mod:`.dropout`: every path drops the same entries for a seed).
+
     Returns:
         output (batch, q_len, heads, head_dim), the layout transformers' attention functions return,
         and the attention probabilities (batch, heads, q_len, kv_len) when the path keeps them.
@@ -226,6 +236,7 @@ def scored_attention(
             need_weights=need_weights,
         )
         return output.transpose(1, 2).contiguous(), weights
+    attention_dropout = AttentionDropout.for_call(dropout, training)
     path = resolve_impl(
         scorer.config.impl,
         scorer,
@@ -240,7 +251,7 @@ def scored_attention(
         attention_mask=attention_mask,
         value_head_dim=value.shape[-1],
         need_weights=need_weights,
-        dropout_active=training and dropout > 0,
+        dropout_active=attention_dropout is not None,
     )
     output, probs = PATHS[path](
         scorer,
@@ -249,8 +260,7 @@ def scored_attention(
         value,
         attention_mask,
         scaling=scaling,
-        dropout=dropout,
-        training=training,
+        dropout=attention_dropout,
         extras=extras,
         is_causal=is_causal,
     )

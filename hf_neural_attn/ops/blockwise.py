@@ -39,6 +39,7 @@ from collections.abc import Callable
 
 import torch
 
+from .dropout import AttentionDropout, head_streams
 from .grouped import group_heads, grouped_transposed_matmul
 from .masks import apply_mask, block_mask, query_blocks
 from .terms import FusedInputs
@@ -95,6 +96,7 @@ def blockwise_attention(
     *,
     scaling: float,
     is_causal: bool,
+    dropout: AttentionDropout | None = None,
     block: int | None = None,
 ) -> torch.Tensor:
     """softmax(scores + mask) @ v, the scores given by ``inputs``' term, a query block at a time.
@@ -108,6 +110,8 @@ def blockwise_attention(
             (batch, heads, q_len, kv_len).
         is_causal: causal, queries aligned to the end of the keys. Keys after a block's last query are never
             scored; with ``attention_mask`` None the block masks its diagonal itself.
+        dropout: the call's attention dropout (:class:`.dropout.AttentionDropout`), or None; each block's mask is
+            regenerated in backward.
         block: queries per block; default :data:`QUERY_BLOCK`.
 
     Returns:
@@ -118,8 +122,8 @@ def blockwise_attention(
         raise ValueError(f"query heads ({heads}) must be a multiple of the key/value heads ({kv_heads}).")
     block = QUERY_BLOCK if block is None else block
     return _BlockwisePairAttention.apply(
-        inputs.term, inputs.activation, float(scaling), bool(is_causal), int(block), attention_mask, query, key, value,
-        *inputs.tensors,
+        inputs.term, inputs.activation, float(scaling), bool(is_causal), int(block), dropout, attention_mask, query,
+        key, value, *inputs.tensors,
     )  # fmt: skip
 
 
@@ -250,6 +254,11 @@ class _Term:
         return scores.view(*activated.shape[:-2], kv_end), z if keep_z else None, activated
 
 
+def _grouped_streams(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The dropout streams (``batch * heads + head``) of query heads grouped as (batch, kv_heads, groups, 1, 1)."""
+    return group_heads(head_streams(query.shape[0], query.shape[1], query.device), kv_heads)
+
+
 def _sum_over_groups(blocks: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """Σ over groups and rows of blocksᵀ @ other: blocks (B, block, n) and other (B, block, d) ->
     (batch, kv_heads, n, d)."""
@@ -258,7 +267,7 @@ def _sum_over_groups(blocks: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 
 class _BlockwisePairAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, term, activation, scaling, is_causal, block, mask, query, key, value, *tensors):
+    def forward(ctx, term, activation, scaling, is_causal, block, dropout, mask, query, key, value, *tensors):
         q_len, kv_heads, kv_len = query.shape[2], key.shape[1], key.shape[2]
         stats_dtype = torch.promote_types(query.dtype, torch.float32)
         grouped_value = value.unsqueeze(2)
@@ -268,6 +277,7 @@ class _BlockwisePairAttention(torch.autograd.Function):
         output = torch.empty(*shape, value.shape[-1], dtype=value.dtype, device=value.device)
         row_max = torch.empty(shape, dtype=stats_dtype, device=query.device)
         row_sum = torch.empty_like(row_max)
+        streams = _grouped_streams(query, kv_heads) if dropout is not None else None
         for start, end, kv_end in query_blocks(q_len, kv_len, is_causal, block):
             rows = slice(start, end)
             scores = state.scores(rows, kv_end, keep_z=False)[0]
@@ -275,23 +285,27 @@ class _BlockwisePairAttention(torch.autograd.Function):
             block_max = scores.amax(dim=-1, keepdim=True)
             exps = scores.sub_(block_max).exp_()
             block_sum = exps.sum(dim=-1, keepdim=True)
+            if dropout is not None:  # after the normaliser is taken: dropout acts on the probabilities
+                exps.mul_(dropout.factors(streams, start, end, kv_end, exps.dtype))
             # Normalise the (block, d) output rather than the (block, kv_end) weights.
             output[..., rows, :] = (exps.to(value.dtype) @ grouped_value[..., :kv_end, :]) / block_sum
             row_max[..., rows], row_sum[..., rows] = block_max.squeeze(-1), block_sum.squeeze(-1)
-        ctx.meta = (term, activation, scaling, is_causal, block)
+        ctx.meta = (term, activation, scaling, is_causal, block, dropout)
         ctx.save_for_backward(mask, query, key, value, output, row_max, row_sum, *tensors)
         return output.flatten(1, 2)
 
     @staticmethod
     def backward(ctx, grad_output):
         mask, query, key, value, output, row_max, row_sum, *tensors = ctx.saved_tensors
-        term, activation, scaling, is_causal, block = ctx.meta
+        term, activation, scaling, is_causal, block, dropout = ctx.meta
         q_len, kv_heads, kv_len = query.shape[2], key.shape[1], key.shape[2]
         stats_dtype = row_max.dtype
         mask_block = _BlockMasker(mask, kv_heads, is_causal, q_len, kv_len, block, query.device)
         state = _Term(term, activation, scaling, tensors, query, key, stats_dtype)
         grad_output = group_heads(grad_output, kv_heads).to(stats_dtype)
-        # rowsum(P * dP) per query row is dO . O: the softmax backward's correction, without a pass over P.
+        # rowsum(P * dP) per query row is dO . O: the softmax backward's correction, without a pass over P. With
+        # dropout, O is the dropped output and dP carries the dropout factors, and it still holds.
+        streams = _grouped_streams(query, kv_heads) if dropout is not None else None
         correction = (grad_output * output.to(stats_dtype)).sum(-1, keepdim=True)
         key_f, value_f = key.to(stats_dtype), value.to(stats_dtype)
         scaled_query = state.scaled_query.to(stats_dtype)
@@ -320,8 +334,14 @@ class _BlockwisePairAttention(torch.autograd.Function):
             mask_block(scores, start, end, kv_end)
             probs = scores.sub_(row_max[..., rows, None]).exp_().div_(row_sum[..., rows, None])
             grad_block = grad_output[..., rows, :]
-            grad_value[..., :kv_end, :] += _sum_over_groups(probs, grad_block)
             grad_probs = grad_block @ value_f[..., :kv_end, :].unsqueeze(2).transpose(-1, -2)
+            if dropout is None:
+                grad_value[..., :kv_end, :] += _sum_over_groups(probs, grad_block)
+            else:  # the forward's mask, regenerated: O = (P * F) V, F the dropout factors
+                factors = dropout.factors(streams, start, end, kv_end, stats_dtype)
+                grad_value[..., :kv_end, :] += _sum_over_groups(probs * factors, grad_block)
+                grad_probs.mul_(factors)
+                del factors
             grad_scores = grad_probs.sub_(correction[..., rows, :]).mul_(probs)  # (B, block, kv_end)
             del probs, scores
             keys = key_f[..., :kv_end, :]
@@ -351,9 +371,9 @@ class _BlockwisePairAttention(torch.autograd.Function):
 
         needs = ctx.needs_input_grad
         grads = [
-            (grad_query * scaling).flatten(1, 2).to(query.dtype) if needs[6] else None,
-            grad_key.to(key.dtype) if needs[7] else None,
-            grad_value.to(value.dtype) if needs[8] else None,
+            (grad_query * scaling).flatten(1, 2).to(query.dtype) if needs[7] else None,
+            grad_key.to(key.dtype) if needs[8] else None,
+            grad_value.to(value.dtype) if needs[9] else None,
         ]
         if term == "qana":
             U, V, b, _, gate = tensors
@@ -381,6 +401,6 @@ class _BlockwisePairAttention(torch.autograd.Function):
                 grad_w.to(w.dtype),
                 grad_gate,
             ]
-        # forward's arguments: term, activation, scaling, is_causal, block, mask, query, key, value, *tensors
-        term_grads = [g if needs[9 + i] else None for i, g in enumerate(term_grads)]
-        return (None, None, None, None, None, None, *grads, *term_grads)
+        # forward's arguments: term, activation, scaling, is_causal, block, dropout, mask, query, key, value, *tensors
+        term_grads = [g if needs[10 + i] else None for i, g in enumerate(term_grads)]
+        return (None, None, None, None, None, None, None, *grads, *term_grads)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
+from .dropout import AttentionDropout, head_streams
 from .grouped import grouped_matmul, grouped_transposed_matmul
 from .masks import apply_mask, block_mask, query_blocks
 
@@ -44,15 +45,13 @@ def chunked_attention(
     attention_mask: torch.Tensor | None,
     *,
     scaling: float,
-    dropout: float,
-    training: bool,
+    dropout: AttentionDropout | None,
     extras: Any,
     is_causal: bool = False,
 ) -> tuple[torch.Tensor, None]:
-    """Same contract as :func:`~hf_neural_attn.ops.reference.reference_attention`, without dropout and
-    without returning probabilities (the dispatcher sends those cases to the reference path)."""
-    if training and dropout > 0:
-        raise ValueError("The chunked path applies no attention dropout; use the reference path for it.")
+    """Same contract as :func:`~hf_neural_attn.ops.reference.reference_attention`, without returning the
+    probabilities (the dispatcher sends calls that need them to the reference path). Dropout regenerates each
+    block's mask in backward (:mod:`.dropout`), the same entries the reference drops."""
     # Keys and values keep their kv heads: the scorers score each query head against its group's kv head.
     named = list(scorer.named_parameters())
     names, parameters = tuple(name for name, _ in named), tuple(parameter for _, parameter in named)
@@ -64,6 +63,7 @@ def chunked_attention(
         len(extras_tensors),
         scaling,
         is_causal,
+        dropout,
         attention_mask,
         query,
         key,
@@ -86,26 +86,30 @@ def _block_scores(score, query, key, extras, mask, is_causal, start, end, kv_end
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, scorer, names, extras_type, num_extras, scaling, is_causal, attention_mask, query, key, value, *tensors
-    ):
+        ctx, scorer, names, extras_type, num_extras, scaling, is_causal, dropout, attention_mask, query, key, value,
+        *tensors,
+    ):  # fmt: skip
         extras = extras_type._make(tensors[:num_extras]) if extras_type is not None else None
         q_len, kv_len = query.shape[-2], key.shape[-2]
         output = torch.empty(*query.shape[:-1], value.shape[-1], dtype=value.dtype, device=value.device)
         stats_dtype = torch.promote_types(query.dtype, torch.float32)
         row_max = torch.empty(query.shape[:-1], dtype=stats_dtype, device=query.device)
         row_sum = torch.empty_like(row_max)
+        streams = head_streams(query.shape[0], query.shape[1], query.device) if dropout is not None else None
         for start, end, kv_end in query_blocks(q_len, kv_len, is_causal, QUERY_BLOCK):
             scores = _block_scores(scorer, query, key, extras, attention_mask, is_causal, start, end, kv_end, scaling)
             block_max = scores.amax(dim=-1, keepdim=True)
             exps = torch.exp(scores - block_max)
             block_sum = exps.sum(dim=-1, keepdim=True)
             probs = (exps / block_sum).to(value.dtype)
+            if dropout is not None:
+                probs = dropout.kept(probs, streams, start)
             output[:, :, start:end] = grouped_matmul(probs, value[:, :, :kv_end])
             row_max[:, :, start:end], row_sum[:, :, start:end] = block_max.squeeze(-1), block_sum.squeeze(-1)
         device = query.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.scorer, ctx.names, ctx.extras_type, ctx.num_extras = scorer, names, extras_type, num_extras
-        ctx.scaling, ctx.is_causal = scaling, is_causal
+        ctx.scaling, ctx.is_causal, ctx.dropout = scaling, is_causal, dropout
         ctx.save_for_backward(attention_mask, query, key, value, row_max, row_sum, *tensors)
         return output
 
@@ -113,11 +117,11 @@ class _BlockwiseAttention(torch.autograd.Function):
     def backward(ctx, grad_output):
         attention_mask, query, key, value, row_max, row_sum, *tensors = ctx.saved_tensors
         needs = ctx.needs_input_grad  # aligned with forward's arguments after ctx
-        first_tensor = 10  # index of *tensors among forward's arguments
+        first_tensor = 11  # index of *tensors among forward's arguments
         device, autocast_enabled, autocast_dtype = ctx.autocast
         with torch.enable_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast_enabled):
-            query_leaf = query.detach().requires_grad_(needs[7])
-            key_leaf = key.detach().requires_grad_(needs[8])
+            query_leaf = query.detach().requires_grad_(needs[8])
+            key_leaf = key.detach().requires_grad_(needs[9])
             # Optional extras (QANA's basis without u_rank) are None and stay None.
             leaves = [
                 t.detach().requires_grad_(needs[first_tensor + i]) if t is not None else None
@@ -130,6 +134,8 @@ class _BlockwiseAttention(torch.autograd.Function):
                 return functional_call(ctx.scorer, parameters, args)
 
             grad_value = torch.zeros_like(value, dtype=row_max.dtype)
+            dropout = ctx.dropout
+            streams = head_streams(query.shape[0], query.shape[1], query.device) if dropout is not None else None
             for start, end, kv_end in query_blocks(query.shape[-2], key.shape[-2], ctx.is_causal, QUERY_BLOCK):
                 scores = _block_scores(
                     score, query_leaf, key_leaf, extras, attention_mask, ctx.is_causal, start, end, kv_end, ctx.scaling
@@ -138,15 +144,20 @@ class _BlockwiseAttention(torch.autograd.Function):
                     rows = slice(start, end)
                     probs = torch.exp(scores - row_max[:, :, rows, None]) / row_sum[:, :, rows, None]
                     grad_block = grad_output[:, :, rows].to(probs.dtype)
-                    grad_value[:, :, :kv_end] += grouped_transposed_matmul(probs, grad_block, value.shape[1])
                     grad_probs = grouped_matmul(grad_block, value[:, :, :kv_end].transpose(-1, -2).to(probs.dtype))
+                    dropped = probs
+                    if dropout is not None:  # the forward's mask, regenerated: O = (P * F) V, F the factors
+                        factors = dropout.factors(streams, start, end, kv_end, probs.dtype)
+                        dropped = probs * factors
+                        grad_probs.mul_(factors)
+                    grad_value[:, :, :kv_end] += grouped_transposed_matmul(dropped, grad_block, value.shape[1])
                     grad_scores = probs * (grad_probs - (probs * grad_probs).sum(-1, keepdim=True))
                 if scores.requires_grad:
                     torch.autograd.backward(scores, grad_scores)
         return (
-            None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None,
             query_leaf.grad,
             key_leaf.grad,
-            grad_value.to(value.dtype) if needs[9] else None,
+            grad_value.to(value.dtype) if needs[10] else None,
             *(leaf.grad if leaf is not None else None for leaf in leaves),
         )  # fmt: skip

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .dropout import AttentionDropout, head_streams
 from .grouped import grouped_matmul
 from .masks import apply_mask, block_mask
 
@@ -23,8 +24,7 @@ def reference_attention(
     attention_mask: torch.Tensor | None,
     *,
     scaling: float,
-    dropout: float,
-    training: bool,
+    dropout: AttentionDropout | None,
     extras: Any,
     is_causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,9 +38,11 @@ def reference_attention(
             (batch, heads, q_len, kv_len), see :mod:`.masks`.
         is_causal: with ``attention_mask`` None, the call is causal (queries aligned to the end of the keys)
             and the mask is built here; with a mask, that mask says everything.
+        dropout: the call's attention dropout (:class:`.dropout.AttentionDropout`), or None.
 
     Returns:
-        output (batch, heads, q_len, head_dim) and probabilities (batch, heads, q_len, kv_len).
+        output (batch, heads, q_len, head_dim) and probabilities (batch, heads, q_len, kv_len), after dropout as
+        transformers' eager attention returns them.
     """
     q_len, kv_len = query.shape[-2], key.shape[-2]
     scores = scorer.scores(query, key, extras, scaling)
@@ -50,5 +52,6 @@ def reference_attention(
     mask = block_mask(attention_mask, is_causal, 0, q_len, kv_len, q_len, kv_len, query.device)
     scores = apply_mask(scores.to(softmax_dtype), mask)
     probs = F.softmax(scores, dim=-1).to(value.dtype)
-    probs = F.dropout(probs, p=dropout, training=training)
+    if dropout is not None:
+        probs = dropout.kept(probs, head_streams(probs.shape[0], probs.shape[1], probs.device), 0)
     return grouped_matmul(probs, value), probs

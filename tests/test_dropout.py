@@ -1,0 +1,270 @@
+"""Attention dropout on every compute path: the same entries dropped for the same seed, masks regenerated rather than
+stored, and the semantics of the reference (after the softmax, kept entries scaled by 1 / (1 - p), none in eval).
+
+Each call draws one seed from torch's default generator (hf_neural_attn.ops.dropout), so ``torch.manual_seed``
+before a call fixes its mask. Comparisons are in fp32 with the tolerance of tests/test_paths_masks_gqa.py (1e-5,
+times a gradient's magnitude above 1); rows that see no key are left out (their output is uniform over whichever
+keys a path visits).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import HIDDEN, geometry, logits, model_inputs, perturb_scorers, randomise, tiny_gpt2
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hf_neural_attn
+from hf_neural_attn import ops
+from hf_neural_attn.ops import blockwise, chunked, scored_attention
+from hf_neural_attn.ops.dropout import AttentionDropout, head_streams, keep_mask
+from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
+
+D = 4
+SCALING = D**-0.5
+P = 0.3
+# name -> config; "neural-deep" has no fused form: the generic chunked path.
+TERMS = {
+    "qana": lambda: QanaConfig(h=3),
+    "neural": lambda: NeuralAttentionConfig(h=4, proj_dim=2),
+    "neural-deep": lambda: NeuralAttentionConfig(h=4, depth=2),
+}
+MASKS = ["causal", "padded", "sliding", "full"]
+
+
+def make_scorer(term: str, heads: int, kv_heads: int, dtype=torch.float32):
+    config = TERMS[term]()
+    scorer_class = QanaScorer if term == "qana" else NeuralAttentionScorer
+    scorer = scorer_class(config, geometry(num_heads=heads, num_kv_heads=kv_heads, head_dim=D, dtype=dtype))
+    randomise(scorer, std=0.5)
+    return scorer.to(dtype)
+
+
+def case(kind: str, heads: int, kv_heads: int, q_len: int = 9, dtype=torch.float32, seed: int = 0):
+    """(hidden, query, key, value) leaves, the mask as transformers hands it, is_causal, and the rows that see a
+    key (batch, 1, q_len, 1)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=dtype).requires_grad_()
+
+    tensors = (
+        randn(2, q_len, HIDDEN),
+        randn(2, heads, q_len, D),
+        randn(2, kv_heads, q_len, D),
+        randn(2, kv_heads, q_len, D),
+    )
+    allowed = torch.ones(2, 1, q_len, q_len, dtype=torch.bool)
+    if kind != "full":
+        allowed &= torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    if kind == "padded":
+        allowed[1, ..., :3] = False
+    if kind == "sliding":
+        allowed &= torch.ones(q_len, q_len, dtype=torch.bool).triu(-2)
+    mask = None if kind in ("causal", "full") else allowed
+    return tensors, mask, kind != "full", allowed.any(-1, keepdim=True)
+
+
+def run(scorer, impl, tensors, mask, is_causal, valid_rows, seed, p=P):
+    """Output (valid rows) and the gradients of hidden, q, k, v and every scorer parameter, one training call with
+    dropout ``p`` whose seed is drawn after ``torch.manual_seed(seed)``."""
+    scorer.config.impl = impl
+    hidden, query, key, value = tensors
+    leaves = [*tensors, *scorer.parameters()]
+    for leaf in leaves:
+        leaf.grad = None
+    extras = scorer.query_extras(hidden, None) if scorer.needs_hidden_states else None
+    torch.manual_seed(seed)
+    output, _ = scored_attention(
+        scorer, query, key, value, mask, scaling=SCALING, dropout=p, training=True, extras=extras, is_causal=is_causal
+    )
+    keep = valid_rows.transpose(1, 2)
+    weights = torch.linspace(-1, 1, output.numel(), dtype=output.dtype).view_as(output) * keep
+    (output * weights).sum().backward()
+    return output.detach() * keep, [leaf.grad for leaf in leaves]
+
+
+def assert_same(result, expected, atol=1e-5):
+    (output, grads), (ref_output, ref_grads) = result, expected
+    torch.testing.assert_close(output, ref_output, rtol=0, atol=atol)
+    for index, (grad, ref_grad) in enumerate(zip(grads, ref_grads, strict=True)):
+        assert (grad is None) == (ref_grad is None), index
+        if grad is not None:
+            scale = max(1.0, ref_grad.abs().max().item())
+            torch.testing.assert_close(grad, ref_grad, rtol=0, atol=atol * scale, msg=lambda m, i=index: f"{i}: {m}")
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 2 query rows on both blockwise paths: 9 tokens span several blocks, causal blocks are skipped."""
+    monkeypatch.setattr(chunked, "QUERY_BLOCK", 2)
+    monkeypatch.setattr(blockwise, "QUERY_BLOCK", 2)
+
+
+@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize("term", list(TERMS))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
+def test_every_path_drops_what_the_reference_drops(small_blocks, term, heads, kv_heads, kind):
+    scorer = make_scorer(term, heads, kv_heads)
+    tensors, mask, is_causal, valid_rows = case(kind, heads, kv_heads)
+    expected = run(scorer, "reference", tensors, mask, is_causal, valid_rows, seed=5)
+    assert_same(run(scorer, "chunked", tensors, mask, is_causal, valid_rows, seed=5), expected)
+    # Dropout is live: another seed gives another output.
+    assert (run(scorer, "chunked", tensors, mask, is_causal, valid_rows, seed=6)[0] - expected[0]).abs().max() > 1e-3
+
+
+def test_the_paths_take_the_dropout_the_dispatcher_draws(small_blocks, monkeypatch):
+    """The chunked choice with dropout runs the blockwise path (not the reference), with one seed per call."""
+    taken, seeds = [], []
+    for name in ("reference", "chunked", "blockwise"):
+        original = ops.PATHS[name]
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            taken.append(_name)
+            seeds.append(kwargs["dropout"].seed)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setitem(ops.PATHS, name, spy)
+    scorer = make_scorer("qana", 2, 2)
+    tensors, mask, is_causal, valid_rows = case("causal", 2, 2)
+    run(scorer, "chunked", tensors, mask, is_causal, valid_rows, seed=1)
+    run(scorer, "chunked", tensors, mask, is_causal, valid_rows, seed=1)
+    run(scorer, "chunked", tensors, mask, is_causal, valid_rows, seed=2)
+    assert taken == ["blockwise"] * 3
+    assert seeds[0] == seeds[1] != seeds[2]
+
+
+@pytest.mark.parametrize("term", ["qana", "neural-deep"])
+def test_backward_reuses_the_forward_mask_in_float64(small_blocks, term):
+    """gradcheck at a fixed seed: every evaluation drops the same entries, so a backward that regenerated another
+    mask than its forward's would fail."""
+    scorer = make_scorer(term, 2, 1, dtype=torch.float64)
+    (hidden, query, key, value), mask, is_causal, _ = case("padded", 2, 1, q_len=5, dtype=torch.float64)
+    mask[1, ..., :] |= torch.eye(5, dtype=torch.bool)  # every row attends somewhere: a smooth function
+    scorer.config.impl = "chunked"
+
+    def attention(hidden, query, key, value, *parameters):
+        # The scorer's own parameters are gradcheck's inputs too: it perturbs them in place.
+        extras = scorer.query_extras(hidden, None) if scorer.needs_hidden_states else None
+        torch.manual_seed(0)
+        return scored_attention(
+            scorer, query, key, value, mask, scaling=SCALING, dropout=0.5, training=True, extras=extras,
+            is_causal=is_causal,
+        )[0]  # fmt: skip
+
+    inputs = (hidden, query, key, value, *scorer.parameters())
+    assert torch.autograd.gradcheck(attention, inputs, eps=1e-6, atol=1e-6)
+
+
+def test_no_n_squared_tensor_is_made_with_dropout(small_blocks):
+    """Blocks of 2 rows on 9 tokens: no op may return a tensor with 9 query rows against 9 keys."""
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(tensor, torch.Tensor):
+                    self.shapes.append(tuple(tensor.shape))
+            return out
+
+    for term in TERMS:
+        scorer = make_scorer(term, 4, 2)
+        tensors, mask, is_causal, valid_rows = case("causal", 4, 2)
+        recorder = Shapes()
+        with recorder:
+            run(scorer, "chunked", tensors, mask, is_causal, valid_rows, seed=0)
+        assert not [shape for shape in recorder.shapes if shape[-2:] == (9, 9)], term
+
+
+def test_the_keep_rate_is_one_minus_p_and_the_mean_is_kept():
+    streams = head_streams(2, 4, "cpu")
+    for p in (0.1, 0.5, 0.9):
+        kept = keep_mask(1234, p, streams, 0, 512, 512).double()
+        n = kept.numel()
+        bound = 5 * math.sqrt(p * (1 - p) / n)  # five standard deviations of the binomial rate
+        assert abs(kept.mean().item() - (1 - p)) < bound, p
+    # Dropout preserves the expected attention output: averaged over many seeds, the dropped probabilities are
+    # the probabilities (kept entries scaled by 1 / (1 - p)).
+    probs = torch.softmax(torch.randn(1, 2, 6, 6, generator=torch.Generator().manual_seed(0)), -1)
+    average = sum(AttentionDropout(0.3, seed).kept(probs, head_streams(1, 2, "cpu"), 0) for seed in range(4000)) / 4000
+    torch.testing.assert_close(average, probs, rtol=0, atol=0.03)  # 5 sigma of a mean over 4000 draws
+
+
+def test_masks_differ_between_heads_rows_and_seeds():
+    streams = head_streams(2, 2, "cpu")
+    mask = keep_mask(7, 0.5, streams, 0, 64, 64)
+    assert not torch.equal(mask[0, 0], mask[0, 1]) and not torch.equal(mask[0, 0], mask[1, 0])
+    assert not torch.equal(mask[..., 0, :], mask[..., 1, :])
+    assert not torch.equal(mask, keep_mask(8, 0.5, streams, 0, 64, 64))
+    # A block of rows is the same as those rows of the whole: the mask is a function of position, not of blocks.
+    assert torch.equal(keep_mask(7, 0.5, streams, 10, 20, 40), mask[..., 10:20, :40])
+
+
+def test_eval_mode_and_p_zero_drop_nothing():
+    assert AttentionDropout.for_call(0.1, training=False) is None
+    assert AttentionDropout.for_call(0.0, training=True) is None
+    model = tiny_gpt2(attn_pdrop=0.3)
+    hf_neural_attn.patch_model(model, "qana", h=2)
+    perturb_scorers(model)
+    inputs = model_inputs("gpt2")
+    model.eval()
+    torch.testing.assert_close(logits(model, inputs), logits(model, inputs), rtol=0, atol=0)
+
+
+@pytest.fixture
+def dropout_gpt2(monkeypatch):
+    """A patched GPT-2 with attention dropout only, in train mode, and auto choosing blockwise for every call."""
+    monkeypatch.setattr(ops, "REFERENCE_MAX_SCORES", 0)
+    model = tiny_gpt2(attn_pdrop=0.3)
+    hf_neural_attn.patch_model(model, "qana", h=2)
+    perturb_scorers(model)
+    return model.train()
+
+
+def test_gradient_checkpointing_recomputes_the_same_masks(dropout_gpt2):
+    inputs = model_inputs("gpt2", seq=16)
+    results = []
+    for checkpointed in (False, True):
+        if checkpointed:
+            dropout_gpt2.activation_checkpointing_enable()
+        dropout_gpt2.zero_grad()
+        torch.manual_seed(11)
+        loss = dropout_gpt2(**inputs, labels=inputs["input_ids"]).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in dropout_gpt2.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), grads))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=1e-6)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_torch_compile_gives_the_eager_outputs(dropout_gpt2):
+    inputs = model_inputs("gpt2", seq=16)
+    torch.manual_seed(3)
+    eager = logits(dropout_gpt2, inputs)
+    compiled = torch.compile(dropout_gpt2, backend="aot_eager")
+    torch.manual_seed(3)
+    torch.testing.assert_close(logits(compiled, inputs), eager, rtol=0, atol=1e-6)
+
+
+def test_auto_chooses_the_same_path_with_dropout_as_without():
+    scorer = make_scorer("qana", 4, 4)  # h = 3
+    largest = int((ops.REFERENCE_MAX_SCORES / (4 * 3)) ** 0.5)
+    shapes = [(1, largest, largest), (1, largest + 1, largest + 1), (2, largest, largest), (1, 1, 8192), (8, 128, 128)]
+    for batch, q_len, kv_len in shapes:
+        chosen = {
+            ops.resolve_impl(
+                "auto", scorer, device="cpu", dtype=torch.float32, q_len=q_len, kv_len=kv_len, head_dim=D,
+                is_causal=True, batch=batch, heads=4, dropout_active=active,
+            )
+            for active in (False, True)
+        }  # fmt: skip
+        assert len(chosen) == 1, (batch, q_len, kv_len, chosen)
