@@ -444,6 +444,16 @@ def check_config_values(values: dict[str, Any], parser: argparse.ArgumentParser,
     if unknown:
         raise RecipeError(f"{source} has unknown key(s) {unknown}. Keys are flag names, e.g. learning_rate.")
     values.pop("config", None)
+    for key, value in values.items():
+        # argparse would convert a string default with the flag's type itself, and on failure print its usage and
+        # exit: say which key of which file instead.
+        kind = parser.recipe_flags[key].get("type") if key in parser.recipe_flags else None
+        if kind in (int, float) and isinstance(value, str):
+            try:
+                kind(value)
+            except ValueError:
+                noun = "an integer" if kind is int else "a number"
+                raise RecipeError(f"{source} {key} must be {noun}, got {value!r}.") from None
     return values
 
 

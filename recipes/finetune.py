@@ -304,6 +304,11 @@ def setup(args: argparse.Namespace) -> TrainingRun:
     hub.check_hub(args)
     if args.push_to_hub:
         hub.check_push_access(args.hub_model_id, args.hub_token)
+    if harness_tasks(args) and accelerator.is_main_process:
+        try:
+            harness.check_tasks(harness_tasks(args), args.lm_eval_include_path)
+        except ValueError as error:
+            raise RecipeError(f"--lm_eval_tasks: {error}") from None
     config = modeling.load_config(args)
     if args.task == "image":
         preprocessor = modeling.load_image_processor(args, config)
@@ -605,12 +610,10 @@ def write_outputs(state: TrainingRun) -> dict[str, Any]:
     }
     if task.kind == "clm":
         results.update(block_size=task.block, stride=task.stride)
-    if harness_tasks(args):
-        results["lm_eval"] = evaluate_with_the_harness(state, unwrapped)
     history = {"train_loss": progress.train_loss, "evaluations": progress.evaluations}
+    output = Path(args.output_dir)
     if accelerator.is_main_process:
         state.preprocessor.save_pretrained(args.output_dir)
-        output = Path(args.output_dir)
         report.write_json(output / report.RESULTS_FILE, results)
         report.write_json(output / report.HISTORY_FILE, history)
         title = f"{args.task}: {report.describe_patch(bundle.patch)}"
@@ -621,6 +624,12 @@ def write_outputs(state: TrainingRun) -> dict[str, Any]:
             "Wrote the model, %s, %s and %s to %s", report.RESULTS_FILE, report.CARD_FILE, report.PLOT_FILE, output
         )
     accelerator.wait_for_everyone()
+    if harness_tasks(args):
+        # After everything else is written: a harness that fails now loses none of the run.
+        results["lm_eval"] = evaluate_with_the_harness(state, unwrapped)
+        if accelerator.is_main_process:
+            report.write_json(output / report.RESULTS_FILE, results)
+            (output / report.CARD_FILE).write_text(report.model_card(results, output))
     if args.with_tracking:
         accelerator.end_training()
     if args.push_to_hub and accelerator.is_main_process:
@@ -645,15 +654,21 @@ def evaluate_with_the_harness(state: TrainingRun, unwrapped) -> dict[str, dict[s
         if limit is not None and limit >= 1 and float(limit).is_integer():
             limit = int(limit)  # the harness reads an int as a count and a float as a fraction
         started = time.time()
-        scores = harness.evaluate_with_harness(
-            model,
-            state.preprocessor,
-            harness_tasks(args),
-            include_path=args.lm_eval_include_path,
-            batch_size=args.lm_eval_batch_size or args.per_device_eval_batch_size,
-            limit=limit,
-            device=str(accelerator.device),
-        )
+        try:
+            scores = harness.evaluate_with_harness(
+                model,
+                state.preprocessor,
+                harness_tasks(args),
+                include_path=args.lm_eval_include_path,
+                batch_size=args.lm_eval_batch_size or args.per_device_eval_batch_size,
+                limit=limit,
+                device=str(accelerator.device),
+            )
+        except Exception as error:  # the harness's own failure, after the run was written
+            raise RecipeError(
+                f"lm-evaluation-harness failed after training ({type(error).__name__}: {error}); the model, "
+                f"{report.RESULTS_FILE} and the model card are in {args.output_dir} without its results."
+            ) from error
         logger.info("lm-evaluation-harness (%.1f s): %s", time.time() - started, scores)
     accelerator.wait_for_everyone()
     return scores

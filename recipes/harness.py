@@ -25,6 +25,7 @@ larger; only the per-byte numbers compare across tokenizers.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 HARNESS_INSTALL_HINT = "lm-evaluation-harness is not installed: pip install 'hf-neural-attn[recipes]' (or lm-eval)"
@@ -68,22 +69,62 @@ def evaluate_with_harness(
         task -> metric -> value: the harness's own metric names (``word_perplexity``, ``acc``, ``acc_norm``, ...),
         with its filter suffix (``,none``) dropped; standard errors as ``<metric>_stderr`` where it gives one.
     """
-    simple_evaluate, HFLM, TaskManager = import_harness()
+    simple_evaluate, HFLM, _ = import_harness()
+    manager = task_manager(tasks, include_path, include_defaults)
     model.eval()
     if max_length is None:
         config = model.config
         max_length = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     device = device or str(next(model.parameters()).device)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length, device=device)
-    manager = None
-    if include_path and include_defaults is not True:
-        manager = TaskManager(include_path=include_path, include_defaults=False)
-        if include_defaults is None and not set(tasks) <= set(manager.all_tasks):
-            manager = None
-    if manager is None:
-        manager = TaskManager(include_path=include_path)
     output = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit, log_samples=False)
     return {task: _metrics(values) for task, values in output["results"].items()}
+
+
+def task_manager(tasks: list[str], include_path: str | None = None, include_defaults: bool | None = None):
+    """The harness's ``TaskManager`` for ``tasks``: over ``include_path`` alone when it defines them all (indexing
+    the harness's own thousands of task files takes seconds), else with the harness's tasks too.
+
+    Raises:
+        ValueError: ``include_path`` is not a folder.
+    """
+    _, _, TaskManager = import_harness()
+    if include_path is not None and not os.path.isdir(include_path):
+        raise ValueError(f"include_path {include_path!r} is not a folder of harness task definitions (YAML).")
+    if include_path and include_defaults is not True:
+        manager = TaskManager(include_path=include_path, include_defaults=False)
+        if include_defaults is False or set(tasks) <= set(manager.all_tasks):
+            return manager
+    return TaskManager(include_path=include_path)
+
+
+def check_tasks(tasks: list[str], include_path: str | None = None) -> None:
+    """Make sure the harness can run ``tasks``, before a run trains: each names a task (or group) the harness knows,
+    and its data loads (offline, ``HF_HUB_OFFLINE=1``, only data already on this machine does). This loads the
+    tasks' data once, which takes as long as the harness itself takes to start them.
+
+    Raises:
+        ValueError: naming the tasks that are unknown or whose data cannot be loaded, and why.
+    """
+    manager = task_manager(tasks, include_path)
+    unknown = [name for name in tasks if not manager.match_tasks([name])]
+    if unknown:
+        where = f" (or in {include_path})" if include_path else ""
+        raise ValueError(
+            f"lm-evaluation-harness has no task {', '.join(map(repr, unknown))}{where}: `lm-eval ls tasks` lists them."
+        )
+    try:
+        manager.load(list(tasks))
+    except Exception as error:  # the harness and datasets raise many kinds; any means the task cannot run here
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "") or os.environ.get("HF_DATASETS_OFFLINE")
+        hint = (
+            " In offline mode a task's data must already be on this machine: use a task over local files "
+            "(--lm_eval_include_path), or run online once to cache it."
+            if offline
+            else ""
+        )
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"lm-evaluation-harness cannot load the data of {', '.join(tasks)}: {message}.{hint}") from None
 
 
 def _metrics(values: dict[str, Any]) -> dict[str, float]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,6 +195,26 @@ def prepare_text_config(config, tokenizer, args: argparse.Namespace, labels: dic
 
 def _override_keys(overrides: str | None) -> list[str]:
     return [item.split("=", 1)[0].strip() for item in (overrides or "").split(",") if "=" in item]
+
+
+def check_patch(args: argparse.Namespace) -> None:
+    """Whether the run's patch fits its model (a ``key_dim`` on a family without it, an out-of-range layer), found
+    before anything trains: the model's skeleton is built from its config on the meta device (no weights, no
+    memory) and patched there. A sweep checks every run this way before the first one starts."""
+    if args.scorer == "none":
+        return
+    import transformers
+
+    config = load_config(args)
+    mapping, _ = task_head(args.task)
+    with torch.device("meta"):
+        skeleton = getattr(transformers, mapping[config.model_type])(config)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the run itself shows the patch's warnings
+            hf_neural_attn.patch_model(skeleton, args.scorer, layers=args.layers, **scorer_options(args))
+    except (TypeError, ValueError) as error:
+        raise RecipeError(f"Cannot patch {type(skeleton).__name__} with --scorer {args.scorer}: {error}") from error
 
 
 def build_model(args: argparse.Namespace, config, preprocessor, labels: dict[str, Any] | None) -> ModelBundle:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import TINY_DECODER
+from recipes_helpers import finetune_in_process, in_process_runs, save_tiny_gpt2
 
 import hf_neural_attn
 
@@ -155,22 +156,30 @@ def test_the_gathered_state_is_an_ordinary_patched_checkpoint(sharded_run, tmp_p
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
+def fsdp_recipe_flags(root: Path) -> list[str]:
+    """The documented FSDP run's flags: a tiny pretrained GPT-2 (so --train_only_new_params has base weights to
+    keep), QANA, a few steps."""
+    base = save_tiny_gpt2(root / "base")
+    flags = ["--dataset_name", "pydoc_data", "--model_name_or_path", str(base)]
+    flags += ["--scorer", "qana", "--block_size", "64", "--max_train_steps", "4", "--max_eval_samples", "8"]
+    return [*flags, "--max_train_samples", "64", "--train_only_new_params"]
+
+
+def test_the_fsdp_recipe_flags_run_on_one_cpu_process(tmp_path):
+    """The flags the GPU test below launches pass the recipe's own checks and train, here without FSDP: a GPU run
+    of that test can only fail for FSDP's sake."""
+    with in_process_runs():
+        results = finetune_in_process(tmp_path / "run", *fsdp_recipe_flags(tmp_path))
+    assert results["train_steps"] == 4 and results["patch"]["scorer"] == "qana"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Accelerate runs FSDP on GPUs only")
 def test_the_recipe_trains_under_accelerate_fsdp(tmp_path):
     """The documented command, one process per GPU: the run trains, saves a loadable patched checkpoint, and
     --train_only_new_params keeps the base weights."""
     root = Path(__file__).resolve().parent.parent
     config = root / "recipes" / "accelerate_configs" / "fsdp.yaml"
-    flags = [
-        "--dataset_name",
-        "pydoc_data",
-        "--model_type",
-        "gpt2",
-        "--config_overrides",
-        "n_layer=2,n_embd=64,n_head=2",
-    ]
-    flags += ["--scorer", "qana", "--block_size", "64", "--max_train_steps", "4", "--max_eval_samples", "8"]
-    flags += ["--max_train_samples", "64", "--train_only_new_params", "--output_dir", str(tmp_path / "run")]
+    flags = [*fsdp_recipe_flags(tmp_path), "--output_dir", str(tmp_path / "run")]
     launcher = [shutil.which("accelerate") or "accelerate", "launch", "--config_file", str(config)]
     launcher += ["--num_processes", str(torch.cuda.device_count()), "--mixed_precision", "no"]
     result = subprocess.run(

@@ -3,6 +3,7 @@ writes), the harness's own ``HFLM`` on the model in memory and on a checkpoint l
 
 import json
 import math
+import re
 import textwrap
 from pydoc_data.topics import topics
 
@@ -146,3 +147,50 @@ def test_bad_harness_flags_fail_before_training(flags, message):
 
     with pytest.raises(RecipeError, match=message):
         parse_args(["--dataset_name", "pydoc_data", "--model_type", "gpt2", *flags])
+
+
+RUN_FLAGS = [
+    "--dataset_name", "pydoc_data", "--model_type", "gpt2", "--config_overrides", "n_layer=1,n_embd=32,n_head=2",
+    "--block_size", "64", "--max_train_steps", "2", "--max_eval_samples", "4", "--max_train_samples", "32",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("task", "message"),
+    [
+        ("no_such_task", "lm-evaluation-harness has no task 'no_such_task'"),
+        ("wikitext", "cannot load the data of wikitext.*offline mode"),  # a Hub dataset, and HF_HUB_OFFLINE=1
+    ],
+)
+def test_a_task_the_harness_cannot_run_is_refused_before_training(tmp_path, capsys, task, message):
+    from recipes.finetune import main
+
+    out = tmp_path / "run"
+    assert main([*RUN_FLAGS, "--lm_eval_tasks", task, "--output_dir", str(out)]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("finetune.py: error: --lm_eval_tasks:")
+    assert re.search(message, error[0])
+    assert not out.exists() or not any(out.iterdir())  # nothing trained, nothing written
+
+
+def test_a_harness_failure_after_training_keeps_the_run(task_dir, tmp_path, capsys, monkeypatch):
+    from recipes import harness
+    from recipes.finetune import main
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the harness broke")
+
+    monkeypatch.setattr(harness, "evaluate_with_harness", broken)
+    out = tmp_path / "run"
+    flags = [*RUN_FLAGS, "--lm_eval_tasks", TASK, "--lm_eval_include_path", str(task_dir[0]), "--output_dir", str(out)]
+    assert main(flags) == 2
+    assert "lm-evaluation-harness failed after training (RuntimeError: the harness broke)" in capsys.readouterr().err
+    results = json.loads((out / "all_results.json").read_text())
+    assert "lm_eval" not in results and results["train_steps"] == 2
+    assert (out / "README.md").exists() and (out / "tokenizer_config.json").exists()
+    assert hf_neural_attn.from_pretrained(out) is not None
+
+
+def test_the_python_api_names_a_missing_task_folder(tmp_path):
+    with pytest.raises(ValueError, match="include_path .*no-such-folder.* is not a folder"):
+        evaluate_with_harness(None, None, [TASK], include_path=str(tmp_path / "no-such-folder"))

@@ -90,7 +90,15 @@ def bad_configs(assets, tmp_path):
         "scalar values for an axis that is no flag": ({"base": base, "axes": {"width": [1, 2]}}, "not a recipe flag"),
         "a value the recipe refuses": ({"base": base, "axes": {"h": [2, 0]}}, "Run 'h=0'.*Invalid patch options"),
         "a choice the recipe does not have": ({"base": base, "axes": {"activation": ["gelu", "swish"]}}, "swish"),
-        "a wrong type": ({"base": {**base, "max_train_steps": "many"}}, "invalid flag values|must be a number"),
+        "a wrong type": ({"base": {**base, "max_train_steps": "many"}}, "max_train_steps must be an integer"),
+        "a step count that is no number": (
+            {"base": {**{k: v for k, v in base.items() if k != "checkpointing_steps"}, "max_train_steps": "ten"}},
+            "max_train_steps must be an integer, got 'ten'",
+        ),
+        "an option only the model refuses": (
+            {"base": base, "axes": {"key_dim": [None, 8]}},
+            "Run 'key_dim=8'.*Cannot patch GPT2LMHeadModel.*key_dim is not supported on GPT2Attention",
+        ),
         "gate warmup without its length": ({"base": base, "axes": {"gate_schedule": ["warmup"]}}, "gate_warmup"),
         "unknown mode": ({"base": base, "mode": "random"}, "mode must be one of"),
         "no seeds": ({"base": base, "seeds": 0}, "seeds must be at least 1"),
@@ -123,6 +131,22 @@ def test_bad_sweep_configs_fail_before_anything_runs(assets, tmp_path, monkeypat
     with pytest.raises(RecipeError, match="lists its seeds"):
         sweep_plan.build_plan(listed, "full", ["--seed", "8"])
     assert sweep_plan.build_plan(config, "full", ["--seed", "8"]).seeds == [8]
+
+
+def test_a_bad_config_is_one_line_and_leaves_nothing_behind(assets, tmp_path, capsys, monkeypatch):
+    """On the command line, as met: a value only the model refuses is found before the first run trains (no run
+    folder, no record), and once the config is fixed the same command runs."""
+    trained = []
+    monkeypatch.setattr(finetune, "run", lambda args: trained.append(args.output_dir))
+    base = tiny_base(assets, tmp_path / "out")
+    config = write_config(tmp_path / "sweep.yaml", base=base, axes={"h": [1, 2], "key_dim": [None, 8]})
+    assert sweep.main(["--config", str(config)]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "key_dim is not supported" in error[0]
+    assert trained == [] and not (tmp_path / "out").exists()
+    write_config(tmp_path / "sweep.yaml", base=base, axes={"h": [1, 2]})
+    assert sweep.main(["--config", str(config), "--dry_run"]) == 0
+    assert "0 done, 0 interrupted, 2 to run" in capsys.readouterr().out  # h=2 is the base point
 
 
 def test_sweep_plan_grid_reduced_and_command_line_overrides(assets, tmp_path):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recipes import finetune
+from recipes import finetune, modeling
 from recipes.args import (
     GATE_SETTINGS,
     RecipeError,
@@ -330,7 +330,11 @@ def run_defaults(flags: dict[str, Any]) -> dict[str, Any]:
     flags = dict(flags)
     if flags.get("checkpointing_steps") is None:
         steps = flags.get("max_train_steps")
-        flags["checkpointing_steps"] = str(max(1, int(steps) // 4)) if steps else "epoch"
+        if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0:
+            flags["checkpointing_steps"] = str(max(1, steps // 4))
+        elif steps is None:
+            flags["checkpointing_steps"] = "epoch"
+        # Any other value is malformed: parsing the run's flags reports it.
     if flags.get("checkpoints_total_limit") is None:
         flags["checkpoints_total_limit"] = 1
     return flags
@@ -468,6 +472,10 @@ def plan_runs(plan: SweepPlan) -> SweepPlan:
         if name in {c.name for c in configurations}:
             raise RecipeError(f"In {plan.source}, two different runs are both named {name!r}; give the values labels.")
         tasks.add(args.task)
+        try:  # the patch against the model, on a skeleton: a refusal comes before any run trains
+            modeling.check_patch(args)
+        except RecipeError as error:
+            raise RecipeError(f"Run {name!r} of {plan.source}: {error}") from error
         changes = describe_flags({k: v for c in choices for k, v in c.flags.items()}) or plan.base_changes
         configuration = Configuration(name, "configuration", choices, flags, changes)
         if plan.baseline:
