@@ -1,20 +1,25 @@
 """Training-step cost of patched models against the unpatched one, measured in the same run.
 
-    python benchmarks/train_step.py                       # CPU defaults: 4 layers x 256 wide x 4 heads
-    python benchmarks/train_step.py --seq 256 512 1024 2048 --scorers qana neural --impls reference chunked
+    python benchmarks/train_step.py                                 # GPT-2 4 x 256 x 4, batch 1, 256 ... 2048 tokens
+    python benchmarks/train_step.py --family bert --batch 4 --seq 1024 --padded     # the padded encoder rows
+    python benchmarks/train_step.py --batch 32 --seq 128                            # short sequences (GLUE-like)
     python benchmarks/train_step.py --device cuda --dtype bf16 --preset gpt2-small \
         --seq 1024 2048 4096 8192 --impls triton chunked auto     # GPU: GPT-2 small, 12 x 768 x 12 heads
 
-One forward + backward of a GPT-2-shaped model on random tokens, batch 1, every layer patched. Each
-configuration runs in its own process so peak memory (resident set size on CPU, the allocator's peak
-on CUDA) belongs to it alone. Reports the median step time, peak memory, and both as ratios to the
-unpatched model (transformers' SDPA) at the same sequence length; writes a markdown table and, with
-matplotlib installed, a plot of how each grows with n. ``--interleave`` takes the step times from one more
-process per length that runs a step of every configuration in turn, so that a machine whose speed drifts
-(a shared VM) slows them all alike; peak memory still comes from the separate processes.
-``--dtype bf16``/``fp16`` runs the step under
-autocast (fp32 weights, half-precision matmuls), as mixed-precision training does. ``impl=auto`` rows
-also say which path it chose. ``--dry_run`` prints the child commands without running them.
+One forward + backward of a model built from its family's default config (GPT-2's or BERT's, at the preset's
+size), random tokens, every layer patched as a user writes it, ``patch_model(model, scorer, h=4)`` with every
+other option at its default. Each model runs in train mode with its config's attention dropout (0.1 for both
+families) and again with attention dropout 0 (``--dropouts``): the first is what fine-tuning runs, the second the
+linear-memory class that FlashAttention keeps on a GPU whatever the dropout. Each configuration runs in its own
+process so peak memory (resident set size on CPU, the allocator's peak on CUDA) belongs to it alone. Reports the
+median step time, peak memory, and both as ratios to the unpatched model (transformers' SDPA) with the same dropout,
+and memory also against the unpatched model with no attention dropout; writes a markdown table and, with matplotlib
+installed, a plot of how each grows with n. ``--interleave`` takes the step times from one more process per length
+and dropout that runs a step of every configuration in turn, so that a machine whose speed drifts (a shared VM)
+slows them all alike; peak memory still comes from the separate processes. ``--padded`` pads every row but the
+first from the middle of the sequence (an encoder batch of unequal lengths). ``--dtype bf16``/``fp16`` runs the step
+under autocast (fp32 weights, half-precision matmuls), as mixed-precision training does. ``default``/``auto`` rows
+also say which path the rule chose. ``--dry_run`` prints the child commands without running them.
 """
 
 from __future__ import annotations
@@ -30,29 +35,58 @@ import sys
 import time
 from pathlib import Path
 
+VOCAB = 1000
+# Attention dropout settings: "config" keeps the family's config default, "zero" sets attention dropout to 0
+# (residual and embedding dropout keep their defaults in both).
+DROPOUTS = ("config", "zero")
+ATTENTION_DROPOUT_FIELD = {"gpt2": "attn_pdrop", "bert": "attention_probs_dropout_prob"}
 
-def build(args, scorer_name: str, impl: str):
-    """The model of one configuration, patched as asked: (a function running one training step, the path
-    ``auto``/``default`` resolves to, or ``impl``)."""
+
+def build_model(args, dropout: str):
+    """The family's model at the preset's size, from its default config, with attention dropout as ``dropout`` says;
+    and the batch a step trains on."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (args.batch, args.seq), device=device)
+    if args.family == "gpt2":
+        config = GPT2Config(
+            vocab_size=VOCAB, n_embd=args.width, n_layer=args.layers, n_head=args.heads, n_positions=args.seq
+        )
+        model_class, batch = GPT2LMHeadModel, {"input_ids": ids, "labels": ids}
+    else:
+        config = BertConfig(
+            vocab_size=VOCAB, hidden_size=args.width, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+            intermediate_size=4 * args.width, max_position_embeddings=args.seq,
+        )  # fmt: skip
+        labels = torch.zeros(args.batch, dtype=torch.long, device=device)
+        model_class, batch = BertForSequenceClassification, {"input_ids": ids, "labels": labels}
+    if dropout == "zero":
+        setattr(config, ATTENTION_DROPOUT_FIELD[args.family], 0.0)
+    if args.padded:
+        mask = torch.ones(args.batch, args.seq, dtype=torch.long, device=device)
+        mask[1:, args.seq // 2 :] = 0  # every row but the first padded from the middle
+        batch["attention_mask"] = mask
+    return model_class(config).to(device), batch
+
+
+def build(args, dropout: str, scorer_name: str, impl: str):
+    """One configuration, patched as asked: (a function running one training step, the path the ``default``/
+    ``auto`` rule resolves to, or ``impl``)."""
+    import torch
 
     import hf_neural_attn
 
     device = torch.device(args.device)
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=512, n_embd=args.width, n_layer=args.layers, n_head=args.heads, n_positions=args.seq,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-    model = GPT2LMHeadModel(config).to(device)
+    model, batch = build_model(args, dropout)
     if scorer_name != "none":
-        options = {"proj_dim": args.proj_dim} if scorer_name == "neural" else {}
-        if impl != "default":  # "default": what patch_model(model, scorer) gives, no impl named
+        options = {"proj_dim": args.proj_dim} if scorer_name == "neural" and args.proj_dim else {}
+        if impl != "default":  # "default": what patch_model(model, scorer, h=4) gives, no impl named
             options["impl"] = impl
         hf_neural_attn.patch_model(model, scorer_name, h=args.h, **options)
     model.train()
-    ids = torch.randint(0, 512, (1, args.seq), device=device)
     dtype = getattr(torch, AUTOCAST_DTYPES[args.dtype]) if AUTOCAST_DTYPES[args.dtype] else None
     resolved = impl
     if scorer_name != "none" and impl in ("auto", "default"):
@@ -60,15 +94,15 @@ def build(args, scorer_name: str, impl: str):
         from hf_neural_attn.scorers import Scorer
 
         scorer = next(module for module in model.modules() if isinstance(module, Scorer))
-        head_dim = args.width // args.heads
         resolved = resolve_impl(
             "auto", scorer, device=device, dtype=dtype or torch.float32, q_len=args.seq, kv_len=args.seq,
-            head_dim=head_dim, is_causal=True, batch=1, heads=args.heads,
+            head_dim=args.width // args.heads, is_causal=args.family == "gpt2", batch=args.batch, heads=args.heads,
+            dropout_active=dropout == "config",
         )  # fmt: skip
 
     def step():
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = model(ids, labels=ids).loss
+            loss = model(**batch).loss
         loss.backward()
         model.zero_grad(set_to_none=True)
         if device.type == "cuda":
@@ -82,7 +116,7 @@ def measure(args) -> dict:
     import torch
 
     device = torch.device(args.device)
-    step, resolved = build(args, args.scorer, args.impl)
+    step, resolved = build(args, args.dropout, args.scorer, args.impl)
     step()  # warm-up
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -101,7 +135,7 @@ def measure(args) -> dict:
 def measure_interleaved(args, runs: list[tuple[str, str]]) -> dict[str, float]:
     """Run in a child process: every configuration's model, one step each in turn for ``--steps`` rounds, so
     that the machine's drifts in speed hit all of them alike; the median step time of each."""
-    steps = {f"{scorer}/{impl}": build(args, scorer, impl)[0] for scorer, impl in runs}
+    steps = {f"{scorer}/{impl}": build(args, args.dropout, scorer, impl)[0] for scorer, impl in runs}
     for step in steps.values():
         step()  # warm-up
     times = {name: [] for name in steps}
@@ -123,16 +157,20 @@ PRESETS = {"cpu-small": (4, 256, 4), "gpt2-small": (12, 768, 12)}
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=sorted(ATTENTION_DROPOUT_FIELD), default="gpt2")
     parser.add_argument(
         "--seq", type=int, nargs="+", default=None, help="default: 256 ... 2048 on CPU, 1024 ... 8192 on CUDA"
     )
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--padded", action="store_true", help="pad every row but the first from the middle")
+    parser.add_argument("--dropouts", nargs="+", choices=DROPOUTS, default=list(DROPOUTS))
     parser.add_argument("--scorers", nargs="+", default=["qana", "neural"], choices=["qana", "neural"])
     parser.add_argument(
         "--impls",
         nargs="+",
         default=None,
         choices=IMPLS,
-        help="default: default reference chunked on CPU, default triton chunked on CUDA",
+        help="default: default (the path the rule picks) on CPU, default triton chunked on CUDA",
     )
     parser.add_argument(
         "--preset",
@@ -144,7 +182,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=None, help="overrides the preset")
     parser.add_argument("--heads", type=int, default=None, help="overrides the preset")
     parser.add_argument("--h", type=int, default=4)
-    parser.add_argument("--proj_dim", type=int, default=2)
+    parser.add_argument("--proj_dim", type=int, default=None, help="Neural Attention's proj_dim (default: none)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps; default 3 on CPU, 10 on CUDA")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument(
@@ -153,16 +191,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="fp32",
         help="bf16/fp16: the step runs under autocast in that dtype",
     )
-    parser.add_argument("--bf16", action="store_true", help="same as --dtype bf16 (kept for old command lines)")
     parser.add_argument("--output_dir", default="benchmarks/results")
+    parser.add_argument("--name", default=None, help="the output files' stem (default: from family and device)")
     parser.add_argument(
         "--interleave",
         action="store_true",
-        help="time every configuration of a length in one process, a step of each in turn (memory still comes "
-        "from one process per configuration): ratios that hold on a machine whose speed drifts",
+        help="time every configuration of a length and dropout in one process, a step of each in turn (memory "
+        "still comes from one process per configuration): ratios that hold on a machine whose speed drifts",
     )
     parser.add_argument("--dry_run", action="store_true", help="print the child commands, run nothing")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dropout", default="config", help=argparse.SUPPRESS)
     parser.add_argument("--scorer", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--impl", default="reference", help=argparse.SUPPRESS)
     parser.add_argument("--runs", default=None, help=argparse.SUPPRESS)  # interleaved child: scorer/impl,...
@@ -171,28 +210,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     cuda = args.device.startswith("cuda")
     if not (cuda or args.device == "cpu"):
         parser.error(f"--device {args.device!r}: use cpu, cuda or cuda:N")
-    if args.bf16:
-        if args.dtype not in ("fp32", "bf16"):
-            parser.error(f"--bf16 contradicts --dtype {args.dtype}")
-        args.dtype = "bf16"
     layers, width, heads = PRESETS[args.preset or ("gpt2-small" if cuda else "cpu-small")]
     args.layers = args.layers or layers
     args.width = args.width or width
     args.heads = args.heads or heads
     if args.width % args.heads:
         parser.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
+    if args.padded and args.batch < 2:
+        parser.error("--padded pads every row but the first: give --batch 2 or more")
     args.seq = args.seq or ([1024, 2048, 4096, 8192] if cuda else [256, 512, 1024, 2048])
-    args.impls = args.impls or (["default", "triton", "chunked"] if cuda else ["default", "reference", "chunked"])
+    args.impls = args.impls or (["default", "triton", "chunked"] if cuda else ["default"])
     args.steps = args.steps or (10 if cuda else 3)
     if not cuda and "triton" in args.impls and not args.child:
         print("note: impl=triton runs on CUDA only; on CPU its rows will report the error", file=sys.stderr)
     return args
 
 
-def interleave(args, seq: int, runs, shared: list[str], results: list[dict]) -> None:
-    """Replace the step times of length ``seq`` in ``results`` by those of one interleaved child."""
+def interleave(args, seq: int, dropout: str, runs, shared: list[str], results: list[dict]) -> None:
+    """Replace the step times of length ``seq`` and ``dropout`` in ``results`` by those of one interleaved child."""
     listed = ",".join(f"{scorer}/{impl}" for scorer, impl in runs)
-    command = [sys.executable, __file__, "--child", f"--seq={seq}", f"--runs={listed}", *shared]
+    command = [sys.executable, __file__, "--child", f"--seq={seq}", f"--dropout={dropout}", f"--runs={listed}", *shared]
     if args.dry_run:
         print(" ".join(command))
         return
@@ -201,10 +238,10 @@ def interleave(args, seq: int, runs, shared: list[str], results: list[dict]) -> 
         sys.exit(f"n={seq}: the interleaved timing failed: {finished.stderr.strip()[-2000:]}")
     times = json.loads(finished.stdout.strip().splitlines()[-1])
     for result in results:
-        if result["seq"] == seq and "error" not in result:
+        if result["seq"] == seq and result["dropout"] == dropout and "error" not in result:
             result["time_s"] = times[f"{result['scorer']}/{result['impl']}"]
             result["timed"] = "interleaved"
-    print(f"n={seq:5d} interleaved times: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()))
+    print(f"n={seq:5d} {dropout} interleaved times: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()))
 
 
 def main() -> None:
@@ -224,82 +261,95 @@ def main() -> None:
             sys.exit(f"--device {args.device}, but torch.cuda.is_available() is False (torch {torch.__version__}).")
 
     runs = [("none", "sdpa")] + [(scorer, impl) for scorer in args.scorers for impl in args.impls]
-    keys = ("layers", "width", "heads", "h", "proj_dim", "steps", "device", "dtype")
+    keys = ("family", "batch", "layers", "width", "heads", "h", "steps", "device", "dtype")
     shared = [f"--{k}={getattr(args, k)}" for k in keys]
+    shared += [f"--proj_dim={args.proj_dim}"] if args.proj_dim else []
+    shared += ["--padded"] if args.padded else []
     results = []
     for seq in args.seq:
-        for scorer, impl in runs:
-            command = [sys.executable, __file__, "--child", f"--seq={seq}", f"--scorer={scorer}", f"--impl={impl}"]
-            if args.dry_run:
-                print(" ".join(command + shared))
-                continue
-            finished = subprocess.run(command + shared, check=False, capture_output=True, text=True)
-            if finished.returncode != 0:
-                error = finished.stderr.strip().splitlines()[-1] if finished.stderr.strip() else "failed"
-                print(f"n={seq} {scorer}/{impl}: {error}", file=sys.stderr)
-                results.append({"seq": seq, "scorer": scorer, "impl": impl, "error": error})
-                continue
-            result = json.loads(finished.stdout.strip().splitlines()[-1])
-            results.append({"seq": seq, "scorer": scorer, "impl": impl, **result})
-            print(
-                f"n={seq:5d} {scorer:>6}/{label(results[-1]):<14} {result['time_s'] * 1e3:9.1f} ms  "
-                f"{result['peak_bytes'] / 2**20:8.0f} MiB",
-                flush=True,
-            )
-        if args.interleave:
-            interleave(args, seq, runs, shared, results)
+        for dropout in args.dropouts:
+            for scorer, impl in runs:
+                command = [sys.executable, __file__, "--child", f"--seq={seq}", f"--dropout={dropout}"]
+                command += [f"--scorer={scorer}", f"--impl={impl}"]
+                row = {"seq": seq, "dropout": dropout, "scorer": scorer, "impl": impl}
+                if args.dry_run:
+                    print(" ".join(command + shared))
+                    continue
+                finished = subprocess.run(command + shared, check=False, capture_output=True, text=True)
+                if finished.returncode != 0:
+                    error = finished.stderr.strip().splitlines()[-1] if finished.stderr.strip() else "failed"
+                    print(f"n={seq} {dropout} {scorer}/{impl}: {error}", file=sys.stderr)
+                    results.append({**row, "error": error})
+                    continue
+                result = json.loads(finished.stdout.strip().splitlines()[-1])
+                results.append({**row, **result})
+                print(
+                    f"n={seq:5d} {dropout:>6} {scorer:>6}/{label(results[-1]):<22} {result['time_s'] * 1e3:9.1f} ms  "
+                    f"{result['peak_bytes'] / 2**20:8.0f} MiB",
+                    flush=True,
+                )
+            if args.interleave:
+                interleave(args, seq, dropout, runs, shared, results)
     if args.dry_run:
         return
 
     table = report(results, args)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # One file set per device and dtype, so a GPU run does not overwrite the CPU tables.
-    stem = (
-        "train_step"
+    stem = args.name or (
+        f"train_step_{args.family}"
         if args.device == "cpu" and args.dtype == "fp32"
-        else f"train_step_{args.device.split(':')[0]}_{args.dtype}"
+        else f"train_step_{args.family}_{args.device.split(':')[0]}_{args.dtype}"
     )
-    (out / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    (out / f"{stem}.json").write_text(json.dumps({"setup": vars(args), "results": results}, indent=2, default=str))
     (out / f"{stem}.md").write_text(table)
     plot(results, out / f"{stem}.png")
     print("\n" + table)
 
 
 def label(result: dict) -> str:
-    """The impl, with the path ``auto`` chose."""
+    """The impl, with the path ``default``/``auto`` chose."""
     resolved = result.get("resolved_impl")
     chosen = result["impl"] in ("auto", "default") and resolved
     return f"{result['impl']} -> {resolved}" if chosen else result["impl"]
 
 
 def report(results, args) -> str:
-    baseline = {r["seq"]: r for r in results if r["scorer"] == "none" and "error" not in r}
+    baseline = {(r["seq"], r["dropout"]): r for r in results if r["scorer"] == "none" and "error" not in r}
     machine = describe_machine(args.device)
     precision = "fp32" if args.dtype == "fp32" else f"{args.dtype} autocast"
     timing = (
-        ", timed interleaved (one process per length, a step of each configuration in turn)" if args.interleave else ""
+        ", timed interleaved (per length and dropout, one process running a step of each configuration in turn)"
+        if args.interleave
+        else ""
     )
+    shape = "GPT-2" if args.family == "gpt2" else "BERT (sequence classification)"
+    padding = ", rows 2 and on padded from the middle" if args.padded else ""
+    neural = f"neural proj_dim={args.proj_dim}" if args.proj_dim else "neural with its default options"
     setup = (
-        f"GPT-2 shape {args.layers} layers x {args.width} wide x {args.heads} heads, batch 1, all layers patched, "
-        f"h={args.h}, neural proj_dim={args.proj_dim}, {precision}; median of {args.steps} steps{timing}; machine: {machine}."
+        f"{shape} from its default config, {args.layers} layers x {args.width} wide x {args.heads} heads, batch "
+        f"{args.batch}{padding}, train mode, all layers patched with h={args.h}, {neural}, {precision}; dropout: "
+        f"config = the config's attention dropout, zero = attention dropout 0; median of {args.steps} steps"
+        f"{timing}; machine: {machine}."
     )
     lines = [
         setup,
         "",
-        "| n | scorer | impl | step ms | x unpatched | peak MiB | x unpatched |",
-        "|---|---|---|---|---|---|---|",
+        "| n | dropout | scorer | impl | step ms | x unpatched | peak MiB | x unpatched | x unpatched, zero |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['seq']} | {r['scorer']} | {label(r)} | {r['error']} | | | |")
+            lines.append(f"| {r['seq']} | {r['dropout']} | {r['scorer']} | {label(r)} | {r['error']} | | | | |")
             continue
-        base = baseline.get(r["seq"])
+        base = baseline.get((r["seq"], r["dropout"]))
+        base_zero = baseline.get((r["seq"], "zero"))
         time_ratio = f"{r['time_s'] / base['time_s']:.2f}" if base else "n/a"
         memory_ratio = f"{r['peak_bytes'] / base['peak_bytes']:.2f}" if base else "n/a"
+        memory_zero = f"{r['peak_bytes'] / base_zero['peak_bytes']:.2f}" if base_zero else "n/a"
         lines.append(
-            f"| {r['seq']} | {r['scorer']} | {label(r)} | {r['time_s'] * 1e3:.1f} | {time_ratio} | "
-            f"{r['peak_bytes'] / 2**20:.0f} | {memory_ratio} |"
+            f"| {r['seq']} | {r['dropout']} | {r['scorer']} | {label(r)} | {r['time_s'] * 1e3:.1f} | {time_ratio} | "
+            f"{r['peak_bytes'] / 2**20:.0f} | {memory_ratio} | {memory_zero} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -328,17 +378,20 @@ def plot(results, path: Path) -> None:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return
     figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(10, 4))
-    for key in sorted({(r["scorer"], r["impl"]) for r in results}):
-        points = [r for r in results if (r["scorer"], r["impl"]) == key and "error" not in r]
-        label = "unpatched (SDPA)" if key[0] == "none" else f"{key[0]} / {key[1]}"
-        time_axis.plot([p["seq"] for p in points], [p["time_s"] * 1e3 for p in points], marker="o", label=label)
-        memory_axis.plot([p["seq"] for p in points], [p["peak_bytes"] / 2**20 for p in points], marker="o", label=label)
+    for key in sorted({(r["dropout"], r["scorer"], r["impl"]) for r in results}):
+        points = [r for r in results if (r["dropout"], r["scorer"], r["impl"]) == key and "error" not in r]
+        name = "unpatched (SDPA)" if key[1] == "none" else f"{key[1]} / {key[2]}"
+        label_text = f"{name}, dropout {key[0]}"
+        time_axis.plot([p["seq"] for p in points], [p["time_s"] * 1e3 for p in points], marker="o", label=label_text)
+        memory_axis.plot(
+            [p["seq"] for p in points], [p["peak_bytes"] / 2**20 for p in points], marker="o", label=label_text
+        )
     for axis, title in ((time_axis, "step time (ms)"), (memory_axis, "peak memory (MiB)")):
         axis.set_xlabel("sequence length n")
         axis.set_title(title)
         axis.set_xscale("log", base=2)
         axis.grid(alpha=0.3)
-    time_axis.legend()
+    time_axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 

@@ -10,26 +10,49 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_train_step_benchmark_interleaved_default_row(tmp_path):
-    """One length, Neural Attention with the default and chunked paths, times interleaved: the table has a row
-    per configuration with ratios to the unpatched step, and the default row says which path it took."""
-    command = [
-        sys.executable, str(ROOT / "benchmarks" / "train_step.py"),
-        "--seq", "40", "--layers", "1", "--width", "32", "--heads", "2", "--steps", "2",
-        "--scorers", "neural", "--impls", "default", "chunked", "--interleave", "--output_dir", str(tmp_path),
-    ]  # fmt: skip
+def run_benchmark(script: str, *flags: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(ROOT / "benchmarks" / script), *flags, "--output_dir", str(tmp_path)]
     finished = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
     assert finished.returncode == 0, finished.stderr[-3000:]
-    results = json.loads((tmp_path / "train_step.json").read_text())
-    rows = results["results"] if isinstance(results, dict) else results
-    assert {(row["scorer"], row["impl"]) for row in rows} == {
-        ("none", "sdpa"),
-        ("neural", "default"),
-        ("neural", "chunked"),
+    return finished
+
+
+def test_train_step_benchmark_interleaved_default_row(tmp_path):
+    """One length, Neural Attention as patch_model gives it, with the config's attention dropout and without, times
+    interleaved: the table has a row per configuration and dropout with ratios to the unpatched step, and the
+    default row says which path it took."""
+    flags = ["--seq", "40", "--layers", "1", "--width", "32", "--heads", "2", "--steps", "2", "--scorers", "neural"]
+    run_benchmark("train_step.py", *flags, "--interleave", tmp_path=tmp_path)
+    results = json.loads((tmp_path / "train_step_gpt2.json").read_text())["results"]
+    assert {(row["dropout"], row["scorer"], row["impl"]) for row in results} == {
+        (dropout, scorer, impl)
+        for dropout in ("config", "zero")
+        for scorer, impl in (("none", "sdpa"), ("neural", "default"))
     }
-    assert all(row["timed"] == "interleaved" and row["time_s"] > 0 and row["peak_bytes"] > 0 for row in rows)
-    table = (tmp_path / "train_step.md").read_text()
-    assert "timed interleaved" in table
-    # 1 x 2 heads x 40 x 40 x h=4 scores: well under the threshold, so the default materialises them.
-    assert "| 40 | neural | default -> reference |" in table
-    assert "| 40 | none | sdpa |" in table and "| 1.00 |" in table
+    assert all(row["timed"] == "interleaved" and row["time_s"] > 0 and row["peak_bytes"] > 0 for row in results)
+    table = (tmp_path / "train_step_gpt2.md").read_text()
+    assert "timed interleaved" in table and "GPT-2 from its default config" in table
+    # 1 x 2 heads x 40 x 40 x h=4 scores: well under the threshold, so the default materialises them, with
+    # dropout or without.
+    assert "| 40 | config | neural | default -> reference |" in table
+    assert "| 40 | zero | neural | default -> reference |" in table
+    assert "| 40 | config | none | sdpa |" in table and "| 1.00 |" in table
+
+
+def test_train_step_benchmark_on_a_padded_encoder_batch(tmp_path):
+    flags = ["--family", "bert", "--batch", "2", "--padded", "--seq", "24", "--layers", "1", "--width", "32"]
+    flags += ["--heads", "2", "--steps", "1", "--scorers", "qana", "--dropouts", "zero"]
+    run_benchmark("train_step.py", *flags, tmp_path=tmp_path)
+    table = (tmp_path / "train_step_bert.md").read_text()
+    assert "BERT (sequence classification)" in table and "rows 2 and on padded" in table
+    assert "| 24 | zero | qana | default -> reference |" in table
+
+
+def test_inference_benchmark_reports_prefill_and_decode(tmp_path):
+    flags = ["--prompt", "16", "--decode_steps", "2", "--rounds", "1", "--layers", "1", "--scorers", "qana"]
+    run_benchmark("inference.py", *flags, tmp_path=tmp_path)
+    results = json.loads((tmp_path / "inference.json").read_text())["results"]["16"]
+    assert set(results) == {"none", "qana"}
+    assert all(times["prefill_s"] > 0 and times["decode_s"] > 0 for times in results.values())
+    table = (tmp_path / "inference.md").read_text()
+    assert "| 16 | none |" in table and "| 16 | qana |" in table and "µs |" in table

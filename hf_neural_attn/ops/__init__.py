@@ -22,6 +22,7 @@ output themselves in ``scorer.attend``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any
 
@@ -253,15 +254,68 @@ def scored_attention(
         need_weights=need_weights,
         dropout_active=attention_dropout is not None,
     )
-    output, probs = PATHS[path](
-        scorer,
-        query,
-        key,
-        value,
-        attention_mask,
-        scaling=scaling,
-        dropout=attention_dropout,
-        extras=extras,
-        is_causal=is_causal,
-    )
+    run = functools.partial(PATHS[path], scorer, scaling=scaling, is_causal=is_causal)
+    # A padded batch of unequal lengths: each sequence scores only the keys its mask leaves it, which the softmax
+    # gives exactly zero weight otherwise. (Not for causal calls: they align queries to the end of the keys, which a
+    # shorter span of keys would move.)
+    spans = None
+    if path in ("chunked", "blockwise") and not is_causal:
+        spans = key_spans(attention_mask, query.shape[0], key.shape[-2])
+    if spans is not None:
+        outputs = [
+            run(
+                query[index : index + 1],
+                key[index : index + 1, :, start:end],
+                value[index : index + 1, :, start:end],
+                _one_sequence(attention_mask, index)[..., start:end],
+                dropout=attention_dropout.for_sequence(index) if attention_dropout is not None else None,
+                extras=_one_sequence_extras(extras, index, query.shape[0]),
+            )[0]
+            for index, (start, end) in enumerate(spans)
+        ]
+        return torch.cat(outputs).transpose(1, 2).contiguous(), None
+    output, probs = run(query, key, value, attention_mask, dropout=attention_dropout, extras=extras)
     return output.transpose(1, 2).contiguous(), probs
+
+
+# A padded batch is split into its sequences when that leaves out at least this share of its keys: below, the
+# per-sequence calls cost more than the keys they skip.
+MIN_SKIPPED_KEYS = 0.125
+
+
+def key_spans(attention_mask: torch.Tensor | None, batch: int, kv_len: int) -> list[tuple[int, int]] | None:
+    """Per sequence of the batch, the span of key columns its mask allows to any query row and head, when leaving
+    out the others saves at least :data:`MIN_SKIPPED_KEYS` of the call's keys; None otherwise (no mask, one
+    sequence, or little padding). A sequence whose mask allows no key keeps every column."""
+    if attention_mask is None or batch < 2 or attention_mask.dim() != 4 or attention_mask.shape[0] != batch:
+        return None
+    if attention_mask.dtype == torch.bool:
+        allowed = attention_mask
+    elif attention_mask.is_floating_point():
+        allowed = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    else:
+        return None
+    columns = allowed.any(dim=1).any(dim=1)  # (batch, kv_len or 1)
+    if columns.shape[-1] != kv_len:
+        return None
+    positions = torch.arange(kv_len, device=columns.device)
+    first = torch.where(columns, positions, kv_len).amin(-1).tolist()
+    last = torch.where(columns, positions, -1).amax(-1).tolist()
+    spans = [(lo, hi + 1) if hi >= lo else (0, kv_len) for lo, hi in zip(first, last, strict=True)]
+    skipped = 1 - sum(end - start for start, end in spans) / (batch * kv_len)
+    return spans if skipped >= MIN_SKIPPED_KEYS else None
+
+
+def _one_sequence(tensor: torch.Tensor, index: int) -> torch.Tensor:
+    """Sequence ``index`` of a tensor whose first axis is the batch or 1 (broadcast)."""
+    return tensor[index : index + 1] if tensor.shape[0] > 1 else tensor
+
+
+def _one_sequence_extras(extras: Any, index: int, batch: int) -> Any:
+    """A scorer's per-query inputs (a NamedTuple of tensors, batch first or broadcast) for sequence ``index``."""
+    if extras is None:
+        return None
+    return type(extras)._make(
+        part[index : index + 1] if isinstance(part, torch.Tensor) and part.shape[0] == batch else part
+        for part in extras
+    )

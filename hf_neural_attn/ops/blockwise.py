@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import torch
 
-from .dropout import AttentionDropout, head_streams
+from .dropout import AttentionDropout
 from .grouped import group_heads, grouped_transposed_matmul
 from .masks import apply_mask, block_mask, query_blocks
 from .terms import FusedInputs
@@ -254,9 +254,9 @@ class _Term:
         return scores.view(*activated.shape[:-2], kv_end), z if keep_z else None, activated
 
 
-def _grouped_streams(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+def _grouped_streams(dropout: AttentionDropout, query: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """The dropout streams (``batch * heads + head``) of query heads grouped as (batch, kv_heads, groups, 1, 1)."""
-    return group_heads(head_streams(query.shape[0], query.shape[1], query.device), kv_heads)
+    return group_heads(dropout.streams(query.shape[0], query.shape[1], query.device), kv_heads)
 
 
 def _sum_over_groups(blocks: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -277,7 +277,7 @@ class _BlockwisePairAttention(torch.autograd.Function):
         output = torch.empty(*shape, value.shape[-1], dtype=value.dtype, device=value.device)
         row_max = torch.empty(shape, dtype=stats_dtype, device=query.device)
         row_sum = torch.empty_like(row_max)
-        streams = _grouped_streams(query, kv_heads) if dropout is not None else None
+        streams = _grouped_streams(dropout, query, kv_heads) if dropout is not None else None
         for start, end, kv_end in query_blocks(q_len, kv_len, is_causal, block):
             rows = slice(start, end)
             scores = state.scores(rows, kv_end, keep_z=False)[0]
@@ -305,7 +305,7 @@ class _BlockwisePairAttention(torch.autograd.Function):
         grad_output = group_heads(grad_output, kv_heads).to(stats_dtype)
         # rowsum(P * dP) per query row is dO . O: the softmax backward's correction, without a pass over P. With
         # dropout, O is the dropped output and dP carries the dropout factors, and it still holds.
-        streams = _grouped_streams(query, kv_heads) if dropout is not None else None
+        streams = _grouped_streams(dropout, query, kv_heads) if dropout is not None else None
         correction = (grad_output * output.to(stats_dtype)).sum(-1, keepdim=True)
         key_f, value_f = key.to(stats_dtype), value.to(stats_dtype)
         scaled_query = state.scaled_query.to(stats_dtype)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
-from .dropout import AttentionDropout, head_streams
+from .dropout import AttentionDropout
 from .grouped import grouped_matmul, grouped_transposed_matmul
 from .masks import apply_mask, block_mask, query_blocks
 
@@ -95,7 +95,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         stats_dtype = torch.promote_types(query.dtype, torch.float32)
         row_max = torch.empty(query.shape[:-1], dtype=stats_dtype, device=query.device)
         row_sum = torch.empty_like(row_max)
-        streams = head_streams(query.shape[0], query.shape[1], query.device) if dropout is not None else None
+        streams = dropout.streams(query.shape[0], query.shape[1], query.device) if dropout is not None else None
         for start, end, kv_end in query_blocks(q_len, kv_len, is_causal, QUERY_BLOCK):
             scores = _block_scores(scorer, query, key, extras, attention_mask, is_causal, start, end, kv_end, scaling)
             block_max = scores.amax(dim=-1, keepdim=True)
@@ -135,7 +135,7 @@ class _BlockwiseAttention(torch.autograd.Function):
 
             grad_value = torch.zeros_like(value, dtype=row_max.dtype)
             dropout = ctx.dropout
-            streams = head_streams(query.shape[0], query.shape[1], query.device) if dropout is not None else None
+            streams = dropout.streams(query.shape[0], query.shape[1], query.device) if dropout is not None else None
             for start, end, kv_end in query_blocks(query.shape[-2], key.shape[-2], ctx.is_causal, QUERY_BLOCK):
                 scores = _block_scores(
                     score, query_leaf, key_leaf, extras, attention_mask, ctx.is_causal, start, end, kv_end, ctx.scaling

@@ -89,12 +89,24 @@ class AttentionDropout:
 
     p: float
     seed: int
+    # Added to the streams of a call split into parts of the batch (ops: one sequence at a time), so that a part's
+    # first sequence draws what it draws in the whole batch.
+    batch_offset: int = 0
 
     @classmethod
     def for_call(cls, p: float, training: bool) -> AttentionDropout | None:
         """The dropout of a call with probability ``p`` in ``training`` mode, with a fresh seed; None when no entry
         is dropped (eval mode, or ``p`` 0), as transformers' eager attention does."""
         return cls(float(p), draw_seed()) if training and p > 0 else None
+
+    def streams(self, batch: int, heads: int, device) -> torch.Tensor:
+        """(batch, heads, 1, 1) int32 streams of probabilities laid out as (batch, heads, q, kv) (:func:`head_streams`
+        shifted by the part of the batch this call is)."""
+        return head_streams(batch, heads, device).add_(self.batch_offset * heads)
+
+    def for_sequence(self, index: int) -> AttentionDropout:
+        """This dropout for sequence ``index`` of the batch alone."""
+        return AttentionDropout(self.p, self.seed, self.batch_offset + index)
 
     def kept(self, probs: torch.Tensor, streams: torch.Tensor, row_start: int) -> torch.Tensor:
         """``probs`` (a block of rows from ``row_start``, every column from 0) with the dropped entries zeroed and

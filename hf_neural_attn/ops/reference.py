@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .dropout import AttentionDropout, head_streams
+from .dropout import AttentionDropout
 from .grouped import grouped_matmul
 from .masks import apply_mask, block_mask
 
@@ -53,5 +53,5 @@ def reference_attention(
     scores = apply_mask(scores.to(softmax_dtype), mask)
     probs = F.softmax(scores, dim=-1).to(value.dtype)
     if dropout is not None:
-        probs = dropout.kept(probs, head_streams(probs.shape[0], probs.shape[1], probs.device), 0)
+        probs = dropout.kept(probs, dropout.streams(probs.shape[0], probs.shape[1], probs.device), 0)
     return grouped_matmul(probs, value), probs
