@@ -7,6 +7,7 @@ common contract on (docs/testing.md)."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 from transformers import (
@@ -165,6 +167,9 @@ def tiny_bert() -> BertForMaskedLM:
 HIDDEN, HEADS, KV_HEADS, D = 6, 2, 1, 4
 F64 = torch.float64
 
+# The activations the literal references write out, by the name the scorer configs take.
+ACTIVATIONS = {"gelu": F.gelu, "tanh": torch.tanh, "relu": F.relu}
+
 
 def geometry(**overrides) -> AttentionGeometry:
     values = dict(
@@ -188,6 +193,18 @@ def randomise(module, seed=0, std=0.7) -> None:
             parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=F64) * std)
 
 
+def rope_vector(vector, position, base=10000.0):
+    """RoPE of one D-vector at one position, rotate-half convention (as Llama), written out."""
+    half = vector.shape[-1] // 2
+    out = torch.empty_like(vector)
+    for m in range(half):
+        angle = position * base ** (-2 * m / vector.shape[-1])
+        x1, x2 = vector[m], vector[m + half]
+        out[m] = x1 * math.cos(angle) - x2 * math.sin(angle)
+        out[m + half] = x2 * math.cos(angle) + x1 * math.sin(angle)
+    return out
+
+
 def rope_rows(x, positions):
     """The library-side rotation: (batch, n, seq, D) rotated at ``positions`` (seq,), vectorised."""
     half = x.shape[-1] // 2
@@ -196,6 +213,15 @@ def rope_rows(x, positions):
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     rotated_half = torch.cat([-x[..., half:], x[..., :half]], -1)
     return x * cos + rotated_half * sin
+
+
+def qana_case(batch: int = 2, q_len: int = 3, k_len: int = 5):
+    """Hidden states (batch, q_len, HIDDEN), the model's own query projection W_s (HEADS * D, HIDDEN) and b_s,
+    keys (batch, HEADS, k_len, D), and the query and key positions (float64, from the global RNG)."""
+    hidden = torch.randn(batch, q_len, HIDDEN, dtype=F64)
+    w_s, b_s = torch.randn(HEADS * D, HIDDEN, dtype=F64), torch.randn(HEADS * D, dtype=F64)
+    keys = torch.randn(batch, HEADS, k_len, D, dtype=F64)
+    return hidden, w_s, b_s, keys, torch.arange(2, 2 + q_len), torch.arange(k_len)
 
 
 class AttentionUnderTest(nn.Module):

@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 from helpers import (
+    ACTIVATIONS,
     F64,
     HEADS,
     HIDDEN,
@@ -19,13 +20,14 @@ from helpers import (
     D,
     geometry,
     perturb_scorers,
+    qana_case,
     randomise,
     rope_rows,
+    rope_vector,
     tiny_gpt2,
     tiny_llama,
     tokens,
 )
-from test_scorer_math import ACTIVATIONS, qana_case, rope_vector
 
 import hf_neural_attn
 from hf_neural_attn.families.llama import narrow_rotary
