@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from helpers import FACTORIES, logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
+from helpers import logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_model
 from safetensors.torch import load_file, save_file
 
 import hf_neural_attn
@@ -22,13 +22,13 @@ ADAPTER_FILES = {ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, "README.md"}
 
 
 def save_base(folder: Path, family: str = "llama", **overrides) -> Path:
-    FACTORIES[family](**overrides).save_pretrained(folder)
+    tiny_model(family, **overrides).save_pretrained(folder)
     return folder
 
 
 def load_patched(base: Path, family: str = "llama", scorer: str = "qana", **options):
     """The base model as a user would have it: loaded from its folder, patched, trained (here: perturbed)."""
-    model = type(FACTORIES[family]()).from_pretrained(base).eval()
+    model = type(tiny_model(family)).from_pretrained(base).eval()
     hf_neural_attn.patch_model(model, scorer, **options)
     perturb_scorers(model)
     return model

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import FACTORIES, logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
+from helpers import logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_model
 from huggingface_hub import ModelCard, ModelCardData
 from safetensors.torch import load_file, save_file
 
@@ -17,7 +17,7 @@ PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt"}
 
 
 def saved_patched(tmp_path, family="gpt2", scorer_name="qana", **options):
-    model = FACTORIES[family]()
+    model = tiny_model(family)
     hf_neural_attn.patch_model(model, scorer_name, **options)
     perturb_scorers(model)
     folder = tmp_path / "checkpoint"
