@@ -6,17 +6,21 @@ The tables every family-wise or scorer-wise test iterates over (docs/testing.md,
 * FAMILY_CASES: every model family the suite builds, as a tiny model, with its input kind and the flags that
   pick each contract's families;
 * SCORER_CASES: every scorer case (a scorer and its options), run by tests/test_scorer_contracts.py;
-* IMPLS: the public ``impl`` choices, from the library.
+* IMPLS: the public ``impl`` choices, from the library;
+* CHECKPOINT_KINDS: the two kinds of checkpoint (full, adapter), saved by ``save_checkpoint`` and edited by
+  ``edit_record``.
 
 Also here: the float64 scorer geometry, gradcheck and literal RoPE used by the math, chunked and Triton tests.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # Nothing in the tests may reach the Hub; say so, so a stray lookup fails at once instead of waiting.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,6 +33,7 @@ from torch import nn
 from torch.func import functional_call
 
 import hf_neural_attn
+from hf_neural_attn.loading.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 from hf_neural_attn.ops import IMPL_OPTIONS, scored_attention
 from hf_neural_attn.scorers import AttentionGeometry
 
@@ -335,6 +340,50 @@ IMPLS = IMPL_OPTIONS  # every public impl choice
 PORTABLE_IMPLS = tuple(impl for impl in IMPLS if impl != "triton")
 # The portable choices that name one path; the first is "reference", the oracle the others are compared with.
 PATH_IMPLS = tuple(impl for impl in PORTABLE_IMPLS if impl != "auto")
+
+
+# --- Checkpoints -------------------------------------------------------------------------------------------------
+
+# A full checkpoint (save_pretrained: the whole model, the patch record in config.json) and an adapter-only one
+# (save_adapter: the scorer tensors, the record in the adapter JSON's "patch" field, the base model's id).
+CHECKPOINT_KINDS = ("full", "adapter")
+RECORD_FILE = {"full": "config.json", "adapter": ADAPTER_CONFIG_NAME}  # the JSON file holding the record
+RECORD_FIELD = {"full": "hf_neural_attn", "adapter": "patch"}  # its field holding the record
+WEIGHTS_FILE = {"full": "model.safetensors", "adapter": ADAPTER_WEIGHTS_NAME}  # the file holding the scorers
+
+
+def save_checkpoint(
+    root: Path, kind: str, family: str = "llama", scorer: str = "qana", **options
+) -> tuple[nn.Module, Path]:
+    """A tiny model of ``family`` patched with ``scorer`` and ``options``, its scorers moved off their init
+    ("trained"), saved as a checkpoint of ``kind`` in ``root / kind``. For an adapter the base model is saved to
+    ``root / "base"`` first and the model loaded from there, as a user's would be. Returns the patched model and
+    the checkpoint's folder."""
+    model = tiny_model(family)
+    if kind == "adapter":
+        model.save_pretrained(root / "base")
+        model = type(model).from_pretrained(root / "base").eval()
+    hf_neural_attn.patch_model(model, scorer, **options)
+    perturb_scorers(model)
+    folder = root / kind
+    if kind == "adapter":
+        hf_neural_attn.save_adapter(model, folder)
+    else:
+        model.save_pretrained(folder)
+    return model, folder
+
+
+def edit_json(path: Path, edit: Callable[[dict], None]) -> None:
+    """Change a JSON file in place: ``edit`` mutates its content."""
+    content = json.loads(path.read_text())
+    edit(content)
+    path.write_text(json.dumps(content))
+
+
+def edit_record(folder: Path, kind: str, edit: Callable[[dict], None]) -> None:
+    """Change the patch record of a ``kind`` checkpoint in ``folder`` where that kind keeps it (config.json's
+    "hf_neural_attn" field, the adapter JSON's "patch" field): ``edit`` mutates the record."""
+    edit_json(folder / RECORD_FILE[kind], lambda content: edit(content[RECORD_FIELD[kind]]))
 
 
 # --- Scorers on their own, in float64 ----------------------------------------------------------------------------
