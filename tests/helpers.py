@@ -35,6 +35,7 @@ from torch.func import functional_call
 import hf_neural_attn
 from hf_neural_attn.loading.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 from hf_neural_attn.ops import IMPL_OPTIONS, scored_attention
+from hf_neural_attn.record import RECORD_KEY
 from hf_neural_attn.scorers import AttentionGeometry
 
 VOCAB = 64
@@ -348,7 +349,7 @@ PATH_IMPLS = tuple(impl for impl in PORTABLE_IMPLS if impl != "auto")
 # (save_adapter: the scorer tensors, the record in the adapter JSON's "patch" field, the base model's id).
 CHECKPOINT_KINDS = ("full", "adapter")
 RECORD_FILE = {"full": "config.json", "adapter": ADAPTER_CONFIG_NAME}  # the JSON file holding the record
-RECORD_FIELD = {"full": "hf_neural_attn", "adapter": "patch"}  # its field holding the record
+RECORD_FIELD = {"full": RECORD_KEY, "adapter": "patch"}  # its field holding the record
 WEIGHTS_FILE = {"full": "model.safetensors", "adapter": ADAPTER_WEIGHTS_NAME}  # the file holding the scorers
 
 
