@@ -32,7 +32,7 @@ test: install
 TRANSFORMERS_OLDEST ?= 5.18.0
 OLDEST_VENV ?= $(VENV)/oldest
 CORE_TESTS := tests/test_function_preserving.py tests/test_scorer_contracts.py tests/test_families_llama_like.py \
-	tests/test_families_generic.py tests/test_checkpoint.py tests/test_auto_loading.py \
+	tests/test_families_generic.py tests/test_checkpoint.py tests/test_damaged_checkpoints.py tests/test_auto_loading.py \
 	tests/test_positions_masks_cache.py tests/test_output_attentions.py tests/test_hf_usage.py tests/test_versions.py
 # This test calls activation_checkpointing_enable(), the name transformers 5.23 gave gradient_checkpointing_enable().
 OLDEST_DESELECT := --deselect tests/test_hf_usage.py::test_gradient_checkpointing_gives_the_same_loss_and_gradients

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from helpers import FACTORIES, SCORER_NAMES
+from helpers import CORE_FAMILIES, SCORER_NAMES
 
 
-@pytest.fixture(params=list(FACTORIES))
+@pytest.fixture(params=CORE_FAMILIES)
 def family(request) -> str:
+    """The name of each core family (FAMILY_CASES rows with core=True)."""
     return request.param
 
 

@@ -1,42 +1,50 @@
 """Tiny models built from configs (no downloads) and helpers shared by the tests (import from here, never
 from conftest or another test file).
 
-Also here: the float64 scorer geometry and gradcheck used by the math, chunked and Triton tests, the tiny
-encoder config, and SCORER_CASES, the table of scorer cases that tests/test_scorer_contracts.py runs every
-common contract on (docs/testing.md)."""
+The tables every family-wise or scorer-wise test iterates over (docs/testing.md, "The tables"):
+
+* FAMILY_CASES: every model family the suite builds, as a tiny model, with its input kind and the flags that
+  pick each contract's families;
+* SCORER_CASES: every scorer case (a scorer and its options), run by tests/test_scorer_contracts.py;
+* IMPLS: the public ``impl`` choices, from the library;
+* CHECKPOINT_KINDS: the two kinds of checkpoint (full, adapter), saved by ``save_checkpoint`` and edited by
+  ``edit_record``.
+
+Also here: the float64 scorer geometry, gradcheck and literal RoPE used by the math, chunked and Triton tests.
+"""
 
 from __future__ import annotations
 
+import json
+import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # Nothing in the tests may reach the Hub; say so, so a stray lookup fails at once instead of waiting.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+import torch.nn.functional as F
+import transformers as tf
 from torch import nn
 from torch.func import functional_call
-from transformers import (
-    BertConfig,
-    BertForMaskedLM,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    ViTConfig,
-    ViTForImageClassification,
-)
 
 import hf_neural_attn
-from hf_neural_attn.ops import scored_attention
+from hf_neural_attn.loading.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
+from hf_neural_attn.ops import IMPL_OPTIONS, scored_attention
+from hf_neural_attn.record import RECORD_KEY
 from hf_neural_attn.scorers import AttentionGeometry
 
 VOCAB = 64
 
 
+# --- Tiny models -------------------------------------------------------------------------------------------------
+
 # A tiny rotary decoder: 2 layers, 4 query heads sharing 2 key/value heads (grouped-query attention). Llama,
-# Mistral, Qwen and Gemma configs all take these keys.
+# Mistral, Qwen, Gemma and the standard decoders' configs all take these keys.
 TINY_DECODER = dict(
     vocab_size=VOCAB,
     hidden_size=32,
@@ -50,63 +58,249 @@ TINY_DECODER = dict(
     pad_token_id=0,
 )
 
-
-def tiny_llama(**overrides) -> LlamaForCausalLM:
-    config = {**TINY_DECODER, **overrides}
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**config)).eval()
-
-
-def tiny_gpt2(**overrides) -> GPT2LMHeadModel:
-    # GPT-2 configs default to 0.1 dropout on residuals, embeddings and attention; tests that compare
-    # train-mode runs need them off (the dropout test turns attention dropout back on).
-    config = dict(
-        vocab_size=VOCAB,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        n_positions=128,
-        bos_token_id=0,
-        eos_token_id=1,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    config.update(overrides)
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(**config)).eval()
+# A tiny encoder of the same sizes (BERT, RoBERTa), dropout off: the tests compare outputs.
+BERT_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=64,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+    pad_token_id=1,
+)
 
 
-def tiny_vit(**overrides) -> ViTForImageClassification:
-    config = dict(
-        image_size=16,
-        patch_size=4,
-        num_channels=3,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        num_labels=3,
-    )
-    config.update(overrides)
-    torch.manual_seed(0)
-    return ViTForImageClassification(ViTConfig(**config)).eval()
+def tiny(model_class, config_class, **defaults) -> Callable[..., nn.Module]:
+    """A builder of tiny ``model_class`` models: ``build(**overrides)`` makes ``config_class(**defaults,
+    **overrides)`` (``attn_implementation`` among them), draws the weights from seed 0 and returns the model in
+    eval mode. Under ``with torch.device("meta")`` it builds the model on meta."""
+
+    def build(**overrides) -> nn.Module:
+        torch.manual_seed(0)
+        return model_class(config_class(**{**defaults, **overrides})).eval()
+
+    return build
 
 
-FACTORIES = {"llama": tiny_llama, "gpt2": tiny_gpt2, "vit": tiny_vit}
+tiny_llama = tiny(tf.LlamaForCausalLM, tf.LlamaConfig, **TINY_DECODER)
+# GPT-2 configs default to 0.1 dropout on residuals, embeddings and attention; tests that compare train-mode runs
+# need them off (the dropout test turns attention dropout back on).
+tiny_gpt2 = tiny(
+    tf.GPT2LMHeadModel,
+    tf.GPT2Config,
+    vocab_size=VOCAB,
+    n_embd=32,
+    n_layer=2,
+    n_head=4,
+    n_positions=128,
+    bos_token_id=0,
+    eos_token_id=1,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+)
+tiny_vit = tiny(
+    tf.ViTForImageClassification,
+    tf.ViTConfig,
+    image_size=16,
+    patch_size=4,
+    num_channels=3,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    num_labels=3,
+)
+tiny_bert = tiny(tf.BertForMaskedLM, tf.BertConfig, **BERT_COMMON)
+
+HEAD_DIM = {"head_dim": 8}  # for configs whose default head_dim is not hidden_size / heads
+PARTIAL_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+
+
+# --- The table of families ---------------------------------------------------------------------------------------
+
+# The kinds of input padded_inputs makes: token ids padded on the left (decoders) or the right (encoders), pixels.
+LEFT_PADDED, RIGHT_PADDED, IMAGE = "left-padded", "right-padded", "image"
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    """One model family the suite builds, as a tiny model (2 attention layers, 4 query heads), and the flags the
+    tests pick their families by. A new family is one row of FAMILY_CASES."""
+
+    name: str  # the family the patch records (a generic row's name is the model's; the record says "standard")
+    build: Callable[..., nn.Module]  # build(**config overrides, attn_implementation=...): see tiny()
+    inputs: str  # what padded_inputs makes for it: LEFT_PADDED, RIGHT_PADDED or IMAGE
+    causal: bool
+    # Which adapter of hf_neural_attn.families serves it: "llama" (Llama and the Llama-likes), "gpt2", "vit",
+    # "bert" (BERT and RoBERTa) or "standard" (the probe-checked StandardAttentionFamily: Phi-3, the standard
+    # decoders and the generic path).
+    adapter: str
+    generic: bool = False  # no entry of its own: the generic StandardAttentionFamily serves it, and warns
+    core: bool = False  # every contract runs on these: all scorer cases, training, checkpoints, HF usage, paths
+    # The four families transformers' common model tests were run against (docs/testing.md): their mirrors run
+    # on these (meta device, eager vs SDPA base).
+    mirrored: bool = False
+    # One model per adapter and per kind of mask or projection the adapters handle (a sliding window through
+    # the Llama adapter and through the generic path, Phi-3's fused projection): the contracts about what each
+    # attention layer gets and returns (output_attentions, the layers left unscored) run on these.
+    sample: bool = False
+
+    @property
+    def recorded(self) -> str:
+        """The family name the patch record holds."""
+        return "standard" if self.generic else self.name
+
+
+def decoder(model_class, config_class, **config) -> Callable[..., nn.Module]:
+    """A builder of tiny decoders of TINY_DECODER's sizes (see tiny())."""
+    return tiny(model_class, config_class, **TINY_DECODER, **config)
+
+
+# What each builder's config exercises. Sliding windows are shorter than the test sequences.
+tiny_bert_model = tiny(tf.BertModel, tf.BertConfig, **BERT_COMMON)
+tiny_roberta = tiny(tf.RobertaModel, tf.RobertaConfig, **BERT_COMMON)
+# Llama's attention layout.
+tiny_mistral = decoder(tf.MistralForCausalLM, tf.MistralConfig, sliding_window=6)
+tiny_qwen2 = decoder(tf.Qwen2ForCausalLM, tf.Qwen2Config)
+tiny_qwen3 = decoder(tf.Qwen3ForCausalLM, tf.Qwen3Config, **HEAD_DIM)  # per-head q_norm / k_norm
+tiny_gemma = decoder(tf.GemmaForCausalLM, tf.GemmaConfig, **HEAD_DIM)
+# The standard attention plumbing. Phi-3: a fused qkv_proj, RoPE on half of each head.
+tiny_phi3 = decoder(tf.Phi3ForCausalLM, tf.Phi3Config, rope_parameters=PARTIAL_ROPE)
+tiny_olmo = decoder(tf.OlmoForCausalLM, tf.OlmoConfig, clip_qkv=0.5)  # clamps q, k, v
+tiny_olmo2 = decoder(tf.Olmo2ForCausalLM, tf.Olmo2Config)  # q_norm over the whole projection
+tiny_granite = decoder(tf.GraniteForCausalLM, tf.GraniteConfig, attention_multiplier=0.3)  # its own scaling
+tiny_mixtral = decoder(
+    tf.MixtralForCausalLM, tf.MixtralConfig, sliding_window=6, num_local_experts=2, num_experts_per_tok=1
+)
+tiny_qwen3_moe = decoder(
+    tf.Qwen3MoeForCausalLM,
+    tf.Qwen3MoeConfig,
+    **HEAD_DIM,
+    num_experts=2,
+    num_experts_per_tok=1,
+    moe_intermediate_size=32,
+)
+# Per-head q/k norms, query_pre_attn_scalar, a sliding layer with local RoPE beside a global one.
+tiny_gemma3 = decoder(
+    tf.Gemma3ForCausalLM,
+    tf.Gemma3TextConfig,
+    **HEAD_DIM,
+    sliding_window=6,
+    layer_types=["sliding_attention", "full_attention"],
+)
+tiny_stablelm = decoder(tf.StableLmForCausalLM, tf.StableLmConfig, qk_layernorm=True)  # partial rotary 0.25
+tiny_cohere = decoder(tf.CohereForCausalLM, tf.CohereConfig, use_qk_norm=True)  # interleaved RoPE
+tiny_smollm3 = decoder(tf.SmolLM3ForCausalLM, tf.SmolLM3Config, no_rope_layers=[1, 0])  # layer 1 is NoPE
+tiny_starcoder2 = decoder(tf.Starcoder2ForCausalLM, tf.Starcoder2Config, sliding_window=6)  # biases
+tiny_glm = decoder(tf.GlmForCausalLM, tf.GlmConfig)  # partial, interleaved RoPE
+tiny_gemma2_no_softcap = decoder(
+    tf.Gemma2ForCausalLM, tf.Gemma2Config, **HEAD_DIM, sliding_window=6, attn_logit_softcapping=None
+)
+
+FAMILY_CASES = [
+    FamilyCase("llama", tiny_llama, LEFT_PADDED, causal=True, adapter="llama", core=True, mirrored=True, sample=True),
+    FamilyCase("gpt2", tiny_gpt2, LEFT_PADDED, causal=True, adapter="gpt2", core=True, mirrored=True, sample=True),
+    FamilyCase("vit", tiny_vit, IMAGE, causal=False, adapter="vit", core=True, mirrored=True, sample=True),
+    FamilyCase("bert", tiny_bert_model, RIGHT_PADDED, causal=False, adapter="bert", mirrored=True, sample=True),
+    # BERT's adapter with RoBERTa's classes: BERT stands for both in the sample.
+    FamilyCase("roberta", tiny_roberta, RIGHT_PADDED, causal=False, adapter="bert"),
+    FamilyCase("mistral", tiny_mistral, LEFT_PADDED, causal=True, adapter="llama", sample=True),
+    FamilyCase("qwen2", tiny_qwen2, LEFT_PADDED, causal=True, adapter="llama"),
+    FamilyCase("qwen3", tiny_qwen3, LEFT_PADDED, causal=True, adapter="llama"),
+    FamilyCase("gemma", tiny_gemma, LEFT_PADDED, causal=True, adapter="llama"),
+    FamilyCase("phi3", tiny_phi3, LEFT_PADDED, causal=True, adapter="standard", sample=True),
+    FamilyCase("olmo", tiny_olmo, LEFT_PADDED, causal=True, adapter="standard"),
+    FamilyCase("olmo2", tiny_olmo2, LEFT_PADDED, causal=True, adapter="standard"),
+    FamilyCase("granite", tiny_granite, LEFT_PADDED, causal=True, adapter="standard"),
+    FamilyCase("mixtral", tiny_mixtral, LEFT_PADDED, causal=True, adapter="standard"),
+    FamilyCase("qwen3_moe", tiny_qwen3_moe, LEFT_PADDED, causal=True, adapter="standard"),
+    FamilyCase("gemma3", tiny_gemma3, LEFT_PADDED, causal=True, adapter="standard"),
+    FamilyCase("stablelm", tiny_stablelm, LEFT_PADDED, causal=True, adapter="standard"),
+    FamilyCase("cohere", tiny_cohere, LEFT_PADDED, causal=True, adapter="standard"),
+    FamilyCase("smollm3", tiny_smollm3, LEFT_PADDED, causal=True, adapter="standard"),
+    # No entry on purpose: the generic fallback serves these, so it stays under test.
+    FamilyCase("starcoder2", tiny_starcoder2, LEFT_PADDED, causal=True, adapter="standard", generic=True, sample=True),
+    FamilyCase("glm", tiny_glm, LEFT_PADDED, causal=True, adapter="standard", generic=True),
+    FamilyCase("gemma2_no_softcap", tiny_gemma2_no_softcap, LEFT_PADDED, causal=True, adapter="standard", generic=True),
+]
+_FAMILY_CASE = {case.name: case for case in FAMILY_CASES}
+
+
+def family_case(name: str) -> FamilyCase:
+    """The row of FAMILY_CASES named ``name``."""
+    return _FAMILY_CASE[name]
+
+
+def tiny_model(family: str, **overrides) -> nn.Module:
+    """A tiny model of ``family`` (a FAMILY_CASES name), config ``overrides`` applied."""
+    return family_case(family).build(**overrides)
+
+
+def rows_where(table: list, *conditions: Callable[[object], bool], **where) -> list:
+    """The rows of ``table`` whose attributes equal ``where`` (e.g. ``core=True``) and that meet ``conditions``."""
+    return [
+        row
+        for row in table
+        if all(getattr(row, key) == value for key, value in where.items()) and all(meets(row) for meets in conditions)
+    ]
+
+
+def family_cases(*conditions: Callable[[FamilyCase], bool], **where) -> list:
+    """pytest params (id: the name) of the FAMILY_CASES rows picked as ``rows_where`` picks them."""
+    return [pytest.param(case, id=case.name) for case in rows_where(FAMILY_CASES, *conditions, **where)]
+
+
+def family_names(*conditions: Callable[[FamilyCase], bool], **where) -> list[str]:
+    """The names of the FAMILY_CASES rows picked as ``rows_where`` picks them."""
+    return [case.name for case in rows_where(FAMILY_CASES, *conditions, **where)]
+
+
+CORE_FAMILIES = tuple(family_names(core=True))
+
+
 SCORER_NAMES = ["qana", "neural"]
 
 
 def model_inputs(family: str, batch: int = 2, seq: int = 12, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Unpadded inputs for a model of ``family``: (batch, 3, 16, 16) pixels, or (batch, seq) token ids."""
     generator = torch.Generator().manual_seed(seed)
-    if family == "vit":
+    if family_case(family).inputs == IMAGE:
         return {"pixel_values": torch.randn(batch, 3, 16, 16, generator=generator)}
     return {"input_ids": torch.randint(2, VOCAB, (batch, seq), generator=generator)}
+
+
+def padded_inputs(kind: str) -> dict[str, torch.Tensor]:
+    """Two examples as their processors make them (``kind``: a FamilyCase's ``inputs``): IMAGE pixels, or (2, 10)
+    token ids whose second row is padded on the left (LEFT_PADDED, decoders) or the right (RIGHT_PADDED, BERT-style
+    encoders), with their attention mask."""
+    generator = torch.Generator().manual_seed(1)
+    if kind == IMAGE:
+        return {"pixel_values": torch.randn(2, 3, 16, 16, generator=generator)}
+    ids = torch.randint(3, VOCAB, (2, 10), generator=generator)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    padding = slice(0, 4) if kind == LEFT_PADDED else slice(6, 10)
+    ids[1, padding], mask[1, padding] = 1, 0
+    return {"input_ids": ids, "attention_mask": mask}
 
 
 def tokens(batch: int, seq: int, seed: int = 3) -> torch.Tensor:
     """(batch, seq) random token ids of the tiny vocabulary (0 and 1 left out: pad and special ids)."""
     return torch.randint(2, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def training_labels(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Labels for the model's own loss: the input ids (language modelling), or for images the classes 0, 1,
+    2, ... of the batch's examples (modulo the number of labels)."""
+    if "pixel_values" in inputs:
+        return torch.arange(inputs["pixel_values"].shape[0]) % model.config.num_labels
+    return inputs["input_ids"]
+
+
+def training_loss(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**inputs, labels=training_labels(model, inputs)).loss
 
 
 def assert_left_padding_and_cache_exact(model, atol: float = 1e-4) -> None:
@@ -140,30 +334,66 @@ def logits(model, inputs: dict[str, torch.Tensor], **kwargs) -> torch.Tensor:
     return model(**inputs, **kwargs).logits
 
 
-# --- Tiny encoders (BERT, RoBERTa) -----------------------------------------------------------------------------
+# --- Compute paths -----------------------------------------------------------------------------------------------
 
-BERT_COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=64,
-    max_position_embeddings=64,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-    pad_token_id=1,
-)
+IMPLS = IMPL_OPTIONS  # every public impl choice
+# The choices that run on any machine: "triton" needs CUDA or Triton's CPU interpreter (tests/test_triton.py).
+PORTABLE_IMPLS = tuple(impl for impl in IMPLS if impl != "triton")
+# The portable choices that name one path; the first is "reference", the oracle the others are compared with.
+PATH_IMPLS = tuple(impl for impl in PORTABLE_IMPLS if impl != "auto")
 
 
-def tiny_bert() -> BertForMaskedLM:
-    torch.manual_seed(0)
-    return BertForMaskedLM(BertConfig(**BERT_COMMON)).eval()
+# --- Checkpoints -------------------------------------------------------------------------------------------------
+
+# A full checkpoint (save_pretrained: the whole model, the patch record in config.json) and an adapter-only one
+# (save_adapter: the scorer tensors, the record in the adapter JSON's "patch" field, the base model's id).
+CHECKPOINT_KINDS = ("full", "adapter")
+RECORD_FILE = {"full": "config.json", "adapter": ADAPTER_CONFIG_NAME}  # the JSON file holding the record
+RECORD_FIELD = {"full": RECORD_KEY, "adapter": "patch"}  # its field holding the record
+WEIGHTS_FILE = {"full": "model.safetensors", "adapter": ADAPTER_WEIGHTS_NAME}  # the file holding the scorers
 
 
-# --- Scorers on their own, in float64 ------------------------------------------------------------------------
+def save_checkpoint(
+    root: Path, kind: str, family: str = "llama", scorer: str = "qana", **options
+) -> tuple[nn.Module, Path]:
+    """A tiny model of ``family`` patched with ``scorer`` and ``options``, its scorers moved off their init
+    ("trained"), saved as a checkpoint of ``kind`` in ``root / kind``. For an adapter the base model is saved to
+    ``root / "base"`` first and the model loaded from there, as a user's would be. Returns the patched model and
+    the checkpoint's folder."""
+    model = tiny_model(family)
+    if kind == "adapter":
+        model.save_pretrained(root / "base")
+        model = type(model).from_pretrained(root / "base").eval()
+    hf_neural_attn.patch_model(model, scorer, **options)
+    perturb_scorers(model)
+    folder = root / kind
+    if kind == "adapter":
+        hf_neural_attn.save_adapter(model, folder)
+    else:
+        model.save_pretrained(folder)
+    return model, folder
+
+
+def edit_json(path: Path, edit: Callable[[dict], None]) -> None:
+    """Change a JSON file in place: ``edit`` mutates its content."""
+    content = json.loads(path.read_text())
+    edit(content)
+    path.write_text(json.dumps(content))
+
+
+def edit_record(folder: Path, kind: str, edit: Callable[[dict], None]) -> None:
+    """Change the patch record of a ``kind`` checkpoint in ``folder`` where that kind keeps it (config.json's
+    "hf_neural_attn" field, the adapter JSON's "patch" field): ``edit`` mutates the record."""
+    edit_json(folder / RECORD_FILE[kind], lambda content: edit(content[RECORD_FIELD[kind]]))
+
+
+# --- Scorers on their own, in float64 ----------------------------------------------------------------------------
 
 HIDDEN, HEADS, KV_HEADS, D = 6, 2, 1, 4
 F64 = torch.float64
+
+# The activations the literal references write out, by the name the scorer configs take.
+ACTIVATIONS = {"gelu": F.gelu, "tanh": torch.tanh, "relu": F.relu}
 
 
 def geometry(**overrides) -> AttentionGeometry:
@@ -188,6 +418,18 @@ def randomise(module, seed=0, std=0.7) -> None:
             parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=F64) * std)
 
 
+def rope_vector(vector, position, base=10000.0):
+    """RoPE of one D-vector at one position, rotate-half convention (as Llama), written out."""
+    half = vector.shape[-1] // 2
+    out = torch.empty_like(vector)
+    for m in range(half):
+        angle = position * base ** (-2 * m / vector.shape[-1])
+        x1, x2 = vector[m], vector[m + half]
+        out[m] = x1 * math.cos(angle) - x2 * math.sin(angle)
+        out[m + half] = x2 * math.cos(angle) + x1 * math.sin(angle)
+    return out
+
+
 def rope_rows(x, positions):
     """The library-side rotation: (batch, n, seq, D) rotated at ``positions`` (seq,), vectorised."""
     half = x.shape[-1] // 2
@@ -196,6 +438,15 @@ def rope_rows(x, positions):
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     rotated_half = torch.cat([-x[..., half:], x[..., :half]], -1)
     return x * cos + rotated_half * sin
+
+
+def qana_case(batch: int = 2, q_len: int = 3, k_len: int = 5):
+    """Hidden states (batch, q_len, HIDDEN), the model's own query projection W_s (HEADS * D, HIDDEN) and b_s,
+    keys (batch, HEADS, k_len, D), and the query and key positions (float64, from the global RNG)."""
+    hidden = torch.randn(batch, q_len, HIDDEN, dtype=F64)
+    w_s, b_s = torch.randn(HEADS * D, HIDDEN, dtype=F64), torch.randn(HEADS * D, dtype=F64)
+    keys = torch.randn(batch, HEADS, k_len, D, dtype=F64)
+    return hidden, w_s, b_s, keys, torch.arange(2, 2 + q_len), torch.arange(k_len)
 
 
 class AttentionUnderTest(nn.Module):
@@ -246,7 +497,7 @@ class ScorerCase:
     waits: tuple[str, ...] = ()
     parameters: bool = True  # the scorer adds parameters to the model
     chunked: bool = True  # impl="chunked" applies
-    families: tuple[str, ...] = ("llama", "gpt2", "vit")  # FACTORIES keys it can patch
+    families: tuple[str, ...] = CORE_FAMILIES  # the FAMILY_CASES it can patch
 
     @property
     def id(self) -> str:
@@ -268,7 +519,14 @@ SCORER_CASES = [
     ScorerCase("general", {}),
     # No parameters and no softmax: for training from scratch. NSEA mixes every query into each key's weight,
     # so it refuses causal models.
-    ScorerCase("nsea", {"mode": "replace"}, preserving=False, parameters=False, chunked=False, families=("vit",)),
+    ScorerCase(
+        "nsea",
+        {"mode": "replace"},
+        preserving=False,
+        parameters=False,
+        chunked=False,
+        families=tuple(family_names(core=True, causal=False)),
+    ),
     ScorerCase("hea", {"mode": "replace"}, preserving=False, parameters=False, chunked=False),
 ]
 
@@ -276,7 +534,7 @@ SCORER_CASES = [
 def scorer_cases(with_family: bool = False, **where):
     """pytest params of SCORER_CASES rows whose attributes equal ``where``; with_family: one param per (row,
     family) the row can patch."""
-    rows = [case for case in SCORER_CASES if all(getattr(case, key) == value for key, value in where.items())]
+    rows = rows_where(SCORER_CASES, **where)
     if not with_family:
         return [pytest.param(case, id=case.id) for case in rows]
     return [pytest.param(case, family, id=f"{case.id}-{family}") for case in rows for family in case.families]
@@ -286,15 +544,3 @@ def negligible(grad: torch.Tensor, reference: torch.Tensor) -> bool:
     """Zero up to fp32 rounding, relative to a gradient that is really there."""
     return bool(grad.abs().max() <= 1e-4 * reference.abs().max())
 
-
-def padded_inputs(kind: str) -> dict[str, torch.Tensor]:
-    """Two examples as their processors make them: ``"image"`` pixels, or token ids whose second row is
-    padded on the ``"left-padded"`` (decoders) or ``"right-padded"`` (BERT-style encoders) side."""
-    generator = torch.Generator().manual_seed(1)
-    if kind == "image":
-        return {"pixel_values": torch.randn(2, 3, 16, 16, generator=generator)}
-    ids = torch.randint(3, VOCAB, (2, 10), generator=generator)
-    mask = torch.ones(2, 10, dtype=torch.long)
-    padding = slice(0, 4) if kind == "left-padded" else slice(6, 10)
-    ids[1, padding], mask[1, padding] = 1, 0
-    return {"input_ids": ids, "attention_mask": mask}

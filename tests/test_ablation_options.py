@@ -12,20 +12,23 @@ import warnings
 import pytest
 import torch
 from helpers import (
+    ACTIVATIONS,
     F64,
     HEADS,
     HIDDEN,
     KV_HEADS,
+    PATH_IMPLS,
     D,
     geometry,
     perturb_scorers,
+    qana_case,
     randomise,
     rope_rows,
+    rope_vector,
     tiny_gpt2,
     tiny_llama,
     tokens,
 )
-from test_scorer_math import ACTIVATIONS, qana_case, rope_vector
 
 import hf_neural_attn
 from hf_neural_attn.families.llama import narrow_rotary
@@ -162,7 +165,7 @@ def test_options_without_a_fused_form_take_the_generic_chunked_path_exactly(opti
     """The chunked path recomputes the scorer's own scores per block: same outputs and gradients as reference."""
     torch.manual_seed(0)
     results = {}
-    for impl in ("reference", "chunked"):
+    for impl in PATH_IMPLS:
         scorer = QanaScorer(QanaConfig(h=2, impl=impl, **options), geometry())
         randomise(scorer)
         assert scorer.fused_unsupported_reason() is not None
@@ -176,8 +179,10 @@ def test_options_without_a_fused_form_take_the_generic_chunked_path_exactly(opti
         )
         output.square().sum().backward()
         results[impl] = [output, query.grad, key.grad, *(p.grad for p in scorer.parameters())]
-    for reference, chunked in zip(*results.values(), strict=True):
-        torch.testing.assert_close(chunked, reference, rtol=1e-9, atol=1e-10)
+    reference = results.pop("reference")
+    for tensors in results.values():
+        for tensor, expected in zip(tensors, reference, strict=True):
+            torch.testing.assert_close(tensor, expected, rtol=1e-9, atol=1e-10)
 
 
 @pytest.mark.parametrize(
@@ -415,7 +420,7 @@ def test_neural_relative_input_is_function_preserving_and_exact_in_generation():
 def test_neural_relative_input_on_the_blockwise_path_matches_reference():
     torch.manual_seed(0)
     results = {}
-    for impl in ("reference", "chunked"):
+    for impl in PATH_IMPLS:
         scorer = NeuralAttentionScorer(
             NeuralAttentionConfig(pair_input="relative", impl=impl), geometry(rope_partner=INTERLEAVED)
         )
@@ -428,8 +433,10 @@ def test_neural_relative_input_on_the_blockwise_path_matches_reference():
         output, _ = scored_attention(scorer, query, key, value, None, scaling=D**-0.5, is_causal=True)
         output.square().sum().backward()
         results[impl] = [output, query.grad, key.grad, value.grad, *(p.grad for p in scorer.parameters())]
-    for reference, chunked in zip(*results.values(), strict=True):
-        torch.testing.assert_close(chunked, reference, rtol=1e-9, atol=1e-10)
+    reference = results.pop("reference")
+    for tensors in results.values():
+        for tensor, expected in zip(tensors, reference, strict=True):
+            torch.testing.assert_close(tensor, expected, rtol=1e-9, atol=1e-10)
 
 
 def test_neural_relative_input_is_refused_without_rope_and_with_a_down_projection():

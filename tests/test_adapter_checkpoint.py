@@ -2,7 +2,8 @@
 base model's id; hf_neural_attn.from_pretrained(adapter) loads the base model, patches it and fills the tensors.
 
 Everything runs offline: base models are saved to local folders, and the Hub is a local cache folder laid out the
-way huggingface_hub lays out downloads, read through the ordinary (offline) Hub code path."""
+way huggingface_hub lays out downloads, read through the ordinary (offline) Hub code path. Damaged adapters:
+tests/test_damaged_checkpoints.py."""
 
 import json
 import shutil
@@ -12,8 +13,8 @@ from typing import ClassVar
 
 import pytest
 import torch
-from helpers import FACTORIES, logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
-from safetensors.torch import load_file, save_file
+from helpers import logits, model_inputs, perturb_scorers, save_checkpoint, tiny_gpt2, tiny_llama, tiny_model
+from safetensors.torch import load_file
 
 import hf_neural_attn
 from hf_neural_attn.loading.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
@@ -22,23 +23,21 @@ ADAPTER_FILES = {ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, "README.md"}
 
 
 def save_base(folder: Path, family: str = "llama", **overrides) -> Path:
-    FACTORIES[family](**overrides).save_pretrained(folder)
+    tiny_model(family, **overrides).save_pretrained(folder)
     return folder
 
 
 def load_patched(base: Path, family: str = "llama", scorer: str = "qana", **options):
     """The base model as a user would have it: loaded from its folder, patched, trained (here: perturbed)."""
-    model = type(FACTORIES[family]()).from_pretrained(base).eval()
+    model = type(tiny_model(family)).from_pretrained(base).eval()
     hf_neural_attn.patch_model(model, scorer, **options)
     perturb_scorers(model)
     return model
 
 
 def test_adapter_round_trip_reproduces_outputs(tmp_path, family, scorer_name):
-    base = save_base(tmp_path / "base", family)
-    model = load_patched(base, family, scorer_name)
-    adapter = tmp_path / "adapter"
-    hf_neural_attn.save_adapter(model, adapter)
+    model, adapter = save_checkpoint(tmp_path, "adapter", family, scorer_name)
+    base = tmp_path / "base"  # where save_checkpoint saved the base model
 
     # Only the adapter's three small files: the tensors, the JSON, the card; no base weight.
     assert {path.name for path in adapter.iterdir()} == ADAPTER_FILES
@@ -87,9 +86,8 @@ def test_options_layers_and_attention_implementation_survive(tmp_path):
 
 
 def test_hf_kwargs_reach_the_base_model(tmp_path):
-    model = load_patched(save_base(tmp_path / "base"))
-    hf_neural_attn.save_adapter(model, tmp_path / "adapter")
-    loaded = hf_neural_attn.from_pretrained(tmp_path / "adapter", dtype=torch.bfloat16)
+    model, adapter = save_checkpoint(tmp_path, "adapter")
+    loaded = hf_neural_attn.from_pretrained(adapter, dtype=torch.bfloat16)
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
     inputs = model_inputs("llama")
     # bf16 keeps ~3 significant digits (same bound as the full-checkpoint test).
@@ -132,16 +130,14 @@ def test_unknown_base_model_needs_the_argument(tmp_path):
 
 
 def test_moved_base_model_is_found_with_an_override(tmp_path):
-    base = save_base(tmp_path / "base")
-    model = load_patched(base)
-    hf_neural_attn.save_adapter(model, tmp_path / "adapter")
+    model, adapter = save_checkpoint(tmp_path, "adapter")
     moved = tmp_path / "elsewhere"
-    base.rename(moved)
+    (tmp_path / "base").rename(moved)
     with pytest.raises(
         OSError, match="(?s)needs its base model.*does not exist on this machine.*base_model_name_or_path="
     ):
-        hf_neural_attn.from_pretrained(tmp_path / "adapter")
-    loaded = hf_neural_attn.from_pretrained(tmp_path / "adapter", base_model_name_or_path=moved)
+        hf_neural_attn.from_pretrained(adapter)
+    loaded = hf_neural_attn.from_pretrained(adapter, base_model_name_or_path=moved)
     inputs = model_inputs("llama")
     torch.testing.assert_close(logits(loaded, inputs), logits(model, inputs), rtol=0, atol=1e-6)
 
@@ -156,57 +152,9 @@ def test_moved_base_model_is_found_with_an_override(tmp_path):
     ids=["wider", "fewer-layers", "other-family"],
 )
 def test_wrong_base_model_is_refused(tmp_path, wrong_base, message):
-    model = load_patched(save_base(tmp_path / "base"))
-    hf_neural_attn.save_adapter(model, tmp_path / "adapter")
+    _, adapter = save_checkpoint(tmp_path, "adapter")
     with pytest.raises(ValueError, match=message):
-        hf_neural_attn.from_pretrained(tmp_path / "adapter", base_model_name_or_path=wrong_base(tmp_path / "wrong"))
-
-
-def edit_json(folder: Path, change) -> None:
-    path = folder / ADAPTER_CONFIG_NAME
-    metadata = json.loads(path.read_text())
-    change(metadata)
-    path.write_text(json.dumps(metadata))
-
-
-def drop_first_tensor(folder: Path) -> None:
-    tensors = load_file(folder / ADAPTER_WEIGHTS_NAME)
-    tensors.pop(min(tensors))
-    save_file(tensors, folder / ADAPTER_WEIGHTS_NAME)
-
-
-def add_tensor(folder: Path) -> None:
-    tensors = load_file(folder / ADAPTER_WEIGHTS_NAME)
-    tensors["model.layers.7.self_attn.attn_scorer.gate"] = torch.zeros(4)
-    save_file(tensors, folder / ADAPTER_WEIGHTS_NAME)
-
-
-def truncate_weights(folder: Path) -> None:
-    path = folder / ADAPTER_WEIGHTS_NAME
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-
-
-@pytest.mark.parametrize(
-    "damage,message",
-    [
-        (lambda f: edit_json(f, lambda m: m.update(hf_neural_attn_adapter=2)), "format 2"),
-        (lambda f: edit_json(f, lambda m: m.pop("patch")), "damaged"),
-        (lambda f: edit_json(f, lambda m: m["patch"].update(scorer="cosine")), "does not have"),
-        (lambda f: edit_json(f, lambda m: m["patch"]["options"].update(h=2)), "other shapes"),
-        (lambda f: edit_json(f, lambda m: m.update(architectures=["NoSuchForCausalLM"])), "NoSuchForCausalLM"),
-        (lambda f: (f / ADAPTER_CONFIG_NAME).write_text("{not json"), "cannot be read as JSON"),
-        (drop_first_tensor, "it lacks 1 scorer tensor"),
-        (add_tensor, "no place for 1 scorer tensor"),
-        (truncate_weights, "truncated or corrupt"),
-    ],
-    ids=["format", "no-patch", "scorer", "options", "class", "json", "missing", "extra", "truncated"],
-)
-def test_damaged_adapter_is_refused(tmp_path, damage, message):
-    model = load_patched(save_base(tmp_path / "base"))
-    hf_neural_attn.save_adapter(model, tmp_path / "adapter")
-    damage(tmp_path / "adapter")
-    with pytest.raises(ValueError, match=message):
-        hf_neural_attn.from_pretrained(tmp_path / "adapter")
+        hf_neural_attn.from_pretrained(adapter, base_model_name_or_path=wrong_base(tmp_path / "wrong"))
 
 
 def test_save_adapter_refuses_what_it_cannot_save(tmp_path):

@@ -16,15 +16,17 @@ import sys
 
 import pytest
 import torch
-from helpers import BERT_COMMON, FACTORIES, logits, model_inputs, padded_inputs, perturb_scorers, tiny_gpt2
-from transformers import (
-    BertConfig,
-    BertModel,
-    EncoderDecoderConfig,
-    EncoderDecoderModel,
-    GPT2Config,
-    LlamaForCausalLM,
+from helpers import (
+    BERT_COMMON,
+    CORE_FAMILIES,
+    logits,
+    model_inputs,
+    padded_inputs,
+    perturb_scorers,
+    tiny_gpt2,
+    tiny_model,
 )
+from transformers import BertConfig, EncoderDecoderConfig, EncoderDecoderModel, GPT2Config, LlamaForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_neural_attn
@@ -34,7 +36,7 @@ SWITCH_TOLERANCE = {"rtol": 0, "atol": 1e-4}
 
 def patched(family: str, base: str = "sdpa"):
     """(the unpatched model, the same weights patched with live QANA on layer 0), both over ``base``."""
-    model = FACTORIES[family](attn_implementation=base)
+    model = tiny_model(family, attn_implementation=base)
     unpatched = copy.deepcopy(model)
     hf_neural_attn.patch_model(model, "qana", h=2, layers=[0])
     perturb_scorers(model, std=1.0)
@@ -56,7 +58,7 @@ def base_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("family", list(FACTORIES))
+@pytest.mark.parametrize("family", CORE_FAMILIES)
 def test_switching_eager_and_sdpa_keeps_the_scorers(family, base_calls):
     unpatched, model = patched(family, base="sdpa")
     inputs = model_inputs(family)
@@ -82,8 +84,7 @@ def test_switching_eager_and_sdpa_keeps_the_scorers(family, base_calls):
 def test_switching_with_padding_on_an_encoder(base_calls):
     """BERT with right padding: the base's mask form changes (SDPA's boolean, eager's additive) and both scored
     and unscored layers follow it."""
-    torch.manual_seed(0)
-    model = BertModel(BertConfig(**BERT_COMMON, attn_implementation="sdpa")).eval()
+    model = tiny_model("bert", attn_implementation="sdpa")
     hf_neural_attn.patch_model(model, "neural", h=2, layers=[1])
     perturb_scorers(model)
     inputs = padded_inputs("right-padded")

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_vit
+from helpers import CORE_FAMILIES, IMAGE, family_case, model_inputs, perturb_scorers, tiny_llama, tiny_model, tiny_vit
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -77,12 +77,10 @@ def test_auto_from_config_of_a_patched_model_builds_a_patched_model(llama_checkp
     assert fresh.config is not config  # the new model owns its config too
 
 
-@pytest.mark.parametrize(
-    "factory, auto_class, family",
-    [(tiny_gpt2, AutoModelForCausalLM, "gpt2"), (tiny_vit, AutoModelForImageClassification, "vit")],
-)
-def test_auto_classes_on_other_families(factory, auto_class, family, tmp_path):
-    model = hf_neural_attn.patch_model(factory(), "neural", proj_dim=2)
+@pytest.mark.parametrize("family", [name for name in CORE_FAMILIES if name != "llama"])  # Llama: the tests above
+def test_auto_classes_on_other_families(family, tmp_path):
+    auto_class = AutoModelForImageClassification if family_case(family).inputs == IMAGE else AutoModelForCausalLM
+    model = hf_neural_attn.patch_model(tiny_model(family), "neural", proj_dim=2)
     perturb_scorers(model)
     inputs = model_inputs(family)
     model.save_pretrained(tmp_path)

@@ -10,13 +10,11 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from helpers import TINY_DECODER, model_inputs, perturb_scorers, tiny_gpt2
+from helpers import family_names, model_inputs, perturb_scorers, tiny_model
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
-    GPT2LMHeadModel,
     LlamaConfig,
-    LlamaForCausalLM,
     PretrainedConfig,
 )
 
@@ -27,9 +25,8 @@ TOL = 1e-5  # fp32, same weights, same inputs
 
 def _shared_config(family: str):
     """A model class and a fresh config object of the tiny test shapes."""
-    if family == "llama":
-        return LlamaForCausalLM, LlamaConfig(**TINY_DECODER)
-    return GPT2LMHeadModel, copy.deepcopy(tiny_gpt2().config)
+    model = tiny_model(family)
+    return type(model), copy.deepcopy(model.config)
 
 
 def _siblings(family: str):
@@ -45,7 +42,7 @@ def _siblings(family: str):
     return config, first, second, baseline
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", family_names(core=True, causal=True))  # AutoModelForCausalLM
 def test_patching_one_sibling_changes_no_other_model_nor_the_callers_config(family, tmp_path):
     config, first, second, baseline = _siblings(family)
     inputs = model_inputs(family)
@@ -58,7 +55,7 @@ def test_patching_one_sibling_changes_no_other_model_nor_the_callers_config(fami
     perturb_scorers(second, seed=4)
 
     # The caller's object is untouched and the unpatched sibling still runs as the plain model.
-    assert type(config) in (LlamaConfig, GPT2Config)
+    assert type(config) is type(baseline).config_class  # not the patched config class
     assert config.to_dict() == config_before
     assert not hasattr(config, "hf_neural_attn")
     torch.testing.assert_close(baseline(**inputs).logits, before["baseline"], rtol=0, atol=0)

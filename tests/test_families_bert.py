@@ -1,40 +1,20 @@
 """BERT and RoBERTa encoders with padding, and a real pretrained BERT (all-MiniLM-L6-v2, shipped on PyPI)."""
 
-import copy
-
 import pytest
 import torch
-from helpers import BERT_COMMON as COMMON
-from helpers import VOCAB, perturb_scorers
-from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
+from helpers import family_cases, padded_inputs, perturb_scorers
 
 import hf_neural_attn
 
-ENCODERS = {"bert": (BertModel, BertConfig(**COMMON)), "roberta": (RobertaModel, RobertaConfig(**COMMON))}
 
-
-def build(name):
-    model_class, config = ENCODERS[name]
-    torch.manual_seed(0)
-    return model_class(copy.deepcopy(config)).eval()
-
-
-def padded_batch():
-    """Two sequences, the second right-padded (as BERT tokenizers pad)."""
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, VOCAB, (2, 10), generator=generator)
-    mask = torch.ones(2, 10, dtype=torch.long)
-    ids[1, 6:], mask[1, 6:] = 1, 0
-    return ids, mask
-
-
-@pytest.mark.parametrize("name", list(ENCODERS))
-def test_encoders_preserve_outputs_and_respect_padding(name, scorer_name):
-    model = build(name)
-    ids, mask = padded_batch()
+@pytest.mark.parametrize("case", family_cases(adapter="bert"))
+def test_encoders_preserve_outputs_and_respect_padding(case, scorer_name):
+    model = case.build()
+    batch = padded_inputs(case.inputs)  # the second sequence right-padded from token 6, as BERT tokenizers pad
+    ids, mask = batch["input_ids"], batch["attention_mask"]
     original = model(ids, attention_mask=mask).last_hidden_state
     hf_neural_attn.patch_model(model, scorer_name)
-    assert model.config.hf_neural_attn["family"] == name
+    assert model.config.hf_neural_attn["family"] == case.recorded
     torch.testing.assert_close(model(ids, attention_mask=mask).last_hidden_state, original, rtol=0, atol=1e-5)
     perturb_scorers(model, std=1.0)
     batched = model(ids, attention_mask=mask).last_hidden_state

@@ -5,7 +5,6 @@ Tolerances as in test_families_llama_like: the patched init equals the original 
 two fp32 computations of the same logits by different routes (cache, shifted RoPE angles, padding) to 1e-4.
 """
 
-import copy
 import sys
 import types
 import warnings
@@ -13,58 +12,31 @@ import warnings
 import pytest
 import torch
 import transformers as tf
-from helpers import TINY_DECODER as COMMON
-from helpers import assert_left_padding_and_cache_exact, perturb_scorers, tokens
+from helpers import (
+    FAMILY_CASES,
+    HEAD_DIM,
+    TINY_DECODER,
+    assert_left_padding_and_cache_exact,
+    family_cases,
+    perturb_scorers,
+    tiny_model,
+    tokens,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.olmo.modeling_olmo import OlmoAttention, apply_rotary_pos_emb, eager_attention_forward
 
 import hf_neural_attn
 from hf_neural_attn.families import FAMILIES, UnsupportedAttentionError
+from hf_neural_attn.families.bert import BertFamily
+from hf_neural_attn.families.gpt2 import GPT2Family
+from hf_neural_attn.families.llama import LlamaFamily
+from hf_neural_attn.families.standard import StandardAttentionFamily
+from hf_neural_attn.families.vit import ViTFamily
 from hf_neural_attn.record import FALLBACK_ATTR
 
-HEAD_DIM = {"head_dim": 8}  # configs whose default head_dim is not hidden_size / heads
-
-MODELS = {
-    # Explicit entries (the family name is recorded).
-    # Fused qkv_proj, and RoPE on half of each head.
-    "phi3": (
-        tf.Phi3ForCausalLM,
-        tf.Phi3Config(
-            **COMMON, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
-        ),
-    ),
-    "olmo": (tf.OlmoForCausalLM, tf.OlmoConfig(**COMMON, clip_qkv=0.5)),  # clamps q, k, v
-    "olmo2": (tf.Olmo2ForCausalLM, tf.Olmo2Config(**COMMON)),  # q_norm over the whole projection
-    "granite": (tf.GraniteForCausalLM, tf.GraniteConfig(**COMMON, attention_multiplier=0.3)),  # its own scaling
-    "mixtral": (
-        tf.MixtralForCausalLM,
-        tf.MixtralConfig(**COMMON, sliding_window=6, num_local_experts=2, num_experts_per_tok=1),
-    ),
-    "qwen3_moe": (
-        tf.Qwen3MoeForCausalLM,
-        tf.Qwen3MoeConfig(**COMMON, **HEAD_DIM, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32),
-    ),
-    # Per-head q/k norms, query_pre_attn_scalar, a sliding layer with local RoPE beside a global one.
-    "gemma3": (
-        tf.Gemma3ForCausalLM,
-        tf.Gemma3TextConfig(
-            **COMMON, **HEAD_DIM, sliding_window=6, layer_types=["sliding_attention", "full_attention"]
-        ),
-    ),
-    "stablelm": (tf.StableLmForCausalLM, tf.StableLmConfig(**COMMON, qk_layernorm=True)),  # partial rotary 0.25
-    "cohere": (tf.CohereForCausalLM, tf.CohereConfig(**COMMON, use_qk_norm=True)),  # interleaved RoPE
-    "smollm3": (tf.SmolLM3ForCausalLM, tf.SmolLM3Config(**COMMON, no_rope_layers=[1, 0])),  # layer 1 is NoPE
-    # No entry on purpose: these run the generic fallback (recorded as "standard").
-    "starcoder2": (tf.Starcoder2ForCausalLM, tf.Starcoder2Config(**COMMON, sliding_window=6)),  # biases
-    "glm": (tf.GlmForCausalLM, tf.GlmConfig(**COMMON)),  # partial, interleaved RoPE
-    "gemma2_no_softcap": (
-        tf.Gemma2ForCausalLM,
-        tf.Gemma2Config(**COMMON, **HEAD_DIM, sliding_window=6, attn_logit_softcapping=None),
-    ),
-}
-GENERIC = {"starcoder2", "glm", "gemma2_no_softcap"}
-EXPLICIT = [name for name in MODELS if name not in GENERIC]
-CASES = [pytest.param(name, id=name) for name in MODELS]
+# Phi-3 and the decoders of families/standard_decoders.py (explicit entries, the family name is recorded), and
+# those the generic fallback serves (no entry on purpose, recorded as "standard").
+CASES = family_cases(adapter="standard")
 
 
 @pytest.fixture
@@ -77,18 +49,9 @@ def without_family(monkeypatch):
     FAMILIES.update(saved)
 
 
-def build(name, config_overrides=None):
-    model_class, config = MODELS[name]
-    config = copy.deepcopy(config)
-    for key, value in (config_overrides or {}).items():
-        setattr(config, key, value)
-    torch.manual_seed(0)
-    return model_class(config).eval()
-
-
-def patch(model, name, scorer, **options):
+def patch(model, case, scorer, **options):
     """Patch; the generic path must say it is generic, an explicit entry must not warn."""
-    if name in GENERIC:
+    if case.generic:
         with pytest.warns(UserWarning, match="no tested hf_neural_attn family.*generic standard-attention path"):
             hf_neural_attn.patch_model(model, scorer, **options)
     else:
@@ -96,21 +59,32 @@ def patch(model, name, scorer, **options):
     return model
 
 
-def test_registry_has_an_entry_for_every_explicit_model_and_none_for_the_generic_ones():
-    assert set(EXPLICIT) <= set(FAMILIES)
-    assert not GENERIC & set(FAMILIES)
+def test_every_registered_family_has_a_row_served_by_its_adapter():
+    """FAMILY_CASES (tests/helpers.py) has a row for every family of the registry and none for the models left
+    to the generic fallback; each row's adapter column names the adapter the library serves it with."""
+    adapters = {
+        "llama": LlamaFamily,
+        "gpt2": GPT2Family,
+        "vit": ViTFamily,
+        "bert": BertFamily,
+        "standard": StandardAttentionFamily,
+    }
+    assert {case.name for case in FAMILY_CASES if not case.generic} == set(FAMILIES) - {"standard"}
+    assert not {case.name for case in FAMILY_CASES if case.generic} & set(FAMILIES)
     assert list(FAMILIES)[-1] == "standard"  # the fallback is tried last
+    for case in FAMILY_CASES:
+        assert isinstance(FAMILIES[case.recorded], adapters[case.adapter]), case.name
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_both_scorers_preserve_then_move_logits_and_unpatch_restores(name):
-    model = build(name)
+@pytest.mark.parametrize("case", CASES)
+def test_both_scorers_preserve_then_move_logits_and_unpatch_restores(case):
+    model = case.build()
     ids = tokens(2, 12)
     original = model(ids).logits
     implementation = model.config._attn_implementation
     for scorer_name in ("qana", "neural"):
-        patch(model, name, scorer_name)
-        assert model.config.hf_neural_attn["family"] == ("standard" if name in GENERIC else name)
+        patch(model, case, scorer_name)
+        assert model.config.hf_neural_attn["family"] == case.recorded
         torch.testing.assert_close(model(ids).logits, original, rtol=0, atol=1e-5)
         perturb_scorers(model, std=1.0)
         # The init agrees to ~1e-7; a live scorer moves logits by far more than the bound.
@@ -121,15 +95,15 @@ def test_both_scorers_preserve_then_move_logits_and_unpatch_restores(name):
         assert torch.equal(model(ids).logits, original)
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_qana_positions_left_padding_and_kv_cache(name):
+@pytest.mark.parametrize("case", CASES)
+def test_qana_positions_left_padding_and_kv_cache(case):
     """QANA is the scorer that reads hidden states and RoPE through the family; Neural Attention's part of the
     plumbing (geometry only) is covered by the preservation test above."""
-    model = build(name)
+    model = case.build()
     prompt = tokens(2, 5)
     settings = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
     unpatched_generation = model.generate(prompt, **settings)
-    patch(model, name, "qana")
+    patch(model, case, "qana")
     # At init the patched model generates what the original does (greedy, with the KV cache).
     assert torch.equal(model.generate(prompt, **settings), unpatched_generation)
 
@@ -145,28 +119,30 @@ def test_qana_positions_left_padding_and_kv_cache(name):
     assert_left_padding_and_cache_exact(model)
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_checkpoint_round_trip(name, tmp_path):
-    model = patch(build(name), name, "qana", layers=[1])
+@pytest.mark.parametrize("case", CASES)
+def test_checkpoint_round_trip(case, tmp_path):
+    model = patch(case.build(), case, "qana", layers=[1])
     perturb_scorers(model, std=0.5)
-    model.save_pretrained(tmp_path / name)
-    loaded = hf_neural_attn.from_pretrained(tmp_path / name)
+    model.save_pretrained(tmp_path / case.name)
+    loaded = hf_neural_attn.from_pretrained(tmp_path / case.name)
     ids = tokens(2, 8)
     assert type(loaded) is type(model)
     assert loaded.config.hf_neural_attn["family"] == model.config.hf_neural_attn["family"]
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", [name for name in EXPLICIT if name != "phi3"])  # Phi-3 has no q_proj
-def test_generic_fallback_alone_serves_every_explicit_model_the_same_way(name, monkeypatch, without_family):
+@pytest.mark.parametrize(
+    "case", family_cases(lambda case: case.name != "phi3", adapter="standard", generic=False)  # Phi-3: no q_proj
+)
+def test_generic_fallback_alone_serves_every_explicit_model_the_same_way(case, monkeypatch, without_family):
     """The explicit entries are only names: with an entry removed, the fallback patches the model identically."""
     ids = tokens(2, 12)
-    explicit = build(name)
+    explicit = case.build()
     hf_neural_attn.patch_model(explicit, "qana")
     perturb_scorers(explicit, std=1.0)
 
-    without_family(name)
-    generic = build(name)
+    without_family(case.name)
+    generic = case.build()
     original = generic(ids).logits
     with pytest.warns(UserWarning, match="generic standard-attention path"):
         hf_neural_attn.patch_model(generic, "qana")
@@ -177,7 +153,7 @@ def test_generic_fallback_alone_serves_every_explicit_model_the_same_way(name, m
 
 
 def test_phi3_scorer_reads_the_query_rows_of_the_fused_projection_and_rotary_is_partial():
-    model = build("phi3")
+    model = tiny_model("phi3")
     attention = model.model.layers[0].self_attn
     rows = model.config.num_attention_heads * attention.head_dim
     with torch.no_grad():
@@ -207,25 +183,25 @@ def assert_refused(model, match):
 
 
 def test_gemma2_attention_soft_capping_is_refused():
-    model = build("gemma2_no_softcap", {"attn_logit_softcapping": 50.0})
+    model = tiny_model("gemma2_no_softcap", attn_logit_softcapping=50.0)
     assert_refused(model, r"Gemma2Attention .*logit soft-capping \(softcap=50.0\)")
 
 
 def test_gpt_oss_attention_sinks_are_refused():
-    config = tf.GptOssConfig(**COMMON, **HEAD_DIM, num_local_experts=2, num_experts_per_tok=1)
+    config = tf.GptOssConfig(**TINY_DECODER, **HEAD_DIM, num_local_experts=2, num_experts_per_tok=1)
     torch.manual_seed(0)
     assert_refused(tf.GptOssForCausalLM(config).eval(), r"GptOssAttention .*attention sinks")
 
 
 def test_qwen3_next_gated_query_projection_is_refused():
-    config = tf.Qwen3NextConfig(**COMMON, **HEAD_DIM, layer_types=["full_attention", "full_attention"])
+    config = tf.Qwen3NextConfig(**TINY_DECODER, **HEAD_DIM, layer_types=["full_attention", "full_attention"])
     torch.manual_seed(0)
     model = tf.Qwen3NextForCausalLM(config).eval()
     assert_refused(model, r"Qwen3NextAttention .*64 output rows but its attention scores 4 heads x 8")
 
 
 def test_two_kinds_of_attention_are_refused_by_the_generic_path():
-    model = build("starcoder2")
+    model = tiny_model("starcoder2")
 
     class OtherStarcoder2Attention(type(model.model.layers[1].self_attn)):
         pass
@@ -290,7 +266,7 @@ class TemperedAttention(OddAttention):
 def test_probe_refuses_modules_that_only_look_standard(attention_class, match, monkeypatch, without_family):
     monkeypatch.setitem(sys.modules, "odd_modeling", odd_modeling)
     monkeypatch.setattr(attention_class, "__module__", "odd_modeling")
-    model = build("olmo", {"clip_qkv": None})
+    model = tiny_model("olmo", clip_qkv=None)
     for layer in model.model.layers:
         layer.self_attn.__class__ = attention_class
     without_family("olmo")
@@ -302,7 +278,7 @@ def test_the_odd_attention_itself_passes_the_probe(monkeypatch, without_family):
     monkeypatch.setitem(sys.modules, "odd_modeling", odd_modeling)
     monkeypatch.setattr(odd_modeling, "eager_attention_forward", eager_attention_forward)
     monkeypatch.setattr(OddAttention, "__module__", "odd_modeling")
-    model = build("olmo", {"clip_qkv": None})
+    model = tiny_model("olmo", clip_qkv=None)
     ids = tokens(2, 8)
     original = model(ids).logits
     for layer in model.model.layers:
@@ -314,18 +290,18 @@ def test_the_odd_attention_itself_passes_the_probe(monkeypatch, without_family):
     torch.testing.assert_close(model(ids).logits, original, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_neural_attention_reads_relative_pairs_wherever_the_model_has_rope(name):
+@pytest.mark.parametrize("case", CASES)
+def test_neural_attention_reads_relative_pairs_wherever_the_model_has_rope(case):
     """Neural Attention's default input on RoPE models pairs the dimensions the model's own rotation turns together
     (rotate-half, interleaved, partial; read off the rotation): every layer with RoPE scores relative positions,
     a NoPE layer reads its (unrotated) q and k as they are."""
-    model = build(name)
+    model = case.build()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an explicit entry must not fall to the generic path (which warns)
-        patch(model, name, "neural")
+        patch(model, case, "neural")
     attention = [module for module in model.modules() if hasattr(module, "attn_scorer")]
     inputs = {module.attn_scorer.pair_input for module in attention}
-    assert inputs == ({"relative", "concat"} if name == "smollm3" else {"relative"})
+    assert inputs == ({"relative", "concat"} if case.name == "smollm3" else {"relative"})
     perturb_scorers(model, std=0.5)
     ids = tokens(2, 12)
     positions = torch.arange(12).expand(2, -1)

@@ -2,7 +2,7 @@
 Preserved at init and live on every family, for every scorer case: tests/test_scorer_contracts.py."""
 
 import torch
-from helpers import FACTORIES, logits, model_inputs, perturb_scorers
+from helpers import logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_model
 
 import hf_neural_attn
 
@@ -12,7 +12,7 @@ EXACT = 1e-5
 
 
 def test_llama_uses_grouped_query_attention_and_every_layer_is_patched():
-    model = FACTORIES["llama"]()
+    model = tiny_llama()
     assert model.config.num_key_value_heads < model.config.num_attention_heads
     hf_neural_attn.patch_model(model, "qana", h=4)
     patched = [layer.self_attn for layer in model.model.layers if hasattr(layer.self_attn, "attn_scorer")]
@@ -24,7 +24,7 @@ def test_llama_uses_grouped_query_attention_and_every_layer_is_patched():
 
 
 def test_unpatch_restores_names_shapes_and_outputs_bit_for_bit(family, scorer_name):
-    model = FACTORIES[family]()
+    model = tiny_model(family)
     inputs = model_inputs(family)
     original = logits(model, inputs)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -45,7 +45,7 @@ def test_unpatch_restores_names_shapes_and_outputs_bit_for_bit(family, scorer_na
 
 
 def test_patch_returns_the_same_model_and_records_the_patch():
-    model = FACTORIES["gpt2"]()
+    model = tiny_gpt2()
     assert hf_neural_attn.patch_model(model, "neural", h=3, proj_dim=2, layers=[0]) is model
     record = model.config.hf_neural_attn
     assert record["scorer"] == "neural"
@@ -55,8 +55,8 @@ def test_patch_returns_the_same_model_and_records_the_patch():
 
 
 def test_config_object_api_matches_keyword_api():
-    by_name = FACTORIES["llama"]()
-    by_config = FACTORIES["llama"]()
+    by_name = tiny_llama()
+    by_config = tiny_llama()
     hf_neural_attn.patch_model(by_name, "neural", h=2, proj_dim=4, depth=2)
     hf_neural_attn.patch_model(by_config, hf_neural_attn.NeuralAttentionConfig(h=2, proj_dim=4, depth=2))
     assert by_name.config.hf_neural_attn == by_config.config.hf_neural_attn
@@ -67,7 +67,7 @@ def test_config_object_api_matches_keyword_api():
 def test_deep_copies_are_independent_patched_models():
     import copy
 
-    model = FACTORIES["llama"]()
+    model = tiny_llama()
     inputs = model_inputs("llama")
     original = logits(model, inputs)
     hf_neural_attn.patch_model(model, "qana")

@@ -2,7 +2,17 @@
 
 import pytest
 import torch
-from helpers import FACTORIES, logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_vit
+from helpers import (
+    family_case,
+    logits,
+    model_inputs,
+    perturb_scorers,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_model,
+    tiny_vit,
+    training_loss,
+)
 
 import hf_neural_attn
 
@@ -13,14 +23,8 @@ DROPOUT_CONFIG = {
 }
 
 
-def loss_of(model, family, inputs):
-    if family == "vit":
-        return model(**inputs, labels=torch.tensor([0, 1])).loss
-    return model(**inputs, labels=inputs["input_ids"]).loss
-
-
 def test_attention_dropout_applies_in_train_mode_only(family, scorer_name):
-    model = FACTORIES[family](**DROPOUT_CONFIG[family])
+    model = tiny_model(family, **DROPOUT_CONFIG[family])
     inputs = model_inputs(family, seq=16)
     original = logits(model, inputs)
     hf_neural_attn.patch_model(model, scorer_name)
@@ -35,15 +39,14 @@ def test_attention_dropout_applies_in_train_mode_only(family, scorer_name):
     # scaled by 1/(1-p) = 2.
     probs = first.attentions[0]
     allowed = torch.ones(probs.shape[-2:], dtype=torch.bool)
-    if family != "vit":
+    if family_case(family).causal:
         allowed = allowed.tril()
     zero_fraction = (probs[..., allowed] == 0).float().mean().item()
     assert 0.4 < zero_fraction < 0.6, zero_fraction
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "vit"])
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients(family, scorer_name):
-    reference, checkpointed = FACTORIES[family](), FACTORIES[family]()
+    reference, checkpointed = tiny_model(family), tiny_model(family)
     inputs = model_inputs(family)
     results = []
     for model in (reference, checkpointed):
@@ -53,7 +56,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(family, scorer
         if model is checkpointed:
             model.activation_checkpointing_enable()
             assert model.is_activation_checkpointing
-        loss = loss_of(model, family, inputs)
+        loss = training_loss(model, inputs)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in hf_neural_attn.scorer_parameters(model).items()}
         results.append((loss.detach(), grads))
@@ -69,7 +72,7 @@ HALF = [torch.bfloat16, torch.float16]
 
 def half_inputs(family, dtype):
     inputs = model_inputs(family)
-    if family == "vit":
+    if "pixel_values" in inputs:
         inputs = {"pixel_values": inputs["pixel_values"].to(dtype)}
     return inputs
 
@@ -81,7 +84,7 @@ HALF_TOL = 1e-4
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_autocast_forward_and_backward_match_the_eager_model(family, scorer_name, dtype):
-    model = FACTORIES[family](attn_implementation="eager")
+    model = tiny_model(family, attn_implementation="eager")
     inputs = model_inputs(family)
     with torch.autocast("cpu", dtype=dtype):
         original = logits(model, inputs).float()
@@ -89,7 +92,7 @@ def test_autocast_forward_and_backward_match_the_eager_model(family, scorer_name
     model.train()
     with torch.autocast("cpu", dtype=dtype):
         out = model(**inputs)
-        loss = loss_of(model, family, inputs)
+        loss = training_loss(model, inputs)
     loss.backward()
     torch.testing.assert_close(out.logits.float(), original, rtol=0, atol=HALF_TOL)
     for name, parameter in hf_neural_attn.scorer_parameters(model).items():
@@ -98,7 +101,7 @@ def test_autocast_forward_and_backward_match_the_eager_model(family, scorer_name
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_half_precision_weights_match_the_eager_model(family, scorer_name, dtype):
-    model = FACTORIES[family](attn_implementation="eager").to(dtype)
+    model = tiny_model(family, attn_implementation="eager").to(dtype)
     inputs = half_inputs(family, dtype)
     original = logits(model, inputs)
     hf_neural_attn.patch_model(model, scorer_name)
@@ -108,9 +111,8 @@ def test_half_precision_weights_match_the_eager_model(family, scorer_name, dtype
     assert torch.isfinite(logits(model, inputs)).all()
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "vit"])
 def test_output_attentions_are_probabilities_for_every_layer(family, scorer_name):
-    model = FACTORIES[family]()
+    model = tiny_model(family)
     inputs = model_inputs(family)
     hf_neural_attn.patch_model(model, scorer_name, layers=[0])
     perturb_scorers(model)
@@ -120,7 +122,7 @@ def test_output_attentions_are_probabilities_for_every_layer(family, scorer_name
     for probs in attentions:
         assert probs.shape[:2] == (2, 4) and probs.shape[-1] == probs.shape[-2]
         torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[:-1]), rtol=0, atol=1e-5)
-    if family != "vit":
+    if family_case(family).causal:
         assert torch.all(attentions[0].triu(diagonal=1) == 0)
 
 

@@ -5,19 +5,19 @@ save, load, and compare logits, files and errors.
   without CUDA, and ``impl=`` overrides it on load;
 * an adapter records checksums of its base weights: saving one after training the base warns, and loading one
   on other base weights raises;
-* every damaged field of a patch record is a ``ValueError`` naming the file and the field;
 * ``from_pretrained`` takes what transformers' ``from_pretrained`` takes (config overrides, ``output_loading_info``,
   ``ignore_mismatched_sizes``, ``dtype``, ``device_map``, ``revision``, ``model_class``);
 * the adapter's model card says how to load it.
+
+Damaged records and files: tests/test_damaged_checkpoints.py.
 """
 
 import json
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
+from helpers import CHECKPOINT_KINDS, edit_record, logits, model_inputs, save_checkpoint, tiny_llama
 from transformers import LlamaModel
 
 import hf_neural_attn
@@ -26,45 +26,15 @@ from hf_neural_attn.loading.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback on a machine without CUDA")
 
 
-def saved_full(folder: Path, factory=tiny_llama, scorer="qana", **options):
-    model = factory()
-    hf_neural_attn.patch_model(model, scorer, **options)
-    perturb_scorers(model)
-    model.save_pretrained(folder)
-    return model
-
-
-def saved_adapter(tmp_path: Path, factory=tiny_llama, scorer="qana", **options):
-    """A base saved to a folder, loaded from it, patched, its scorers 'trained', saved as an adapter."""
-    base = tmp_path / "base"
-    factory().save_pretrained(base)
-    model = type(factory()).from_pretrained(base).eval()
-    hf_neural_attn.patch_model(model, scorer, **options)
-    perturb_scorers(model)
-    hf_neural_attn.save_adapter(model, tmp_path / "adapter")
-    return model, base, tmp_path / "adapter"
-
-
-def edit_json(path: Path, change) -> None:
-    content = json.loads(path.read_text())
-    change(content)
-    path.write_text(json.dumps(content))
-
-
 # ------------------------------------------------------------------------------------ the compute path (5)
 
 
 @needs_no_cuda
-@pytest.mark.parametrize("kind", ["full", "adapter"])
+@pytest.mark.parametrize("kind", CHECKPOINT_KINDS)
 def test_a_triton_checkpoint_loads_and_runs_without_cuda(tmp_path, kind):
-    if kind == "full":
-        model = saved_full(tmp_path / "full")
-        folder, record_file, record_of = tmp_path / "full", tmp_path / "full" / "config.json", "hf_neural_attn"
-    else:
-        model, _, folder = saved_adapter(tmp_path)
-        record_file, record_of = folder / ADAPTER_CONFIG_NAME, "patch"
+    model, folder = save_checkpoint(tmp_path, kind)
     # As if saved on a GPU machine with impl="triton" (patching with it needs no GPU; running does).
-    edit_json(record_file, lambda c: c[record_of]["options"].update(impl="triton"))
+    edit_record(folder, kind, lambda record: record["options"].update(impl="triton"))
     inputs = model_inputs("llama")
     with pytest.warns(UserWarning, match="impl='triton'.*needs a CUDA device.*impl='auto'") as caught:
         loaded = hf_neural_attn.from_pretrained(folder)
@@ -74,12 +44,9 @@ def test_a_triton_checkpoint_loads_and_runs_without_cuda(tmp_path, kind):
     torch.testing.assert_close(logits(loaded, inputs), logits(model, inputs), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["full", "adapter"])
+@pytest.mark.parametrize("kind", CHECKPOINT_KINDS)
 def test_impl_can_be_chosen_on_load(tmp_path, kind):
-    if kind == "full":
-        model, folder = saved_full(tmp_path / "full"), tmp_path / "full"
-    else:
-        model, _, folder = saved_adapter(tmp_path)
+    model, folder = save_checkpoint(tmp_path, kind)
     inputs = model_inputs("llama")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an explicit choice is not worth a warning
@@ -94,7 +61,8 @@ def test_impl_can_be_chosen_on_load(tmp_path, kind):
 
 
 def test_adapter_records_base_checksums_and_refuses_a_changed_base(tmp_path):
-    model, base, adapter = saved_adapter(tmp_path)
+    model, adapter = save_checkpoint(tmp_path, "adapter")
+    base = tmp_path / "base"
     checksums = json.loads((adapter / ADAPTER_CONFIG_NAME).read_text())["base_checksums"]
     # The first and last tensor of each kind, so any trained module type, and the top and bottom layers, are seen.
     assert {"model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"} <= set(checksums)
@@ -127,53 +95,16 @@ def test_saving_an_adapter_after_training_the_base_warns(tmp_path):
 
 
 def test_base_checksums_allow_a_lower_precision_load(tmp_path):
-    _, _, adapter = saved_adapter(tmp_path)
+    _, adapter = save_checkpoint(tmp_path, "adapter")
     loaded = hf_neural_attn.from_pretrained(adapter, dtype=torch.bfloat16)  # no false alarm from the cast
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
-
-
-# --------------------------------------------------------------------------------------- damaged records (8)
-
-DAMAGE = {
-    "options": [1, 2],
-    "layers": "all",
-    "scorer": 3,
-    "version": 1,
-    "family": 5,
-    "base_attn_implementation": ["sdpa"],
-}
-
-
-@pytest.mark.parametrize("field", list(DAMAGE))
-@pytest.mark.parametrize("kind", ["full", "adapter"])
-def test_every_damaged_record_field_is_a_value_error_naming_file_and_field(tmp_path, kind, field):
-    if kind == "full":
-        saved_full(tmp_path / "full")
-        folder, record_file, record_of = tmp_path / "full", "config.json", "hf_neural_attn"
-    else:
-        _, _, folder = saved_adapter(tmp_path)
-        record_file, record_of = ADAPTER_CONFIG_NAME, "patch"
-    edit_json(folder / record_file, lambda c: c[record_of].update({field: DAMAGE[field]}))
-    with pytest.raises(ValueError, match=rf"{record_file}.* damaged: field '{field}'"):
-        hf_neural_attn.from_pretrained(folder)
-
-
-@pytest.mark.parametrize(
-    "options,named",
-    [({"h": "x"}, "h must be a positive integer"), ({"impl": 7}, "impl")],
-)
-def test_bad_option_values_are_damage_of_the_options_field(tmp_path, options, named):
-    saved_full(tmp_path / "full")
-    edit_json(tmp_path / "full" / "config.json", lambda c: c["hf_neural_attn"]["options"].update(options))
-    with pytest.raises(ValueError, match=rf"config.json is damaged: field 'options'.*{named}"):
-        hf_neural_attn.from_pretrained(tmp_path / "full")
 
 
 # ------------------------------------------------------------------------- transformers' keywords (10)
 
 
 def test_config_overrides_apply_as_in_transformers(tmp_path):
-    model = saved_full(tmp_path / "full")
+    model, _ = save_checkpoint(tmp_path, "full")
     inputs = model_inputs("llama")
     loaded = hf_neural_attn.from_pretrained(tmp_path / "full", output_hidden_states=True)
     assert loaded.config.output_hidden_states is True
@@ -183,31 +114,31 @@ def test_config_overrides_apply_as_in_transformers(tmp_path):
 
 
 def test_output_loading_info_returns_the_model_and_transformers_info(tmp_path):
-    saved_full(tmp_path / "full")
+    save_checkpoint(tmp_path, "full")
     model, info = hf_neural_attn.from_pretrained(tmp_path / "full", output_loading_info=True)
     assert hf_neural_attn.is_patched(model)
     assert {"missing_keys", "unexpected_keys", "mismatched_keys"} <= set(info)
     assert not info["unexpected_keys"] and not info["missing_keys"]  # scorer weights are not "unexpected"
 
-    _, _, adapter = saved_adapter(tmp_path / "a")
+    _, adapter = save_checkpoint(tmp_path / "a", "adapter")
     model, info = hf_neural_attn.from_pretrained(adapter, output_loading_info=True)
     assert hf_neural_attn.is_patched(model) and not info["unexpected_keys"]
 
 
 def test_dtype_device_map_and_revision_reach_transformers(tmp_path):
-    model = saved_full(tmp_path / "full")
+    model, _ = save_checkpoint(tmp_path, "full")
     loaded = hf_neural_attn.from_pretrained(tmp_path / "full", device_map="cpu", revision="main", dtype=torch.float64)
     assert {p.dtype for p in loaded.parameters()} == {torch.float64}
     assert {p.device.type for p in loaded.parameters()} == {"cpu"}
     inputs = model_inputs("llama")
     torch.testing.assert_close(logits(loaded, inputs).float(), logits(model, inputs), rtol=0, atol=1e-5)
-    _, _, adapter = saved_adapter(tmp_path / "a")
+    _, adapter = save_checkpoint(tmp_path / "a", "adapter")
     loaded = hf_neural_attn.from_pretrained(adapter, device_map="cpu", output_attentions=True)
     assert loaded.config.output_attentions is True
 
 
 def test_model_class_builds_another_head_of_the_same_checkpoint(tmp_path):
-    model = saved_full(tmp_path / "full")
+    model, _ = save_checkpoint(tmp_path, "full")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the head's weights left over are expected, as in transformers
         bare = hf_neural_attn.from_pretrained(tmp_path / "full", model_class=LlamaModel)
@@ -221,7 +152,7 @@ def test_model_class_builds_another_head_of_the_same_checkpoint(tmp_path):
     config = AutoConfig.from_pretrained(tmp_path / "full")
     bare = hf_neural_attn.from_pretrained(tmp_path / "full", model_class=LlamaModel, config=config)
     torch.testing.assert_close(bare(**inputs).last_hidden_state, expected, rtol=0, atol=1e-6)
-    _, _, adapter = saved_adapter(tmp_path / "a")
+    _, adapter = save_checkpoint(tmp_path / "a", "adapter")
     assert type(hf_neural_attn.from_pretrained(adapter, model_class=LlamaModel)) is LlamaModel
 
 
@@ -231,7 +162,7 @@ def test_model_class_builds_another_head_of_the_same_checkpoint(tmp_path):
 def test_adapter_card_metadata_and_usage(tmp_path):
     from huggingface_hub import ModelCard
 
-    _, _, adapter = saved_adapter(tmp_path, tiny_gpt2, "neural")
+    _, adapter = save_checkpoint(tmp_path, "adapter", "gpt2", "neural")
     card = ModelCard.load(adapter / "README.md")
     assert card.data.library_name == "hf_neural_attn"
     assert "hf_neural_attn" in card.data.tags and "neural" in card.data.tags

@@ -10,37 +10,14 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from accelerate import init_empty_weights
-from helpers import TINY_DECODER, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_vit
-from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+from helpers import SCORER_NAMES, family_names, model_inputs, perturb_scorers, tiny_llama, tiny_model
 
 import hf_neural_attn
 
-# A tiny encoder of the tiny decoder's sizes (dropout off: the tests compare outputs).
-TINY_BERT = {
-    **{key: TINY_DECODER[key] for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")},
-    "num_attention_heads": TINY_DECODER["num_attention_heads"],
-    "hidden_dropout_prob": 0.0,
-    "attention_probs_dropout_prob": 0.0,
-}
-
-
-def _model_class_and_config(family: str):
-    """The class and config of a tiny model of ``family`` (helpers' configs; bert: a tiny encoder)."""
-    if family == "llama":
-        return LlamaForCausalLM, LlamaConfig(**TINY_DECODER)
-    if family == "bert":
-        return BertModel, BertConfig(**TINY_BERT)
-    model = {"gpt2": tiny_gpt2, "vit": tiny_vit}[family]()
-    return type(model), copy.deepcopy(model.config)
-
-
-def _inputs(family: str) -> dict[str, torch.Tensor]:
-    return model_inputs("vit" if family == "vit" else "llama")
+MIRRORED = family_names(mirrored=True)  # the families transformers' common model tests were run against
 
 
 def _output(model, inputs) -> torch.Tensor:
@@ -50,13 +27,12 @@ def _output(model, inputs) -> torch.Tensor:
 
 
 def _meta_model(family: str):
-    model_class, config = _model_class_and_config(family)
     with torch.device("meta"):
-        return model_class(config)
+        return tiny_model(family)
 
 
-# Every family with QANA and Neural Attention; the other parametrised scorers on Llama (cheap).
-CASES = [(family, scorer) for family in ("llama", "gpt2", "vit", "bert") for scorer in ("qana", "neural")]
+# Those families with QANA and Neural Attention; the other parametrised scorers on Llama (cheap).
+CASES = [(family, scorer) for family in MIRRORED for scorer in SCORER_NAMES]
 CASES += [("llama", "additive"), ("llama", "general")]
 
 
@@ -89,7 +65,7 @@ def test_materialised_meta_model_is_function_preserving(family, scorer):
     # A trainable init, not the all-zero one: the gates (where there are any) start open.
     gates = [p for name, p in after_init.items() if name.endswith(".gate")]
     assert all(torch.equal(g, torch.ones_like(g)) for g in gates)
-    inputs = _inputs(family)
+    inputs = model_inputs(family)
     patched = _output(model, inputs)
     hf_neural_attn.unpatch_model(model)
     torch.testing.assert_close(patched, _output(model, inputs), atol=1e-5, rtol=1e-5)
@@ -97,26 +73,21 @@ def test_materialised_meta_model_is_function_preserving(family, scorer):
 
 def test_meta_init_draws_at_the_configs_initializer_range():
     """On meta the query-weight std comes from the config, the std transformers' init draws W_Q at."""
-    _, config = _model_class_and_config("llama")
-    config.initializer_range = 0.05
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = tiny_llama(initializer_range=0.05)
     hf_neural_attn.patch_model(model, "qana")
     scorer = model.model.layers[0].self_attn.attn_scorer
     assert scorer.geometry.query_weight_std == 0.05
     assert scorer.geometry.device.type == "meta"
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "vit", "bert"])
-@pytest.mark.parametrize("scorer", ["qana", "neural"])
+@pytest.mark.parametrize("family", MIRRORED)
+@pytest.mark.parametrize("scorer", SCORER_NAMES)
 def test_init_weights_can_init_buffers(family, scorer):
     """transformers' test_init_weights_can_init_buffers, patched: the buffers of a patched model built on meta,
     materialised and initialised by transformers equal those of a patched model built normally."""
-    model_class, config = _model_class_and_config(family)
-    from_init = hf_neural_attn.patch_model(model_class(copy.deepcopy(config)), scorer)
-    with torch.device("meta"):
-        from_meta = model_class(copy.deepcopy(config))
-    hf_neural_attn.patch_model(from_meta, scorer)
+    from_init = hf_neural_attn.patch_model(tiny_model(family), scorer)
+    from_meta = hf_neural_attn.patch_model(_meta_model(family), scorer)
     from_meta.to_empty(device="cpu")
     from_meta.init_weights()
     buffers, meta_buffers = dict(from_init.named_buffers()), dict(from_meta.named_buffers())
@@ -137,7 +108,7 @@ def test_all_tensors_are_parameter_or_buffer(family, scorer):
         assert not loose, f"{name or 'model'} keeps unregistered tensors {loose}"
     model.to_empty(device="cpu")
     model.init_weights()
-    output = _output(model.eval(), _inputs(family))
+    output = _output(model.eval(), model_inputs(family))
     assert torch.isfinite(output).all()
 
 
@@ -156,9 +127,9 @@ def test_init_empty_weights_then_load_state_dict_with_assign():
     assign=True: the outputs equal the source model's."""
     source = hf_neural_attn.patch_model(tiny_llama(), "qana")
     perturb_scorers(source)
-    inputs = _inputs("llama")
+    inputs = model_inputs("llama")
     with init_empty_weights():
-        model = LlamaForCausalLM(LlamaConfig(**TINY_DECODER))
+        model = tiny_llama()
     hf_neural_attn.patch_model(model, "qana")
     assert all(p.is_meta for p in hf_neural_attn.scorer_parameters(model).values())
     model.load_state_dict(source.state_dict(), assign=True)

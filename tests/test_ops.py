@@ -4,10 +4,10 @@ import pytest
 import torch
 from helpers import (
     F64,
-    FACTORIES,
     HEADS,
     HIDDEN,
     KV_HEADS,
+    PATH_IMPLS,
     D,
     causal_gradcheck,
     geometry,
@@ -15,6 +15,9 @@ from helpers import (
     model_inputs,
     perturb_scorers,
     randomise,
+    tiny_llama,
+    tiny_model,
+    training_labels,
 )
 
 import hf_neural_attn
@@ -112,7 +115,7 @@ def test_chunked_keeps_memory_linear_in_sequence_length(scorer_name):
     """The reference path keeps n² · h activations for backward; the chunked path keeps O(n) tensors."""
     scorer = make_scorer(scorer_name)
     kept = {}
-    for impl in ("reference", "chunked"):
+    for impl in PATH_IMPLS:
         for n in (128, 256):
             hidden, query, key, value, mask, _ = attention_case(n, n, "causal", torch.float32)
 
@@ -133,26 +136,27 @@ def test_chunked_keeps_memory_linear_in_sequence_length(scorer_name):
 def test_chunked_models_match_reference_models(family, scorer_name, monkeypatch):
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 4)
     monkeypatch.setattr(blockwise, "QUERY_BLOCK", 4)
-    reference, fast = FACTORIES[family](), FACTORIES[family]()
     inputs = model_inputs(family)
-    grads = []
-    for model, impl in ((reference, "reference"), (fast, "chunked")):
+    results = {}
+    for impl in PATH_IMPLS:
+        model = tiny_model(family)
         hf_neural_attn.patch_model(model, scorer_name, impl=impl)
         perturb_scorers(model)
         model.train()
-        out = model(**inputs, labels=torch.tensor([0, 1]) if family == "vit" else inputs["input_ids"])
+        out = model(**inputs, labels=training_labels(model, inputs))
         out.loss.backward()
-        grads.append((out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (ref_logits, ref_grads), (fast_logits, fast_grads) = grads
-    torch.testing.assert_close(fast_logits, ref_logits, rtol=0, atol=1e-5)
-    for name in ref_grads:
-        torch.testing.assert_close(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-6)
+        results[impl] = out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+    ref_logits, ref_grads = results.pop("reference")
+    for impl, (path_logits, grads) in results.items():
+        torch.testing.assert_close(path_logits, ref_logits, rtol=0, atol=1e-5)
+        for name in ref_grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6)
 
 
 def test_chunked_generation_and_attention_maps(monkeypatch):
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 4)
     monkeypatch.setattr(blockwise, "QUERY_BLOCK", 4)
-    model = FACTORIES["llama"]()
+    model = tiny_llama()
     hf_neural_attn.patch_model(model, "qana", impl="chunked")
     perturb_scorers(model)
     prompt = model_inputs("llama", seq=6)["input_ids"]

@@ -5,13 +5,12 @@ is refused at load, and what the docs claim about the static cache holds.
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
+from helpers import edit_json, edit_record, logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
 from transformers import GPT2LMHeadModel
 
 import hf_neural_attn
@@ -25,12 +24,6 @@ def save_full(folder: Path, model=None, scorer: str = "qana", **options):
     perturb_scorers(model)
     model.save_pretrained(folder)
     return model
-
-
-def edit_json(path: Path, change) -> None:
-    content = json.loads(path.read_text())
-    change(content)
-    path.write_text(json.dumps(content))
 
 
 # --- records say what was computed ------------------------------------------------------------------------------
@@ -48,7 +41,7 @@ def test_a_record_saved_with_pair_input_auto_loads_as_it_was(tmp_path):
     """Checkpoints written before the resolved value was recorded say "auto"; they load by the rule they were
     saved under (relative on a RoPE model without proj_dim) and give the saved outputs."""
     model = save_full(tmp_path, scorer="neural")
-    edit_json(tmp_path / "config.json", lambda config: config["hf_neural_attn"]["options"].update(pair_input="auto"))
+    edit_record(tmp_path, "full", lambda record: record["options"].update(pair_input="auto"))
     loaded = hf_neural_attn.from_pretrained(tmp_path)
     assert hf_neural_attn.patch_record(loaded).options["pair_input"] == "relative"
     inputs = model_inputs("llama")
@@ -97,7 +90,7 @@ def test_model_class_given_as_a_string_or_of_another_kind(tmp_path):
 )
 def test_an_edited_record_in_config_json_is_named(tmp_path, field, value, message):
     save_full(tmp_path)
-    edit_json(tmp_path / "config.json", lambda config: config["hf_neural_attn"].update({field: value}))
+    edit_record(tmp_path, "full", lambda record: record.update({field: value}))
     with pytest.raises(ValueError, match=f"config.json is damaged: {message}"):
         hf_neural_attn.from_pretrained(tmp_path)
 
@@ -167,7 +160,7 @@ def test_the_triton_fallback_warning_says_what_auto_does(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("Triton can run here")
     save_full(tmp_path)
-    edit_json(tmp_path / "config.json", lambda config: config["hf_neural_attn"]["options"].update(impl="triton"))
+    edit_record(tmp_path, "full", lambda record: record["options"].update(impl="triton"))
     with pytest.warns(UserWarning, match="impl='auto', the default rule .*reference or chunked path") as caught:
         hf_neural_attn.from_pretrained(tmp_path)
     assert not any("Triton where it can run" in str(w.message) for w in caught)

@@ -9,71 +9,28 @@ whichever path computes their output. And the fine-tuning recipe, which draws th
 
 from __future__ import annotations
 
+import itertools
 import json
 import warnings
 
 import pytest
 import torch
-import transformers as tf
-from helpers import BERT_COMMON, TINY_DECODER, perturb_scorers, tiny_gpt2, tiny_llama, tiny_vit
-from helpers import padded_inputs as shared_padded_inputs
+from helpers import LEFT_PADDED, PORTABLE_IMPLS, family_case, family_cases, padded_inputs, perturb_scorers, tiny_gpt2
 
 import hf_neural_attn
 
 BASES = ["eager", "sdpa"]
-# "triton" needs CUDA (or the CPU interpreter, see test_triton.py); calls that want maps never reach it anyway.
-IMPLS = ["reference", "chunked", "auto"]
 LAYER_CHOICES = [None, [0], [1]]
 HEADS = 4
 # Maps of the same layer computed by the same eager ops on the same inputs: equal. Probabilities of the
 # patched layers through different paths for the output (reference vs chunked blocks): fp32 rounding.
 ROUNDING = 1e-5
-
-_PARTIAL_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
-# Every family the library serves, by a tiny model of it: (build(attn_implementation), kind of input).
-FAMILY_MODELS = {
-    "llama": (lambda base: tiny_llama(attn_implementation=base), "left-padded"),
-    "gpt2": (lambda base: tiny_gpt2(attn_implementation=base), "left-padded"),
-    "vit": (lambda base: tiny_vit(attn_implementation=base), "image"),
-    "bert": (lambda base: tf.BertModel(tf.BertConfig(**BERT_COMMON, attn_implementation=base)), "right-padded"),
-    "roberta": (
-        lambda base: tf.RobertaModel(tf.RobertaConfig(**BERT_COMMON, attn_implementation=base)),
-        "right-padded",
-    ),
-    "phi3": (
-        lambda base: tf.Phi3ForCausalLM(
-            tf.Phi3Config(**TINY_DECODER, rope_parameters=_PARTIAL_ROPE, attn_implementation=base)
-        ),
-        "left-padded",
-    ),
-    # A Llama-like adapter with a sliding window shorter than the input.
-    "mistral": (
-        lambda base: tf.MistralForCausalLM(
-            tf.MistralConfig(**TINY_DECODER, sliding_window=4, attn_implementation=base)
-        ),
-        "left-padded",
-    ),
-    # The generic standard-decoder path (no entry of its own).
-    "starcoder2": (
-        lambda base: tf.Starcoder2ForCausalLM(
-            tf.Starcoder2Config(**TINY_DECODER, sliding_window=4, attn_implementation=base)
-        ),
-        "left-padded",
-    ),
-}
+# One tiny model per adapter of the library and per kind of attention plumbing it handles (FAMILY_CASES, sample).
+FAMILIES = family_cases(sample=True)
 
 
-def build(family: str, base: str):
-    torch.manual_seed(0)
-    return FAMILY_MODELS[family][0](base).eval()
-
-
-def padded_inputs(family: str) -> dict[str, torch.Tensor]:
-    return shared_padded_inputs(FAMILY_MODELS[family][1])
-
-
-def patched(family: str, base: str, layers, impl: str, perturb: bool = True):
-    model = build(family, base)
+def patched(case, base: str, layers, impl: str, perturb: bool = True):
+    model = case.build(attn_implementation=base)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the generic path says it is generic
         hf_neural_attn.patch_model(model, "qana", layers=layers, impl=impl)
@@ -88,15 +45,17 @@ def maps(model, inputs) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.parametrize("base", BASES)
-@pytest.mark.parametrize("family", list(FAMILY_MODELS))
-def test_one_map_per_layer_in_layer_order(family, base):
-    inputs = padded_inputs(family)
-    unpatched = maps(build(family, "eager"), inputs)  # the unpatched model's maps (same weights)
+@pytest.mark.parametrize("case", FAMILIES)
+def test_one_map_per_layer_in_layer_order(case, base):
+    inputs = padded_inputs(case.inputs)
+    unpatched = maps(case.build(attn_implementation="eager"), inputs)  # the unpatched model's maps (same weights)
     assert len(unpatched) == 2  # every tiny model has 2 attention layers
     for layers in LAYER_CHOICES:
         reference = None
-        for impl in IMPLS:  # "reference" first: the others' maps must be its maps
-            model = patched(family, base, layers, impl)
+        # Every impl but "triton", which needs CUDA (or the CPU interpreter, see test_triton.py); calls that want
+        # maps never reach it anyway. The first impl's maps are every other's.
+        for impl in PORTABLE_IMPLS:
+            model = patched(case, base, layers, impl)
             scored = set(model.config.hf_neural_attn["layers"])
             attentions = maps(model, inputs)
             where = f"layers={layers} impl={impl}"
@@ -116,13 +75,13 @@ def test_one_map_per_layer_in_layer_order(family, base):
 
 
 @pytest.mark.parametrize("base", BASES)
-@pytest.mark.parametrize("family", list(FAMILY_MODELS))
-def test_function_preserving_patch_returns_the_unpatched_maps_on_every_layer(family, base):
+@pytest.mark.parametrize("case", FAMILIES)
+def test_function_preserving_patch_returns_the_unpatched_maps_on_every_layer(case, base):
     """At init every layer, scored or not, before or after a scored one, returns the unpatched model's map."""
-    inputs = padded_inputs(family)
-    unpatched = maps(build(family, "eager"), inputs)
-    for layers, impl in ((None, "chunked"), ([0], "auto"), ([1], "reference")):
-        attentions = maps(patched(family, base, layers, impl, perturb=False), inputs)
+    inputs = padded_inputs(case.inputs)
+    unpatched = maps(case.build(attn_implementation="eager"), inputs)
+    for layers, impl in zip(itertools.cycle(LAYER_CHOICES), PORTABLE_IMPLS):
+        attentions = maps(patched(case, base, layers, impl, perturb=False), inputs)
         assert len(attentions) == len(unpatched)
         for index, (probs, expected) in enumerate(zip(attentions, unpatched)):
             torch.testing.assert_close(probs, expected, rtol=0, atol=ROUNDING, msg=f"layers={layers} {index}")
@@ -130,7 +89,7 @@ def test_function_preserving_patch_returns_the_unpatched_maps_on_every_layer(fam
 
 def test_gpt2_cross_attention_maps_come_back_with_the_self_attention_maps():
     model = tiny_gpt2(add_cross_attention=True)  # SDPA base
-    ids = padded_inputs("gpt2")["input_ids"]
+    ids = padded_inputs(LEFT_PADDED)["input_ids"]
     encoder = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
     encoder_mask = torch.ones(2, 5, dtype=torch.long)
     encoder_mask[1, 3:] = 0
@@ -150,9 +109,9 @@ def test_gpt2_cross_attention_maps_come_back_with_the_self_attention_maps():
 
 
 def test_maps_come_back_in_train_mode():
-    model = patched("gpt2", "sdpa", [1], "chunked")
+    model = patched(family_case("gpt2"), "sdpa", [1], "chunked")
     model.train()
-    out = model(**padded_inputs("gpt2"), output_attentions=True)
+    out = model(**padded_inputs(LEFT_PADDED), output_attentions=True)
     assert len(out.attentions) == 2
     assert out.attentions[1].requires_grad  # the scored layer's map is part of the graph
 

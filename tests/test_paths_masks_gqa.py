@@ -16,7 +16,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import F64, HIDDEN, geometry, logits, model_inputs, perturb_scorers, randomise, tiny_gpt2
+from helpers import (
+    F64,
+    HIDDEN,
+    PATH_IMPLS,
+    PORTABLE_IMPLS,
+    geometry,
+    logits,
+    model_inputs,
+    perturb_scorers,
+    randomise,
+    tiny_gpt2,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_neural_attn
@@ -136,7 +147,7 @@ def assert_same(result, expected, atol):
 @pytest.mark.parametrize("q_len,kv_len,kind", MASKS)
 @pytest.mark.parametrize("term", list(TERMS))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
-@pytest.mark.parametrize("impl", ["reference", "chunked", "auto"])
+@pytest.mark.parametrize("impl", PORTABLE_IMPLS)
 def test_every_path_matches_the_reference_on_every_mask(monkeypatch, impl, heads, kv_heads, term, q_len, kv_len, kind):
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 3)
     monkeypatch.setattr(blockwise, "QUERY_BLOCK", 3)
@@ -202,7 +213,7 @@ class _OutputShapes(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("term", list(TERMS))
-@pytest.mark.parametrize("impl", ["reference", "chunked"])
+@pytest.mark.parametrize("impl", PATH_IMPLS)
 def test_no_path_repeats_keys_or_values_under_grouped_query_attention(monkeypatch, impl, term):
     """8 query heads share 1 kv head: forward and backward never make a (batch, 8, kv_len, d) tensor, the shape
     of keys or values repeated for every query head (the outputs keep the query length, 5, not kv_len, 9)."""
@@ -256,7 +267,7 @@ def test_patch_model_defaults_to_auto_and_auto_follows_the_call(monkeypatch):
     perturb_scorers(model)
     assert model.config.hf_neural_attn["options"]["impl"] == "auto"
     taken = []
-    for name in ("reference", "chunked", "blockwise"):
+    for name in list(ops.PATHS):
         original = ops.PATHS[name]
 
         def spy(*args, _original=original, _name=name, **kwargs):

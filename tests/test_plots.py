@@ -15,7 +15,17 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import FACTORIES, VOCAB, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_vit
+from helpers import (
+    PORTABLE_IMPLS,
+    VOCAB,
+    family_names,
+    model_inputs,
+    perturb_scorers,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_model,
+    tiny_vit,
+)
 from PIL import Image
 
 import hf_neural_attn
@@ -51,9 +61,9 @@ def assert_unchanged(model, before: dict, inputs: dict, logits_before: torch.Ten
     model.train(was_training)
 
 
-def eager_attentions(factory, inputs: dict) -> tuple[torch.Tensor, ...]:
-    """A fresh unpatched model with the same (seeded) weights, transformers' eager attention."""
-    model = factory()
+def eager_attentions(family: str, inputs: dict) -> tuple[torch.Tensor, ...]:
+    """A fresh unpatched model of ``family`` with the same (seeded) weights, transformers' eager attention."""
+    model = tiny_model(family)
     model.set_attn_implementation("eager")
     with torch.no_grad():
         return model(**inputs, output_attentions=True).attentions
@@ -71,8 +81,8 @@ def expected_map_size(heads: int, rows: int, panel: float = 2.4, dpi: int = 100)
     return round(dpi * (panel * heads + 1.2)), round(dpi * (panel * rows + 1.0))
 
 
-@pytest.mark.parametrize("factory", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
-def test_decoder_maps_are_the_patched_and_the_eager_models_attentions(factory, tmp_path):
+@pytest.mark.parametrize("family", family_names(core=True, causal=True))
+def test_decoder_maps_are_the_patched_and_the_eager_models_attentions(family, tmp_path):
     from recipes_helpers import word_tokenizer
 
     tokenizer = word_tokenizer(pad=True)  # 40 word ids, all inside the tiny models' vocabulary of 64
@@ -82,7 +92,7 @@ def test_decoder_maps_are_the_patched_and_the_eager_models_attentions(factory, t
     length = int(encoded["attention_mask"][1].sum())  # the second example is right-padded: 3 real tokens
     assert length == 3 and encoded["input_ids"].shape[1] == 10
 
-    model = hf_neural_attn.patch_model(factory(), "qana", h=4)
+    model = hf_neural_attn.patch_model(tiny_model(family), "qana", h=4)
     perturb_scorers(model, std=0.3)  # the nonlinear path is live: the maps must differ
     model.train()  # drawing switches to eval for its forward passes and must switch back
     before = snapshot(model)
@@ -101,7 +111,7 @@ def test_decoder_maps_are_the_patched_and_the_eager_models_attentions(factory, t
     with torch.no_grad():
         patched_reference = model.eval()(**inputs, output_attentions=True).attentions[1][0].numpy()
     model.train()
-    unpatched_reference = eager_attentions(factory, inputs)[1][0].numpy()
+    unpatched_reference = eager_attentions(family, inputs)[1][0].numpy()
     np.testing.assert_allclose(maps.patched, patched_reference, rtol=0, atol=1e-7)
     np.testing.assert_allclose(maps.unpatched, unpatched_reference, rtol=0, atol=1e-6)
     for values in (maps.patched, maps.unpatched):
@@ -115,7 +125,7 @@ def test_decoder_maps_are_the_patched_and_the_eager_models_attentions(factory, t
     padded = plotting.attention_maps(model, inputs, layer=0, example=1, tokenizer=tokenizer)
     assert padded.patched.shape == padded.unpatched.shape == (HEADS, length, length)
     assert padded.tokens == ["a", "dog", "ran"]
-    np.testing.assert_allclose(padded.unpatched, eager_attentions(factory, inputs)[0][1, :, :3, :3], atol=1e-6)
+    np.testing.assert_allclose(padded.unpatched, eager_attentions(family, inputs)[0][1, :, :3, :3], atol=1e-6)
 
 
 def test_vit_maps_with_chosen_heads_and_no_difference_row(tmp_path):
@@ -133,7 +143,7 @@ def test_vit_maps_with_chosen_heads_and_no_difference_row(tmp_path):
     assert maps.tokens is None
     tokens = (16 // 4) ** 2 + 1  # 16 patches and [CLS]; bidirectional
     assert maps.patched.shape == maps.unpatched.shape == (2, tokens, tokens)
-    np.testing.assert_allclose(maps.unpatched, eager_attentions(tiny_vit, inputs)[0][1, [0, 2]].numpy(), atol=1e-6)
+    np.testing.assert_allclose(maps.unpatched, eager_attentions("vit", inputs)[0][1, [0, 2]].numpy(), atol=1e-6)
     np.testing.assert_allclose(maps.unpatched.sum(-1), 1.0, atol=1e-5)
     np.testing.assert_allclose(maps.patched.sum(-1), 1.0, atol=1e-5)
     assert np.abs(maps.difference).max() > 1e-3
@@ -153,15 +163,14 @@ def test_function_preserving_patch_draws_identical_maps_and_zero_change(tmp_path
 
 
 
-@pytest.mark.parametrize("impl", ["reference", "chunked", "auto"])
-@pytest.mark.parametrize("family", list(FACTORIES))
+@pytest.mark.parametrize("impl", PORTABLE_IMPLS)
 def test_maps_and_statistics_for_every_impl_and_layers_choice(family, impl, tmp_path):
     """Every layer's maps and every patched layer's statistics, whichever layers are patched and whichever path
     computes them (the helpers' tiny models run SDPA, whose layers return no maps of their own)."""
     inputs = model_inputs(family, batch=2, seq=9)
-    unpatched = eager_attentions(FACTORIES[family], inputs)
+    unpatched = eager_attentions(family, inputs)
     for layers in ([0], [1], None):
-        model = hf_neural_attn.patch_model(FACTORIES[family](), "qana", h=4, layers=layers, impl=impl)
+        model = hf_neural_attn.patch_model(tiny_model(family), "qana", h=4, layers=layers, impl=impl)
         perturb_scorers(model)
         scored = model.config.hf_neural_attn["layers"]
         for layer in (0, 1):

@@ -2,20 +2,20 @@
 
 import pytest
 import torch
-from helpers import FACTORIES, VOCAB, perturb_scorers, tokens
+from helpers import VOCAB, family_names, perturb_scorers, tiny_model, tokens
 
 import hf_neural_attn
 from hf_neural_attn.attention import hf_neural_attention_forward
 from hf_neural_attn.families.llama import LlamaFamily
 
-CAUSAL = ["llama", "gpt2"]
+CAUSAL = family_names(core=True, causal=True)
 # Agreement between two fp32 computations of the same logits through different summation orders
 # (cache vs. no cache, shifted RoPE angles): observed ~1e-7, bounded at 1e-4 as the contract states.
 TOL = 1e-4
 
 
 def live_model(family, scorer_name, **options):
-    model = FACTORIES[family]()
+    model = tiny_model(family)
     hf_neural_attn.patch_model(model, scorer_name, **options)
     perturb_scorers(model)
     return model

@@ -16,13 +16,16 @@ import functools
 import pytest
 import torch
 from helpers import (
-    FACTORIES,
+    PATH_IMPLS,
     SCORER_CASES,
     logits,
     model_inputs,
     negligible,
     perturb_scorers,
     scorer_cases,
+    tiny_model,
+    training_labels,
+    training_loss,
 )
 
 import hf_neural_attn
@@ -36,7 +39,7 @@ SEQ = 8  # tokens (ViT inputs keep their image size)
 @functools.cache
 def unpatched(family):
     """One tiny model per family and its logits; tests patch deep copies (building a model costs more)."""
-    model = FACTORIES[family]()
+    model = tiny_model(family)
     with torch.no_grad():
         return model, logits(model, inputs_for(family))
 
@@ -49,13 +52,6 @@ def patched(case, family, **extra):
 
 def inputs_for(family):
     return model_inputs(family, seq=SEQ)
-
-
-def loss_of(model, family, inputs):
-    if family == "vit":
-        labels = torch.arange(inputs["pixel_values"].shape[0]) % model.config.num_labels
-        return model(**inputs, labels=labels).loss
-    return model(**inputs, labels=inputs["input_ids"]).loss
 
 
 def kind(parameter_name):
@@ -96,7 +92,7 @@ def test_first_backward_reaches_every_new_parameter_but_the_documented_waits(cas
     inputs = inputs_for(family)
     new = hf_neural_attn.scorer_parameters(model)
     optimizer = torch.optim.SGD(new.values(), lr=0.5)
-    loss_of(model, family, inputs).backward()
+    training_loss(model, inputs).backward()
     moving = [p.grad for name, p in new.items() if kind(name) not in case.waits]
     assert moving, "a case whose every parameter waits could not start training"
     largest = torch.stack([grad.abs().max() for grad in moving]).max()
@@ -107,7 +103,7 @@ def test_first_backward_reaches_every_new_parameter_but_the_documented_waits(cas
             assert parameter.grad is not None and parameter.grad.abs().max() > 0, name
     optimizer.step()
     optimizer.zero_grad()
-    loss_of(model, family, inputs).backward()
+    training_loss(model, inputs).backward()
     for name, parameter in new.items():
         assert parameter.grad is not None and parameter.grad.abs().max() > 0, name
 
@@ -120,18 +116,19 @@ def test_chunked_equals_reference(case, monkeypatch):
     family = case.family
     inputs = inputs_for(family)
     results = {}
-    for impl in ("reference", "chunked"):
+    for impl in PATH_IMPLS:
         model = patched(case, family, impl=impl)
         perturb_scorers(model)
-        out = model(**inputs, labels=torch.tensor([0, 1]) if family == "vit" else inputs["input_ids"])
+        out = model(**inputs, labels=training_labels(model, inputs))
         out.loss.backward()
         results[impl] = out.loss.detach(), out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}
-    (ref_loss, ref_logits, ref_grads), (loss, out_logits, grads) = results["reference"], results["chunked"]
-    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=EXACT)
-    torch.testing.assert_close(out_logits, ref_logits, rtol=0, atol=EXACT)
-    assert grads.keys() == ref_grads.keys()
-    for name, ref_grad in ref_grads.items():
-        torch.testing.assert_close(grads[name], ref_grad, rtol=1e-5, atol=1e-6, msg=name)
+    ref_loss, ref_logits, ref_grads = results.pop("reference")
+    for loss, out_logits, grads in results.values():
+        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=EXACT)
+        torch.testing.assert_close(out_logits, ref_logits, rtol=0, atol=EXACT)
+        assert grads.keys() == ref_grads.keys()
+        for name, ref_grad in ref_grads.items():
+            torch.testing.assert_close(grads[name], ref_grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("case", scorer_cases())

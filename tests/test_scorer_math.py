@@ -6,12 +6,22 @@ one row at a time; Neural Attention by building the concatenation C_ij = [q'_i ;
 through W_h (DiGiugno & Mahmood, Eq. 7-9). The library never builds either.
 """
 
-import math
-
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers import F64, HEADS, HIDDEN, KV_HEADS, D, causal_gradcheck, geometry, randomise, rope_rows
+from helpers import (
+    ACTIVATIONS,
+    F64,
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
+    D,
+    causal_gradcheck,
+    geometry,
+    qana_case,
+    randomise,
+    rope_rows,
+    rope_vector,
+)
 
 from hf_neural_attn.ops import scored_attention
 from hf_neural_attn.scorers import (
@@ -20,29 +30,6 @@ from hf_neural_attn.scorers import (
     QanaConfig,
     QanaScorer,
 )
-
-
-def rope_vector(vector, position, base=10000.0):
-    """RoPE of one D-vector at one position, rotate-half convention (as Llama), written out."""
-    half = vector.shape[-1] // 2
-    out = torch.empty_like(vector)
-    for m in range(half):
-        angle = position * base ** (-2 * m / vector.shape[-1])
-        x1, x2 = vector[m], vector[m + half]
-        out[m] = x1 * math.cos(angle) - x2 * math.sin(angle)
-        out[m + half] = x2 * math.cos(angle) + x1 * math.sin(angle)
-    return out
-
-
-ACTIVATIONS = {"gelu": F.gelu, "tanh": torch.tanh, "relu": F.relu}
-
-
-def qana_case(batch: int = 2, q_len: int = 3, k_len: int = 5):
-    """Hidden states, the model's own query projection W_s, b_s, keys, and the query and key positions (float64)."""
-    hidden = torch.randn(batch, q_len, HIDDEN, dtype=F64)
-    w_s, b_s = torch.randn(HEADS * D, HIDDEN, dtype=F64), torch.randn(HEADS * D, dtype=F64)
-    keys = torch.randn(batch, HEADS, k_len, D, dtype=F64)
-    return hidden, w_s, b_s, keys, torch.arange(2, 2 + q_len), torch.arange(k_len)
 
 
 @pytest.mark.parametrize("h", [1, 3])

@@ -5,12 +5,12 @@ import pytest
 import torch
 from helpers import (
     F64,
-    FACTORIES,
     HEADS,
     D,
     causal_gradcheck,
     geometry,
     randomise,
+    tiny_gpt2,
 )
 
 import hf_neural_attn
@@ -64,6 +64,6 @@ def test_gradcheck(name):
 
 def test_additive_options_are_checked():
     with pytest.raises(ValueError, match="mode='bogus' is not supported"):
-        hf_neural_attn.patch_model(FACTORIES["gpt2"](), "additive", mode="bogus")
+        hf_neural_attn.patch_model(tiny_gpt2(), "additive", mode="bogus")
     with pytest.raises(ValueError, match=r"Unknown option\(s\) \['h'\] for scorer 'general'"):
-        hf_neural_attn.patch_model(FACTORIES["gpt2"](), "general", h=4)
+        hf_neural_attn.patch_model(tiny_gpt2(), "general", h=4)

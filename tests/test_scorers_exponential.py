@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from helpers import F64, VOCAB, geometry, tiny_bert, tiny_gpt2, tiny_llama
+from helpers import F64, VOCAB, family_names, geometry, tiny_bert, tiny_llama, tiny_model
 
 import hf_neural_attn
 from hf_neural_attn.ops import scored_attention
@@ -171,9 +171,9 @@ def test_gradcheck(name):
 # --- Through patch_model ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_factory", [tiny_llama, tiny_gpt2])
-def test_nsea_refuses_causal_models_and_leaves_them_untouched(model_factory):
-    model = model_factory()
+@pytest.mark.parametrize("family", family_names(core=True, causal=True))
+def test_nsea_refuses_causal_models_and_leaves_them_untouched(family):
+    model = tiny_model(family)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match="nsea cannot serve .*causal.*later tokens.*'hea'"):
         hf_neural_attn.patch_model(model, "nsea", mode="replace")

@@ -2,16 +2,9 @@
 
 import pytest
 import torch
-from helpers import FACTORIES, logits, model_inputs
+from helpers import logits, model_inputs, negligible, tiny_llama, tiny_model, training_loss
 
 import hf_neural_attn
-
-
-def lm_loss(model, family, inputs):
-    if family == "vit":
-        labels = torch.arange(inputs["pixel_values"].shape[0]) % model.config.num_labels
-        return model(**inputs, labels=labels).loss
-    return model(**inputs, labels=inputs["input_ids"]).loss
 
 
 def patched_attention_modules(model):
@@ -30,20 +23,15 @@ def qana_row_blocks(scorer):
     }
 
 
-def negligible(grad, reference):
-    """Zero up to fp32 rounding, relative to a gradient that is really there."""
-    return grad.abs().max() <= 1e-4 * reference.abs().max()
-
-
 @pytest.mark.parametrize("h", [4, 3])
 def test_qana_first_backward_reaches_U_V_b_in_every_layer(family, h):
-    model = FACTORIES[family]()
+    model = tiny_model(family)
     inputs = model_inputs(family)
     hf_neural_attn.patch_model(model, "qana", h=h)
     model.train()
     optimizer = torch.optim.SGD(hf_neural_attn.scorer_parameters(model).values(), lr=0.5)
 
-    lm_loss(model, family, inputs).backward()
+    training_loss(model, inputs).backward()
     for module in patched_attention_modules(model):
         blocks = qana_row_blocks(module.attn_scorer)
         for block in ("U", "V", "b"):
@@ -55,7 +43,7 @@ def test_qana_first_backward_reaches_U_V_b_in_every_layer(family, h):
     optimizer.step()
     optimizer.zero_grad()
 
-    lm_loss(model, family, inputs).backward()
+    training_loss(model, inputs).backward()
     for module in patched_attention_modules(model):
         blocks = qana_row_blocks(module.attn_scorer)
         assert module.attn_scorer.gate.grad.abs().max() > 1e-4 * blocks["V"].abs().max()
@@ -64,13 +52,13 @@ def test_qana_first_backward_reaches_U_V_b_in_every_layer(family, h):
 
 @pytest.mark.parametrize("options", [{"proj_dim": 4}, {"proj_dim": 4, "depth": 2}, {"h": 3}])
 def test_neural_first_backward_reaches_output_and_last_layer_then_everything(family, options):
-    model = FACTORIES[family]()
+    model = tiny_model(family)
     inputs = model_inputs(family)
     hf_neural_attn.patch_model(model, "neural", **options)
     model.train()
     optimizer = torch.optim.SGD(hf_neural_attn.scorer_parameters(model).values(), lr=0.5)
 
-    lm_loss(model, family, inputs).backward()
+    training_loss(model, inputs).backward()
     for module in patched_attention_modules(model):
         scorer = module.attn_scorer
         # The first layer is pair_query/pair_key (concatenated input) or pair_weight (relative input, RoPE models).
@@ -96,7 +84,7 @@ def test_neural_first_backward_reaches_output_and_last_layer_then_everything(fam
     optimizer.step()
     optimizer.zero_grad()
 
-    lm_loss(model, family, inputs).backward()
+    training_loss(model, inputs).backward()
     for module in patched_attention_modules(model):
         for name, parameter in module.attn_scorer.named_parameters():
             assert parameter.grad is not None and parameter.grad.abs().max() > 0, name
@@ -104,7 +92,7 @@ def test_neural_first_backward_reaches_output_and_last_layer_then_everything(fam
 
 @pytest.mark.parametrize("scorer_name,options", [("qana", {}), ("neural", {"proj_dim": 4})])
 def test_training_only_the_new_parameters_lowers_the_loss(family, scorer_name, options):
-    model = FACTORIES[family]()
+    model = tiny_model(family)
     inputs = model_inputs(family, batch=4, seq=16)
     hf_neural_attn.patch_model(model, scorer_name, **options)
     new = hf_neural_attn.scorer_parameters(model)
@@ -114,13 +102,13 @@ def test_training_only_the_new_parameters_lowers_the_loss(family, scorer_name, o
     optimizer = torch.optim.Adam(new.values(), lr=3e-2)
     model.train()
     with torch.no_grad():
-        initial = lm_loss(model, family, inputs).item()
+        initial = training_loss(model, inputs).item()
     for _ in range(40):
         optimizer.zero_grad()
-        lm_loss(model, family, inputs).backward()
+        training_loss(model, inputs).backward()
         optimizer.step()
     with torch.no_grad():
-        final = lm_loss(model, family, inputs).item()
+        final = training_loss(model, inputs).item()
     # Measured drops on these tiny models are 0.03 to 0.2 nats (Neural Attention's shared width-4 MLP
     # learns slowest); 0.01 is well above run-to-run noise, which is zero here (fixed batch and seed).
     assert final < initial - 0.01, (initial, final)
@@ -131,13 +119,13 @@ def test_training_only_the_new_parameters_lowers_the_loss(family, scorer_name, o
 
 @pytest.mark.parametrize("scorer_name", ["qana", "neural"])
 def test_literal_zero_init_warns_and_never_trains(scorer_name):
-    model = FACTORIES["llama"]()
+    model = tiny_llama()
     inputs = model_inputs("llama")
     original = logits(model, inputs)
     with pytest.warns(UserWarning, match="no gradient"):
         hf_neural_attn.patch_model(model, scorer_name, init="zero")
     torch.testing.assert_close(logits(model, inputs), original, rtol=0, atol=1e-5)
     model.train()
-    lm_loss(model, "llama", inputs).backward()
+    training_loss(model, inputs).backward()
     for name, parameter in hf_neural_attn.scorer_parameters(model).items():
         assert parameter.grad is None or parameter.grad.abs().max() == 0, name

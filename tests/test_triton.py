@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FACTORIES, geometry, model_inputs, perturb_scorers, randomise
+from helpers import IMPLS, PORTABLE_IMPLS, geometry, model_inputs, perturb_scorers, randomise, tiny_gpt2, tiny_llama
 
 import hf_neural_attn
 from hf_neural_attn import ops
@@ -196,7 +196,7 @@ def test_kernels_in_fp16_stay_close_to_fp32_reference(interpreter, triton_calls,
 @pytest.mark.parametrize("scorer_name", ["qana", "neural"])
 def test_patched_llama_matches_reference(interpreter, triton_calls, scorer_name):
     """A whole model (2 layers, 4 query heads on 2 key/value heads): logits and every parameter's gradient."""
-    models = {impl: FACTORIES["llama"]() for impl in ("reference", "triton")}
+    models = {impl: tiny_llama() for impl in ("reference", "triton")}
     inputs = model_inputs("llama", seq=6)
     results = {}
     for impl, model in models.items():
@@ -237,7 +237,7 @@ def test_auto_takes_triton_on_cuda_only_once_switched_on(monkeypatch, name):
     assert resolve(scorer, "auto", device=torch.device("cuda", 1), dtype=torch.bfloat16, **long) == expected
     assert resolve(scorer, "auto", device="cpu", **long) == "blockwise"
     # Calls that need the probabilities go to the reference path, whatever impl says (an explicit path warns once).
-    for impl in ("auto", "triton", "chunked"):
+    for impl in IMPLS:
         assert resolve(scorer, impl, device="cuda", need_weights=True) == "reference"
     # Dropout does not change the choice; the kernels, which apply none, refuse it, and auto goes around them.
     assert resolve(scorer, "auto", device="cuda", dropout_active=True, **long) == "blockwise"
@@ -294,7 +294,7 @@ def test_unsupported_configs_fall_back_under_auto_and_raise_under_triton(monkeyp
 
 @needs_triton
 def test_triton_error_reaches_the_caller_through_a_patched_model(interpreter):
-    model = FACTORIES["gpt2"]()
+    model = tiny_gpt2()
     hf_neural_attn.patch_model(model, "neural", h=4, depth=2, impl="triton")
     with pytest.raises(ValueError, match="depth=2.*impl='chunked'"):
         model(**model_inputs("gpt2"))
@@ -321,7 +321,7 @@ def test_check_impl_names_what_triton_is_missing(monkeypatch):
     monkeypatch.setattr(ops_triton, "triton_available", lambda: True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for impl in ("reference", "chunked", "auto"):
+    for impl in PORTABLE_IMPLS:
         ops.check_impl(impl)
         ops.check_impl(impl, torch.device("cpu"))
     with pytest.raises(ValueError, match="needs a CUDA device.*TRITON_INTERPRET=1"):

@@ -8,11 +8,11 @@ model over an SDPA base agree (transformers' ``test_eager_matches_sdpa_inference
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
-import transformers as tf
-from helpers import BERT_COMMON, TINY_DECODER, VOCAB, perturb_scorers, tiny_gpt2, tiny_llama, tiny_vit
-from helpers import padded_inputs as shared_padded_inputs
+from helpers import IMAGE, VOCAB, family_cases, padded_inputs, perturb_scorers, tiny_gpt2
 
 import hf_neural_attn
 from hf_neural_attn.families.base import call_argument
@@ -20,27 +20,6 @@ from hf_neural_attn.families.base import call_argument
 BASES = ["eager", "sdpa"]
 # Eager and SDPA compute the same softmax attention in different orders: fp32 rounding, observed ~1e-7.
 EAGER_VS_SDPA = 1e-5
-
-
-def build(family: str, base: str, **overrides):
-    torch.manual_seed(0)
-    if family == "llama":
-        return tiny_llama(attn_implementation=base, **overrides)
-    if family == "gpt2":
-        return tiny_gpt2(attn_implementation=base, **overrides)
-    if family == "vit":
-        return tiny_vit(attn_implementation=base, **overrides)
-    if family == "bert":
-        return tf.BertModel(tf.BertConfig(**BERT_COMMON, attn_implementation=base, **overrides)).eval()
-    if family == "mistral":  # a sliding window shorter than the input
-        config = tf.MistralConfig(**TINY_DECODER, sliding_window=4, attn_implementation=base, **overrides)
-        return tf.MistralForCausalLM(config).eval()
-    raise ValueError(family)
-
-
-def padded_inputs(family: str) -> dict[str, torch.Tensor]:
-    kind = {"vit": "image", "bert": "right-padded"}.get(family, "left-padded")
-    return shared_padded_inputs(kind)
 
 
 def output(model, inputs: dict, **kwargs) -> torch.Tensor:
@@ -67,11 +46,22 @@ class Recorder:
         self.outputs.append(result[0].detach())
 
 
-def attention_modules(model, family: str):
-    if family == "gpt2":
-        return [m for block in model.transformer.h for m in (block.attn, getattr(block, "crossattention", None)) if m]
-    classes = {"llama": "LlamaAttention", "mistral": "MistralAttention", "bert": "BertSelfAttention"}
-    return [m for m in model.modules() if type(m).__name__ == classes[family]]
+def gpt2_attention_modules(model):
+    """GPT-2's attention modules in call order: each block's self-attention, then its cross-attention if any."""
+    return [m for block in model.transformer.h for m in (block.attn, getattr(block, "crossattention", None)) if m]
+
+
+def scored_class_modules(model, patched) -> list:
+    """The modules of ``model`` of the class the patch scores in ``patched`` (a model of the same family), in
+    layer order."""
+    scored_class = {type(m) for m in patched.modules() if hasattr(m, "attn_scorer")}.pop()
+    return [m for m in model.modules() if type(m) is scored_class]
+
+
+def patched_quietly(model, scorer: str, **options):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the generic path says it is generic
+        return hf_neural_attn.patch_model(model, scorer, **options)
 
 
 def assert_same_mask(actual, expected, where: str) -> None:
@@ -101,13 +91,13 @@ def test_cross_attention_respects_encoder_padding_mask(base):
     """As transformers' test of the same name: masked encoder states change nothing, even where a row's encoder
     input is all padding, and the patched model's cross-attention is the unpatched model's, to the bit."""
     inputs = cross_inputs()
-    unpatched = build("gpt2", base, add_cross_attention=True)
-    recorded_unpatched = Recorder(attention_modules(unpatched, "gpt2"))
+    unpatched = tiny_gpt2(add_cross_attention=True, attn_implementation=base)
+    recorded_unpatched = Recorder(gpt2_attention_modules(unpatched))
     expected = output(unpatched, inputs)
-    model = build("gpt2", base, add_cross_attention=True)
+    model = tiny_gpt2(add_cross_attention=True, attn_implementation=base)
     hf_neural_attn.patch_model(model, "qana", layers=[1])
     perturb_scorers(model)
-    recorded = Recorder(attention_modules(model, "gpt2"))
+    recorded = Recorder(gpt2_attention_modules(model))
     patched = output(model, inputs)
 
     # Block 0 is not scored: its self- and cross-attention get the same masks and give the same outputs.
@@ -131,8 +121,8 @@ def test_cross_attention_respects_encoder_padding_mask(base):
 def test_unscored_cross_attention_matches_the_unpatched_model_at_init(base):
     """Every self-attention layer scored (function-preserving init), every cross-attention unscored."""
     inputs = cross_inputs()
-    expected = output(build("gpt2", base, add_cross_attention=True), inputs)
-    model = build("gpt2", base, add_cross_attention=True)
+    expected = output(tiny_gpt2(add_cross_attention=True, attn_implementation=base), inputs)
+    model = tiny_gpt2(add_cross_attention=True, attn_implementation=base)
     hf_neural_attn.patch_model(model, "neural")
     torch.testing.assert_close(output(model, inputs), expected, rtol=0, atol=EAGER_VS_SDPA)
 
@@ -141,18 +131,18 @@ def test_unscored_cross_attention_matches_the_unpatched_model_at_init(base):
 
 
 @pytest.mark.parametrize("base", BASES)
-@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2", "bert"])
-def test_unscored_layers_get_the_unpatched_mask_and_output(family, base):
-    """Padding (and Mistral's sliding window, shorter than the input): the layer left out gets the mask the
-    unpatched model builds and returns its output, to the bit; the scored layer's mask is the same mask."""
-    inputs = padded_inputs(family)
-    unpatched = build(family, base)
-    recorded_unpatched = Recorder(attention_modules(unpatched, family))
-    output(unpatched, inputs)
-    model = build(family, base)
-    hf_neural_attn.patch_model(model, "qana", layers=[1])
+@pytest.mark.parametrize("case", family_cases(lambda case: case.inputs != IMAGE, sample=True))  # masked
+def test_unscored_layers_get_the_unpatched_mask_and_output(case, base):
+    """Padding (and the sliding windows of Mistral and StarCoder2, shorter than the input): the layer left out gets
+    the mask the unpatched model builds and returns its output, to the bit; the scored layer's mask is the same
+    mask."""
+    inputs = padded_inputs(case.inputs)
+    unpatched = case.build(attn_implementation=base)
+    model = patched_quietly(case.build(attn_implementation=base), "qana", layers=[1])
     perturb_scorers(model)
-    recorded = Recorder(attention_modules(model, family))
+    recorded_unpatched = Recorder(scored_class_modules(unpatched, model))
+    output(unpatched, inputs)
+    recorded = Recorder(scored_class_modules(model, model))
     output(model, inputs)
     for index in range(2):
         assert_same_mask(recorded.masks[index], recorded_unpatched.masks[index], f"layer {index}")
@@ -163,18 +153,19 @@ def test_unscored_layers_get_the_unpatched_mask_and_output(family, base):
 
 
 @pytest.mark.parametrize("layers", [None, [1]], ids=["all-layers", "layer-1"])
-@pytest.mark.parametrize("family", ["llama", "gpt2", "vit", "bert"])
-def test_eager_and_sdpa_bases_give_the_same_patched_outputs(family, layers):
+@pytest.mark.parametrize("case", family_cases(mirrored=True))
+def test_eager_and_sdpa_bases_give_the_same_patched_outputs(case, layers):
     """transformers' test_eager_matches_sdpa_inference, patched with live scorers, on a padded batch. Compared
     at the real tokens (left-padding queries attend to nothing: eager spreads them uniformly, SDPA zeroes them,
     with or without the patch)."""
-    inputs = padded_inputs(family)
+    inputs = padded_inputs(case.inputs)
     outputs = {}
     for base in BASES:
-        model = build(family, base)
+        model = case.build(attn_implementation=base)
         hf_neural_attn.patch_model(model, "qana", layers=layers)
         perturb_scorers(model)
         outputs[base] = output(model, inputs)
     valid = inputs.get("attention_mask", torch.ones(outputs["eager"].shape[:2])).bool()
     torch.testing.assert_close(outputs["sdpa"][valid], outputs["eager"][valid], rtol=0, atol=EAGER_VS_SDPA)
-    assert (outputs["eager"] - output(build(family, "eager"), inputs)).abs().max() > 1e-3, "the scorers are live"
+    unpatched = output(case.build(attn_implementation="eager"), inputs)
+    assert (outputs["eager"] - unpatched).abs().max() > 1e-3, "the scorers are live"
