@@ -1,12 +1,13 @@
 """Where materialising the scores stops paying: one attention call, reference against chunked path.
 
     python benchmarks/auto_threshold.py                       # 4 heads of 64, h = 4, n = 128 ... 512
-    python benchmarks/auto_threshold.py --seq 256 384 512 --batch 2
+    python benchmarks/auto_threshold.py --seq 64 128 256 --batch 32 --dropout 0.1
 
-Times forward + backward of one causal attention call of a patched GPT-2 layer (QANA, and Neural Attention
-with ``proj_dim=2``) on each path, interleaved so that drifts in machine speed hit both alike, and prints the
-median per path, their ratio and the score-tensor size ``batch x heads x n x n x h`` that ``impl="auto"``
-compares with ``ops.REFERENCE_MAX_SCORES``. The crossover sets that threshold (docs/benchmarks.md).
+Times forward + backward of one causal attention call of a patched GPT-2 layer (QANA, and Neural Attention with
+its default options) in training mode with attention dropout ``--dropout`` (0 by default), on each path,
+interleaved so that drifts in machine speed hit both alike, and prints the median per path, their ratio and the
+score-tensor size ``batch x heads x n x n x h`` that ``impl="auto"`` compares with ``ops.REFERENCE_MAX_SCORES``.
+The crossover sets that threshold (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ import hf_neural_attn
 from hf_neural_attn.ops import REFERENCE_MAX_SCORES, scored_attention
 
 
-def attention_call(scorer_name: str, n: int, batch: int, heads: int, head_dim: int, h: int):
+def attention_call(scorer_name: str, n: int, batch: int, heads: int, head_dim: int, h: int, dropout: float):
     """A patched layer's scorer and the inputs of one call; returns a function running forward + backward."""
     config = GPT2Config(vocab_size=64, n_embd=heads * head_dim, n_layer=1, n_head=heads, n_positions=n)
     model = GPT2LMHeadModel(config)
-    options = {"proj_dim": 2} if scorer_name == "neural" else {}
-    hf_neural_attn.patch_model(model, scorer_name, h=h, **options)
+    hf_neural_attn.patch_model(model, scorer_name, h=h)
     scorer = model.transformer.h[0].attn.attn_scorer
     generator = torch.Generator().manual_seed(0)
 
@@ -42,8 +42,9 @@ def attention_call(scorer_name: str, n: int, batch: int, heads: int, head_dim: i
         scorer.config.impl = impl
         extras = scorer.query_extras(hidden, None) if scorer.needs_hidden_states else None
         output, _ = scored_attention(
-            scorer, query, key, value, None, scaling=head_dim**-0.5, extras=extras, is_causal=True
-        )
+            scorer, query, key, value, None, scaling=head_dim**-0.5, extras=extras, is_causal=True,
+            dropout=dropout, training=True,
+        )  # fmt: skip
         output.sum().backward()
 
     return run
@@ -57,6 +58,7 @@ def main(argv=None) -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head_dim", type=int, default=64)
     parser.add_argument("--h", type=int, default=4)
+    parser.add_argument("--dropout", type=float, default=0.0, help="attention dropout, training mode")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
 
@@ -64,13 +66,14 @@ def main(argv=None) -> None:
         f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     )
     print(
-        f"# batch {args.batch}, {args.heads} heads of {args.head_dim}, h = {args.h}; REFERENCE_MAX_SCORES = {REFERENCE_MAX_SCORES:,}"
+        f"# batch {args.batch}, {args.heads} heads of {args.head_dim}, h = {args.h}, attention dropout {args.dropout}; "
+        f"REFERENCE_MAX_SCORES = {REFERENCE_MAX_SCORES:,}"
     )
     print("| scorer | n | scores (batch x heads x n x n x h) | reference ms | chunked ms | chunked / reference |")
     print("|---|---|---|---|---|---|")
     for scorer_name in args.scorers:
         for n in args.seq:
-            run = attention_call(scorer_name, n, args.batch, args.heads, args.head_dim, args.h)
+            run = attention_call(scorer_name, n, args.batch, args.heads, args.head_dim, args.h, args.dropout)
             times = {"reference": [], "chunked": []}
             for impl in times:
                 run(impl)  # warm-up

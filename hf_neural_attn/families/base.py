@@ -116,9 +116,12 @@ def rotation(module: nn.Module, cos: torch.Tensor, sin: torch.Tensor) -> Callabl
     rotary_dim = cos.shape[-1]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
+        if rotary_dim == x.shape[-1]:  # every dimension turns (no partial rotary): no slicing, no concatenation
+            return apply_rotary_pos_emb(x, x[:, :0], cos, sin)[0]
         turned, kept = x[..., :rotary_dim], x[..., rotary_dim:]
-        turned, _ = apply_rotary_pos_emb(turned, turned[:, :1], cos, sin)
-        return torch.cat([turned, kept], dim=-1) if kept.shape[-1] else turned
+        # The function turns a query and a key; the key here is empty, only the query is wanted.
+        turned, _ = apply_rotary_pos_emb(turned, turned[:, :0], cos, sin)
+        return torch.cat([turned, kept], dim=-1)
 
     return rotate
 

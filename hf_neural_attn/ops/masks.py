@@ -58,7 +58,7 @@ def block_mask(
     and ``is_causal`` the causal part, built for this block only."""
     if mask is not None:
         return mask[..., start:end, :kv_end] if mask.shape[-2] > 1 else mask[..., :kv_end]
-    if not is_causal:
+    if not is_causal or start + kv_len - q_len >= kv_end - 1:  # even the block's first row sees every key here
         return None
     return causal_allowed(start, end, kv_len, q_len, device)[:, :kv_end]
 

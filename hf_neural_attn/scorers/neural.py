@@ -251,20 +251,35 @@ class NeuralAttentionScorer(Scorer):
 
     def pair_scores(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         """A_ij for (batch, heads, q, d) queries and (batch, kv_heads, k, d) keys -> (batch, heads, q, k); the
-        hidden layer is (batch, kv_heads, groups, q, k, h), each query head against its group's kv head."""
+        hidden layers are (batch, kv_heads, g, q, units, k), each query head against its group's kv head: each
+        query row's unit planes side by side, so every layer is a left product on the units and nothing is
+        reordered."""
         kv_heads = key.shape[1]
         if self.pair_weight is not None:
-            units = group_heads(self.relative_units(query), kv_heads)
-            hidden = self.act(torch.einsum("bmglqd,bmkd->bmgqkl", units, key) + self.pair_bias)
+            units = group_heads(self.relative_units(query), kv_heads)  # (batch, kv_heads, g, h, q, d)
+            batch, _, groups, h, q_len, width = units.shape
+            rows = units.transpose(3, 4).reshape(batch, kv_heads, groups * q_len * h, width)
+            hidden = (rows @ key.transpose(-1, -2)).view(batch, kv_heads, groups, q_len, h, -1)
+            hidden = self.act(hidden + self.pair_bias[:, None])
         else:
             if self.query_down is not None:
                 query, key = self.query_down(query), self.key_down(key)
-            per_query = group_heads(self.pair_query(query), kv_heads).unsqueeze(-2)  # (batch, kv_heads, g, q, 1, h)
-            per_key = self.pair_key(key)[:, :, None, None]  # (batch, kv_heads, 1, 1, k, h)
+            per_query = group_heads(self.pair_query(query), kv_heads).unsqueeze(-1)  # (batch, kv_heads, g, q, h, 1)
+            # (batch, kv_heads, 1, 1, h, k), contiguous: the sum below then comes out in the planes layout (a
+            # transposed view would lead it to another memory order, and its backward off the vectorised path).
+            per_key = self.pair_key(key).transpose(-1, -2).contiguous()[:, :, None, None]
             hidden = self.act(per_query + per_key)
-        for layer in self.deeper:
-            hidden = self.act(layer(hidden))
-        return self.output(hidden).squeeze(-1).flatten(1, 2)
+        if self.deeper:
+            # Deeper layers act on the units of every row: each weight times the row's (units, k) planes. (A matmul
+            # of the 2-D weight against the batched planes would transpose them into a copy first.)
+            shape = hidden.shape
+            planes = hidden.reshape(-1, shape[-2], shape[-1])
+            for layer in self.deeper:
+                weight = layer.weight.expand(planes.shape[0], -1, -1)
+                planes = self.act(torch.baddbmm(layer.bias[:, None], weight, planes))
+            hidden = planes.view(*shape[:-2], *planes.shape[-2:])
+        # The output layer w_a: a weighted sum of the unit planes (one pass, and one in backward).
+        return (hidden * self.output.weight[0, :, None]).sum(-2).flatten(1, 2)
 
     def scores(self, query, key, extras, scaling: float) -> torch.Tensor:
         mlp = self.pair_scores(query, key)

@@ -239,17 +239,22 @@ class QanaScorer(Scorer):
 
     def scores(self, query, key, extras: QanaQueryParts, scaling: float) -> torch.Tensor:
         """(batch, heads, q, d) x (batch, kv_heads, k, d) -> (batch, heads, q, k) logits; see module doc. The
-        hidden layer is (batch, kv_heads, groups, q, k, h), each query head against its group's kv head."""
+        hidden layer is (batch, kv_heads, groups, q, h, k), each query head against its group's kv head."""
         kv_heads = key.shape[1]
         U, V, b, c = (group_heads(t, kv_heads) for t in extras[:4])
+        batch, _, groups, h, q_len, width = U.shape
         if extras.basis is None:
-            hidden = torch.einsum("bmglqd,bmkd->bmgqkl", U, key)
+            # Each query's h unit rows side by side, (q, h) rows against the keys: one matmul per kv head, whose
+            # (…, q, h, k) result needs no reordering (an einsum to (…, q, k, h) copied it).
+            rows = U.transpose(3, 4).reshape(batch, kv_heads, groups * q_len * h, width)
+            hidden = (rows @ key.transpose(-1, -2)).view(batch, kv_heads, groups, q_len, h, -1)
         else:
             # (B~_im . k~_j) for the r basis rows, then the mix A_i: r QK-sized products, not h.
-            projected = torch.einsum("bmgrqd,bmkd->bmgqkr", group_heads(extras.basis, kv_heads), key)
-            hidden = torch.einsum("bmgqkr,bmglqr->bmgqkl", projected, U)
-        hidden = hidden + b.unsqueeze(-2)
-        mlp = torch.einsum("bmgqkl,bmgql->bmgqk", self.act(hidden), V) + c
+            projected = torch.einsum("bmgrqd,bmkd->bmgqrk", group_heads(extras.basis, kv_heads), key)
+            hidden = torch.einsum("bmgqrk,bmglqr->bmgqlk", projected, U)
+        hidden = hidden + b.unsqueeze(-1)
+        # The output layer per query row: (1, h) times the row's (h, k) activations.
+        mlp = (V.unsqueeze(-2) @ self.act(hidden)).squeeze(-2) + c
         gated = self.gate.view(1, -1, 1, 1) * mlp.flatten(1, 2)
         if not self.config.skip:
             return gated
