@@ -70,7 +70,8 @@ def kv_cache_table(args) -> None:
             prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
             return_dict_in_generate=True, pad_token_id=0,
         )  # fmt: skip
-        size = cache_bytes(out.past_key_values)
+        # transformers 5.24 names the output field cache (past_key_values before it, still readable with a warning)
+        size = cache_bytes(next(out[name] for name in ("cache", "past_key_values") if name in out))
         baseline = baseline or size
         label = (
             "unpatched"

@@ -15,6 +15,7 @@ and token. Writes a markdown table and the numbers as JSON.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -48,15 +49,19 @@ def measure(args, prompt: int) -> dict[str, dict[str, float]]:
     ids = torch.randint(0, 1000, (1, prompt), generator=torch.Generator().manual_seed(1))
     samples = {name: {"prefill_s": [], "decode_s": []} for name in models}
 
+    # transformers 5.24 renamed the KV cache argument and output field from past_key_values to cache; the old name
+    # still works there but warns on every call.
+    cache_name = "cache" if "cache" in inspect.signature(type(models["none"]).forward).parameters else "past_key_values"
+
     def one(model) -> tuple[float, float]:
         started = time.perf_counter()
         out = model(ids, use_cache=True)
         prefill = time.perf_counter() - started
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        cache, token = out[cache_name], out.logits[:, -1:].argmax(-1)
         started = time.perf_counter()
         for _ in range(args.decode_steps):
-            out = model(token, past_key_values=cache, use_cache=True)
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            out = model(token, use_cache=True, **{cache_name: cache})
+            cache, token = out[cache_name], out.logits[:, -1:].argmax(-1)
         return prefill, (time.perf_counter() - started) / args.decode_steps
 
     with torch.no_grad():

@@ -334,6 +334,28 @@ def logits(model, inputs: dict[str, torch.Tensor], **kwargs) -> torch.Tensor:
     return model(**inputs, **kwargs).logits
 
 
+# --- Installed packages ------------------------------------------------------------------------------------------
+
+
+def transformers_refuses_installed_peft() -> str | None:
+    """Why transformers' own PEFT integration (``add_adapter``, ``load_adapter``, Auto classes over an adapter folder)
+    refuses the installed PEFT, or None. transformers 5.24 asks for peft>=0.22, newer than PyPI's newest when it came
+    out; the library's own PEFT paths (``get_peft_model``, PEFT's classes) do not go through that check. The tests
+    of the integration run in ``make test-oldest`` (transformers 5.18) then."""
+    try:
+        import peft
+        from transformers.integrations.peft import MIN_PEFT_VERSION
+    except ImportError:
+        return None  # no peft: those tests skip themselves; an older transformers without the constant checks nothing
+    from packaging.version import Version
+
+    if Version(peft.__version__) < Version(MIN_PEFT_VERSION):
+        return (
+            f"transformers {tf.__version__}'s PEFT integration needs peft>={MIN_PEFT_VERSION}, found {peft.__version__}"
+        )
+    return None
+
+
 # --- Compute paths -----------------------------------------------------------------------------------------------
 
 IMPLS = IMPL_OPTIONS  # every public impl choice
@@ -543,4 +565,3 @@ def scorer_cases(with_family: bool = False, **where):
 def negligible(grad: torch.Tensor, reference: torch.Tensor) -> bool:
     """Zero up to fp32 rounding, relative to a gradient that is really there."""
     return bool(grad.abs().max() <= 1e-4 * reference.abs().max())
-

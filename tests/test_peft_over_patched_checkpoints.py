@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import logits, model_inputs, perturb_scorers, tiny_llama
+from helpers import logits, model_inputs, perturb_scorers, tiny_llama, transformers_refuses_installed_peft
 from transformers import AutoModelForCausalLM
 
 import hf_neural_attn
 
 peft = pytest.importorskip("peft", reason="peft is a dev extra")
+_REFUSAL = transformers_refuses_installed_peft()
+pytestmark = pytest.mark.skipif(_REFUSAL is not None, reason=str(_REFUSAL))
 
 
 @pytest.fixture
@@ -24,7 +26,9 @@ def lora_folder(tmp_path):
     perturb_scorers(model)
     model.save_pretrained(tmp_path / "patched")
     model = hf_neural_attn.from_pretrained(tmp_path / "patched")
-    config = peft.LoraConfig(target_modules=["q_proj", "v_proj"], modules_to_save=hf_neural_attn.peft_modules_to_save(model))
+    config = peft.LoraConfig(
+        target_modules=["q_proj", "v_proj"], modules_to_save=hf_neural_attn.peft_modules_to_save(model)
+    )
     model.add_adapter(config)
     inputs = model_inputs("llama")
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)

@@ -112,7 +112,8 @@ def test_decoder_maps_are_the_patched_and_the_eager_models_attentions(family, tm
         patched_reference = model.eval()(**inputs, output_attentions=True).attentions[1][0].numpy()
     model.train()
     unpatched_reference = eager_attentions(family, inputs)[1][0].numpy()
-    np.testing.assert_allclose(maps.patched, patched_reference, rtol=0, atol=1e-7)
+    # The maps run one example, the reference the batch of two: the matmuls' fp32 rounding differs (2.5e-7 seen).
+    np.testing.assert_allclose(maps.patched, patched_reference, rtol=0, atol=1e-6)
     np.testing.assert_allclose(maps.unpatched, unpatched_reference, rtol=0, atol=1e-6)
     for values in (maps.patched, maps.unpatched):
         np.testing.assert_allclose(values.sum(-1), 1.0, atol=1e-5)  # each query row is a distribution
@@ -162,7 +163,6 @@ def test_function_preserving_patch_draws_identical_maps_and_zero_change(tmp_path
     assert record["attention_change"] < 1e-6
 
 
-
 @pytest.mark.parametrize("impl", PORTABLE_IMPLS)
 def test_maps_and_statistics_for_every_impl_and_layers_choice(family, impl, tmp_path):
     """Every layer's maps and every patched layer's statistics, whichever layers are patched and whichever path
@@ -185,6 +185,7 @@ def test_maps_and_statistics_for_every_impl_and_layers_choice(family, impl, tmp_
         assert all(0 < record["attention_change"] < 1 for record in records)
     path = tmp_path / "maps.png"  # the last model: every layer scored
     assert png_size(plotting.plot_attention_maps(model, inputs, path, layer=1).path) == expected_map_size(HEADS, 3)
+
 
 def test_gate_history_over_training_steps(tmp_path):
     inputs = model_inputs("gpt2", batch=4, seq=16)

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from helpers import transformers_refuses_installed_peft
 
 import hf_neural_attn
 
@@ -109,6 +110,9 @@ def train_step(model, parameters) -> None:
     model.eval()
 
 
+@pytest.mark.skipif(
+    transformers_refuses_installed_peft() is not None, reason=str(transformers_refuses_installed_peft())
+)
 def test_lora_with_the_scorers_through_sentence_transformers_saves_and_loads(encoder, tmp_path):
     """The whole route of sentence-transformers' PEFT support: the patched model saved and loaded back (so the
     adapter's recorded base is patched), LoRA plus the scorers added with ``st.add_adapter``, a training step,

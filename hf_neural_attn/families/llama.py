@@ -99,7 +99,11 @@ class NarrowKeyLlamaAttention(LlamaAttention):
 
     key_dim: int
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+    def forward(
+        self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, past_key_values=None, **kwargs
+    ):
+        # transformers 5.24 renamed the layer's ``past_key_values`` to ``cache``; earlier releases pass the former.
+        cache = cache if cache is not None else past_key_values
         input_shape = hidden_states.shape[:-1]
         query_states = self.q_proj(hidden_states).view(*input_shape, -1, self.key_dim).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(*input_shape, -1, self.key_dim).transpose(1, 2)
@@ -108,8 +112,8 @@ class NarrowKeyLlamaAttention(LlamaAttention):
         cos, sin = narrow_rotary(*position_embeddings, self.key_dim)
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
         # A patched model runs attn_implementation "hf_neural_attn": this is its scoring path.
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
