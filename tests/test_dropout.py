@@ -220,7 +220,7 @@ def test_eval_mode_and_p_zero_drop_nothing():
 @pytest.fixture
 def dropout_gpt2(monkeypatch):
     """A patched GPT-2 with attention dropout only, in train mode, and auto choosing blockwise for every call."""
-    monkeypatch.setattr(ops, "REFERENCE_MAX_SCORES", 0)
+    monkeypatch.setattr(ops, "reference_max_scores", lambda scorer: 0)
     model = tiny_gpt2(attn_pdrop=0.3)
     hf_neural_attn.patch_model(model, "qana", h=2)
     perturb_scorers(model)
@@ -257,7 +257,7 @@ def test_torch_compile_gives_the_eager_outputs(dropout_gpt2):
 
 def test_auto_chooses_the_same_path_with_dropout_as_without():
     scorer = make_scorer("qana", 4, 4)  # h = 3
-    largest = int((ops.REFERENCE_MAX_SCORES / (4 * 3)) ** 0.5)
+    largest = int((ops.reference_max_scores(scorer) / (4 * 3)) ** 0.5)
     shapes = [(1, largest, largest), (1, largest + 1, largest + 1), (2, largest, largest), (1, 1, 8192), (8, 128, 128)]
     for batch, q_len, kv_len in shapes:
         chosen = {

@@ -251,7 +251,7 @@ def test_auto_rule_by_shape():
             is_causal=True, batch=batch, heads=4, **flags,
         )  # fmt: skip
 
-    largest = int((ops.REFERENCE_MAX_SCORES / (4 * 3)) ** 0.5)  # the longest square call kept whole, batch 1
+    largest = int((ops.reference_max_scores(scorer) / (4 * 3)) ** 0.5)  # the longest square call kept whole, batch 1
     assert path(1, largest, largest) == "reference"
     assert path(1, largest + 1, largest + 1) == "blockwise"  # QANA has a fused form: "chunked" runs it blockwise
     assert path(2, largest, largest) == "blockwise"  # the batch counts: the score tensor doubles
@@ -279,6 +279,6 @@ def test_patch_model_defaults_to_auto_and_auto_follows_the_call(monkeypatch):
     short = logits(model, inputs)
     assert taken and set(taken) == {"reference"}
     taken.clear()
-    monkeypatch.setattr(ops, "REFERENCE_MAX_SCORES", 0)
+    monkeypatch.setattr(ops, "reference_max_scores", lambda scorer: 0)
     torch.testing.assert_close(logits(model, inputs), short, atol=1e-5, rtol=0)
     assert taken and set(taken) == {"blockwise"}

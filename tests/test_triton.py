@@ -260,7 +260,7 @@ def test_auto_runs_the_chunked_path_above_the_threshold(monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setitem(ops.PATHS, "blockwise", spy)
-    monkeypatch.setattr(ops, "REFERENCE_MAX_SCORES", 0)
+    monkeypatch.setattr(ops, "reference_max_scores", lambda scorer: 0)
     scorer = make_scorer("neural", 2, 1, impl="auto")
     _, query, key, value, mask, _ = attention_case(2, 1, 5, 5, "causal")
     output, probs = scored_attention(scorer, query, key, value, mask, scaling=D**-0.5, is_causal=True)

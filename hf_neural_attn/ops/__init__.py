@@ -44,9 +44,19 @@ IMPL_OPTIONS = ("auto", "reference", "chunked", "triton")
 TRITON_IN_AUTO = False
 
 # impl="auto" materialises the scores (the reference path) while batch * heads * q_len * kv_len * h is at most
-# this many numbers, and computes them a block of queries at a time above: past it, the blockwise paths were the
-# faster of the two in benchmarks/auto_threshold.py (docs/benchmarks.md has the crossing points as measured).
+# this many numbers, and computes them a block of queries at a time above. Where the two paths cross depends on the
+# scorer: QANA's blockwise form overtakes early, while Neural Attention's reference form (a broadcast sum of its two
+# halves, or on RoPE models one product of its units) stays the faster one up to larger calls. Each value sits
+# between the sizes where benchmarks/auto_threshold.py found the reference path faster and where it found the
+# blockwise one faster, with dropout on and off, batch 1 and 8, GPT-2 and Llama (docs/benchmarks.md, "The auto
+# rule"). Scorers not listed (the generic chunked path) keep REFERENCE_MAX_SCORES, measured before the split.
 REFERENCE_MAX_SCORES = 3 * 2**19
+REFERENCE_MAX_SCORES_BY_SCORER = {"qana": 2**19, "neural": 2**21}
+
+
+def reference_max_scores(scorer) -> int:
+    """The largest score tensor (numbers) that ``impl="auto"`` materialises for ``scorer``."""
+    return REFERENCE_MAX_SCORES_BY_SCORER.get(scorer.name, REFERENCE_MAX_SCORES)
 
 
 def check_impl(impl: str, device: torch.device | str | None = None) -> None:
@@ -84,7 +94,7 @@ def resolve_impl(
       triton, ``ValueError`` naming the reason otherwise: attention dropout among them), never a silent fallback.
     * ``"auto"`` (the default): with :data:`TRITON_IN_AUTO` set, the kernels for CUDA tensors they support.
       Otherwise ``"reference"`` while the call's score tensor, ``batch * heads * q_len * kv_len`` numbers times
-      the scorer's hidden width h, is at most :data:`REFERENCE_MAX_SCORES` (materialising it is then the faster
+      the scorer's hidden width h, is at most :func:`reference_max_scores` (materialising it is then the faster
       choice), else as ``"chunked"``. Dropout does not change the rule: every path applies it.
     * ``"chunked"``: ``"blockwise"`` for a scorer with a fused form, ``"chunked"`` for the others; memory linear
       in the sequence length either way.
@@ -127,7 +137,7 @@ def resolve_impl(
             _warn_once("impl='auto' on CUDA found no triton and uses the torch paths instead: pip install triton")
     if impl == "auto":
         hidden = getattr(scorer.config, "h", None) or 1
-        if batch * heads * q_len * kv_len * hidden <= REFERENCE_MAX_SCORES:
+        if batch * heads * q_len * kv_len * hidden <= reference_max_scores(scorer):
             return "reference"
     elif impl != "chunked":
         # A value set on the config after it was made: the option's own error, from the config's one check.
