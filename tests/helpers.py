@@ -562,6 +562,20 @@ def scorer_cases(with_family: bool = False, **where):
     return [pytest.param(case, family, id=f"{case.id}-{family}") for case in rows for family in case.families]
 
 
+def assert_same_outputs_and_grads(result, expected, atol: float) -> None:
+    """``result`` and ``expected``, each (output, [gradient or None, ...]), agree: the output to ``atol``, each
+    gradient to ``atol`` times its reference's largest magnitude (at least 1), None where the reference is None."""
+    (output, grads), (ref_output, ref_grads) = result, expected
+    torch.testing.assert_close(output, ref_output, rtol=0, atol=atol)
+    for index, (grad, ref_grad) in enumerate(zip(grads, ref_grads, strict=True)):
+        assert (grad is None) == (ref_grad is None), index
+        if grad is not None:
+            scale = max(1.0, ref_grad.abs().max().item())
+            torch.testing.assert_close(
+                grad, ref_grad, rtol=0, atol=atol * scale, msg=lambda m, i=index: f"tensor {i}: {m}"
+            )
+
+
 def negligible(grad: torch.Tensor, reference: torch.Tensor) -> bool:
     """Zero up to fp32 rounding, relative to a gradient that is really there."""
     return bool(grad.abs().max() <= 1e-4 * reference.abs().max())

@@ -13,7 +13,16 @@ import math
 
 import pytest
 import torch
-from helpers import HIDDEN, geometry, logits, model_inputs, perturb_scorers, randomise, tiny_gpt2
+from helpers import (
+    HIDDEN,
+    assert_same_outputs_and_grads,
+    geometry,
+    logits,
+    model_inputs,
+    perturb_scorers,
+    randomise,
+    tiny_gpt2,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_neural_attn
@@ -86,16 +95,6 @@ def run(scorer, impl, tensors, mask, is_causal, valid_rows, seed, p=P):
     return output.detach() * keep, [leaf.grad for leaf in leaves]
 
 
-def assert_same(result, expected, atol=1e-5):
-    (output, grads), (ref_output, ref_grads) = result, expected
-    torch.testing.assert_close(output, ref_output, rtol=0, atol=atol)
-    for index, (grad, ref_grad) in enumerate(zip(grads, ref_grads, strict=True)):
-        assert (grad is None) == (ref_grad is None), index
-        if grad is not None:
-            scale = max(1.0, ref_grad.abs().max().item())
-            torch.testing.assert_close(grad, ref_grad, rtol=0, atol=atol * scale, msg=lambda m, i=index: f"{i}: {m}")
-
-
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Blocks of 2 query rows on both blockwise paths: 9 tokens span several blocks, causal blocks are skipped."""
@@ -110,7 +109,9 @@ def test_every_path_drops_what_the_reference_drops(small_blocks, term, heads, kv
     scorer = make_scorer(term, heads, kv_heads)
     tensors, mask, is_causal, valid_rows = case(kind, heads, kv_heads)
     expected = run(scorer, "reference", tensors, mask, is_causal, valid_rows, seed=5)
-    assert_same(run(scorer, "chunked", tensors, mask, is_causal, valid_rows, seed=5), expected)
+    assert_same_outputs_and_grads(
+        run(scorer, "chunked", tensors, mask, is_causal, valid_rows, seed=5), expected, atol=1e-5
+    )
     # Dropout is live: another seed gives another output.
     assert (run(scorer, "chunked", tensors, mask, is_causal, valid_rows, seed=6)[0] - expected[0]).abs().max() > 1e-3
 

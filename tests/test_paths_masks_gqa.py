@@ -21,6 +21,7 @@ from helpers import (
     HIDDEN,
     PATH_IMPLS,
     PORTABLE_IMPLS,
+    assert_same_outputs_and_grads,
     geometry,
     logits,
     model_inputs,
@@ -132,18 +133,6 @@ def oracle(scorer, hidden, query, key, value, allowed, valid_rows):
     return output, grads[:2] + per_kv_head + grads[4:]
 
 
-def assert_same(result, expected, atol):
-    (output, grads), (ref_output, ref_grads) = result, expected
-    torch.testing.assert_close(output, ref_output, rtol=0, atol=atol)
-    for index, (grad, ref_grad) in enumerate(zip(grads, ref_grads, strict=True)):
-        assert (grad is None) == (ref_grad is None), index
-        if grad is not None:
-            scale = max(1.0, ref_grad.abs().max().item())
-            torch.testing.assert_close(
-                grad, ref_grad, rtol=0, atol=atol * scale, msg=lambda m, i=index: f"tensor {i}: {m}"
-            )
-
-
 @pytest.mark.parametrize("q_len,kv_len,kind", MASKS)
 @pytest.mark.parametrize("term", list(TERMS))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
@@ -158,7 +147,9 @@ def test_every_path_matches_the_reference_on_every_mask(monkeypatch, impl, heads
     expected = oracle(scorer, hidden, query, key, value, allowed, valid_rows)
     mask = as_given(allowed, kind, query.dtype)
     is_causal = not kind.startswith("full")
-    assert_same(run(scorer, impl, hidden, query, key, value, mask, is_causal, valid_rows), expected, atol=1e-5)
+    assert_same_outputs_and_grads(
+        run(scorer, impl, hidden, query, key, value, mask, is_causal, valid_rows), expected, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
@@ -174,7 +165,7 @@ def test_blockwise_path_matches_the_reference_for_every_activation(monkeypatch, 
     valid_rows = allowed.any(-1, keepdim=True)
     expected = oracle(scorer, hidden, query, key, value, allowed, valid_rows)
     result = run(scorer, "chunked", hidden, query, key, value, allowed, True, valid_rows)
-    assert_same(result, expected, atol=1e-5)
+    assert_same_outputs_and_grads(result, expected, atol=1e-5)
 
 
 @pytest.mark.parametrize("term", ["qana", "neural-residual", "neural-replace"])
