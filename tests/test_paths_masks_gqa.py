@@ -251,6 +251,25 @@ def test_auto_rule_by_shape():
     assert path(8, 4096, 4096, need_weights=True) == "reference"  # only the reference path returns maps
 
 
+def test_auto_threshold_is_per_scorer():
+    """QANA's blockwise form overtakes the reference path at smaller calls than Neural Attention's does
+    (docs/benchmarks.md, "The auto rule"): a call between the two thresholds runs blockwise for QANA and on the
+    reference path for Neural Attention; each scorer's own threshold is where its choice switches."""
+    qana, neural = make_scorer("qana", "gelu", 4, 4), make_scorer("neural-residual", "gelu", 4, 4)  # h = 3, 4
+    assert ops.reference_max_scores(qana) < ops.reference_max_scores(neural)
+
+    def path(scorer, q_len):
+        return ops.resolve_impl(
+            "auto", scorer, device="cpu", dtype=torch.float32, q_len=q_len, kv_len=q_len, head_dim=D,
+            is_causal=True, batch=1, heads=4,
+        )  # fmt: skip
+
+    between = int((ops.reference_max_scores(neural) / (4 * 4)) ** 0.5)  # Neural's longest square call kept whole
+    assert 4 * between * between * 3 > ops.reference_max_scores(qana)  # ... which QANA (h = 3) computes blockwise
+    assert path(qana, between) == "blockwise" and path(neural, between) == "reference"
+    assert path(neural, between + 1) == "blockwise"
+
+
 def test_patch_model_defaults_to_auto_and_auto_follows_the_call(monkeypatch):
     """What a user gets without naming impl: "auto"; short calls run the reference path, long ones (here: any,
     with the threshold at 0) the chunked one, with the same logits."""
