@@ -85,10 +85,12 @@ def report(results: dict, args) -> str:
     except (OSError, StopIteration):
         pass
     lines = [
-        f"Llama {args.layers} layers x 256 wide, 4 query heads on 2 kv heads, eval mode, every layer patched with "
-        f"h={args.h} (Neural Attention with its default options), fp32, batch 1; median of {args.rounds} interleaved "
-        f"rounds, {args.decode_steps} decoded tokens each; machine: {cpu}, {os.cpu_count()} cores, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__} (CPU).",
+        (
+            f"Llama {args.layers} layers x 256 wide, 4 query heads on 2 kv heads, eval mode, every layer patched with "
+            f"h={args.h} (Neural Attention with its default options), fp32, batch 1; median of {args.rounds} "
+            f"interleaved rounds, {args.decode_steps} decoded tokens each; machine: {cpu}, {os.cpu_count()} cores, "
+            f"{torch.get_num_threads()} threads, torch {torch.__version__} (CPU)."
+        ),
         "",
         "| prompt | scorer | prefill ms | x unpatched | decode ms/token | x unpatched | added per layer and token |",
         "|---|---|---|---|---|---|---|",

@@ -10,7 +10,6 @@ its active copy, so the scorer that runs, and gets the gradients, is the copy PE
 from __future__ import annotations
 
 from torch import nn
-
 from transformers import PretrainedConfig
 
 from ._warnings import warn_user

@@ -95,9 +95,10 @@ DAMAGES = [
     Damage("field-missing", in_record(lambda record: record.pop("layers")), r"{record} is damaged: field 'layers'"),
     *(
         Damage(
-            f"field-{field}", in_record(lambda record, f=field, v=value: record.update({f: v})),
+            f"field-{field}",
+            in_record(lambda record, f=field, v=value: record.update({f: v})),
             rf"{{record}} is damaged: field '{field}'",
-        )  # fmt: skip
+        )
         for field, value in BAD_FIELD_VALUES.items()
     ),
     Damage("unknown-scorer", in_record(lambda record: record.update(scorer="cosine")), r"'cosine'.* does not have"),
