@@ -4,11 +4,11 @@
     python benchmarks/auto_threshold.py --seq 64 128 256 --batch 32 --dropout 0.1
     python benchmarks/auto_threshold.py --family llama                            # RoPE: Neural's relative input
 
-Times forward + backward of one causal attention call of a patched GPT-2 (or Llama) layer (QANA, and Neural Attention with
-its default options) in training mode with attention dropout ``--dropout`` (0 by default), on each path,
-interleaved so that drifts in machine speed hit both alike, and prints the median per path, their ratio and the
-score-tensor size ``batch x heads x n x n x h`` that ``impl="auto"`` compares with the scorer's ``ops.reference_max_scores``.
-The crossover sets that threshold (docs/benchmarks.md).
+Times forward + backward of one causal attention call of a patched GPT-2 (or Llama) layer (QANA, and Neural
+Attention with its default options) in training mode with attention dropout ``--dropout`` (0 by default), on each
+path, interleaved so that drifts in machine speed hit both alike, and prints the median per path, their ratio and
+the score-tensor size ``batch x heads x n x n x h`` that ``impl="auto"`` compares with the scorer's
+``ops.reference_max_scores``. The crossover sets that threshold (docs/benchmarks.md).
 """
 
 from __future__ import annotations
