@@ -19,7 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from .families import FAMILIES
 from .families.base import offloaded_weights_loaded
-from .ops import scored_attention
+from .ops import scored_attention, zero_rows_without_keys
 from .ops.masks import as_additive_mask
 from .patched_config import is_patched_config
 from .record import ATTN_IMPLEMENTATION, EXTRAS_KWARG, FALLBACK_ATTR, SCORER_ATTR
@@ -64,9 +64,16 @@ def hf_neural_attention_forward(
         implementation = runnable_base(base_implementation(getattr(module, "config", None)) or patched_over)
         if need_weights and implementation != "eager":
             # Only the eager path returns probabilities. It adds its mask to the logits, so it gets the
-            # additive form of the mask this call carries (which may be SDPA's boolean one, or None for causal).
-            implementation = "eager"
-            attention_mask = _additive_mask(attention_mask, query, key, is_causal)
+            # additive form of the mask this call carries (which may be SDPA's boolean one, or None for causal);
+            # the rows SDPA's boolean mask allows no key stay SDPA's zeros, so asking for maps changes no output.
+            boolean_mask = _scoring_mask(attention_mask, query, key, is_causal)
+            output, weights = FAMILIES[family_name].original_attention(
+                module, "eager", query, key, value, _additive_mask(attention_mask, query, key, is_causal), scaling,
+                dropout, **kwargs,
+            )  # fmt: skip
+            return zero_rows_without_keys(output.transpose(1, 2), boolean_mask).transpose(1, 2), (
+                zero_rows_without_keys(weights, boolean_mask) if weights is not None else None
+            )
         return FAMILIES[family_name].original_attention(
             module, implementation, query, key, value, attention_mask, scaling, dropout, **kwargs
         )
@@ -78,6 +85,7 @@ def hf_neural_attention_forward(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     mask = _scoring_mask(attention_mask, query, key, is_causal)
+    family_name = getattr(module, FALLBACK_ATTR)[0]
     # The paths read the scorer's parameters without calling it as a module, so when accelerate offloaded the
     # scorer (a model patched, then dispatched with offloading) its tensors are loaded here for the call.
     with offloaded_weights_loaded(scorer):
@@ -89,6 +97,7 @@ def hf_neural_attention_forward(
             mask,
             scaling=scaling,
             dropout=dropout,
+            dropout_source=f"config.{FAMILIES[family_name].attention_dropout_field}",
             training=module.training,
             extras=extras,
             is_causal=is_causal,

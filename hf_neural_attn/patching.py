@@ -37,6 +37,7 @@ from ._warnings import warn_user
 from .families import FAMILIES, ModelFamily, find_attention
 from .families.base import offloaded_weights_loaded
 from .ops import check_impl
+from .ops.dropout import check_probability
 from .patched_config import make_patched, make_unpatched
 from .record import (
     ADDED_MODULE_ATTR,
@@ -103,6 +104,7 @@ def patch_model(
     config = _scorer_config(scorer, h, options)
     family, attention_modules, config_readers = find_attention(model)
     selected = _normalise_layers(layers, len(attention_modules))
+    _check_attention_dropout(model.config, family)
     scorer_type = scorer_class(config.scorer_name)
     if getattr(config, "init", None) == "zero":
         warn_user(
@@ -166,6 +168,14 @@ def patch_model(
         make_patched(config_object)
     setattr(model.config, RECORD_KEY, record.to_dict())
     return model
+
+
+def _check_attention_dropout(config: PretrainedConfig, family: ModelFamily) -> None:
+    """The config's attention dropout is a probability. The scorers apply it, so a value the unpatched model would
+    refuse at its first training step (above 1, negative, NaN) is refused here, before the model changes."""
+    value = getattr(config, family.attention_dropout_field, None)
+    if value is not None:
+        check_probability(value, f"config.{family.attention_dropout_field}")
 
 
 def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:

@@ -3,7 +3,8 @@ order, for every family, every ``impl`` and every ``layers=`` choice, over an ea
 
 The layers the patch leaves alone return the maps the unpatched model returns (transformers' eager attention,
 the only one that has maps, with the same weights); the scored layers return their scorer's probabilities,
-whichever path computes their output. And the fine-tuning recipe, which draws these maps, runs with
+whichever path computes their output. Over an SDPA base, a query row that sees no key (a leading pad) has an all-zero
+map, as SDPA weighs it (its output is zero); over an eager base its map is uniform, as eager weighs it. And the fine-tuning recipe, which draws these maps, runs with
 ``--layers`` and ``--impl`` choices that used to crash it.
 """
 
@@ -44,12 +45,27 @@ def maps(model, inputs) -> tuple[torch.Tensor, ...]:
         return model(**inputs, output_attentions=True).attentions
 
 
+def sees_a_key(case, inputs, base: str) -> torch.Tensor:
+    """(batch, 1, q, 1): False where a query row sees no key and the base weighs it zero (SDPA), else True."""
+    if "attention_mask" not in inputs or base == "eager":
+        return torch.tensor(True)
+    seen = inputs["attention_mask"].cumsum(-1) if case.causal else inputs["attention_mask"].sum(-1, keepdim=True)
+    return (seen > 0)[:, None, :, None].expand(-1, 1, inputs["attention_mask"].shape[-1], 1)
+
+
+def base_maps(case, inputs, base: str) -> list[torch.Tensor]:
+    """The unpatched model's maps (eager: the only implementation with maps), its rows as ``base`` weighs them."""
+    keep = sees_a_key(case, inputs, base)
+    return [probs * keep for probs in maps(case.build(attn_implementation="eager"), inputs)]
+
+
 @pytest.mark.parametrize("base", BASES)
 @pytest.mark.parametrize("case", FAMILIES)
 def test_one_map_per_layer_in_layer_order(case, base):
     inputs = padded_inputs(case.inputs)
-    unpatched = maps(case.build(attn_implementation="eager"), inputs)  # the unpatched model's maps (same weights)
+    unpatched = base_maps(case, inputs, base)  # the unpatched model's maps (same weights)
     assert len(unpatched) == 2  # every tiny model has 2 attention layers
+    keep = sees_a_key(case, inputs, base)
     for layers in LAYER_CHOICES:
         reference = None
         # Every impl but "triton", which needs CUDA (or the CPU interpreter, see test_triton.py); calls that want
@@ -62,7 +78,8 @@ def test_one_map_per_layer_in_layer_order(case, base):
             assert len(attentions) == 2, f"{where}: {len(attentions)} maps"
             for index, probs in enumerate(attentions):
                 assert probs.shape == unpatched[index].shape and probs.shape[:2] == (2, HEADS), (where, index)
-                torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[:-1]), rtol=0, atol=ROUNDING)
+                row_sums = (torch.ones(probs.shape[:-1]).unsqueeze(-1) * keep).squeeze(-1)  # 1, or 0 for SDPA's empty rows
+                torch.testing.assert_close(probs.sum(-1), row_sums, rtol=0, atol=ROUNDING)
                 if index < min(scored):
                     # Before the first scored layer the hidden states are the unpatched model's: the same maps.
                     torch.testing.assert_close(probs, unpatched[index], rtol=0, atol=0, msg=f"{where} layer {index}")
@@ -79,7 +96,7 @@ def test_one_map_per_layer_in_layer_order(case, base):
 def test_function_preserving_patch_returns_the_unpatched_maps_on_every_layer(case, base):
     """At init every layer, scored or not, before or after a scored one, returns the unpatched model's map."""
     inputs = padded_inputs(case.inputs)
-    unpatched = maps(case.build(attn_implementation="eager"), inputs)
+    unpatched = base_maps(case, inputs, base)
     for layers, impl in zip(itertools.cycle(LAYER_CHOICES), PORTABLE_IMPLS):
         attentions = maps(patched(case, base, layers, impl, perturb=False), inputs)
         assert len(attentions) == len(unpatched)
@@ -177,3 +194,17 @@ def test_recipe_draws_the_maps_for_every_layers_and_impl_choice(
     assert results["plots"]["attention_layer"] == drawn_layer and "attention_change" in results["plots"]
     if drawn_layer not in scored:  # an unscored layer before any scored one draws the unpatched map
         assert results["plots"]["attention_change"] == 0
+
+
+@pytest.mark.parametrize("layers", LAYER_CHOICES)
+@pytest.mark.parametrize("base", BASES)
+def test_asking_for_maps_changes_no_output(base, layers):
+    """A left-padded batch: the logits are the same with and without output_attentions, pad rows included (the
+    unscored layers run eager for their maps, and keep SDPA's zero rows over an SDPA base)."""
+    case = family_case("llama")
+    model = patched(case, base, layers, "auto")
+    inputs = padded_inputs(case.inputs)
+    with torch.no_grad():
+        plain = model(**inputs).logits
+        with_maps = model(**inputs, output_attentions=True).logits
+    torch.testing.assert_close(with_maps, plain, rtol=0, atol=ROUNDING)

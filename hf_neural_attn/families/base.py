@@ -28,6 +28,8 @@ class ModelFamily:
 
     name: ClassVar[str]
     attention_classes: ClassVar[tuple[type[nn.Module], ...]]
+    # The config field the attention dropout probability comes from, named when its value is not a probability.
+    attention_dropout_field: ClassVar[str] = "attention_dropout"
 
     def matches(self, module: nn.Module) -> bool:
         """Whether ``module`` is a self-attention module of this family (the ones that get a scorer)."""

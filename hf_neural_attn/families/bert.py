@@ -13,6 +13,7 @@ from .base import ModelFamily, linear_query_geometry
 class BertFamily(ModelFamily):
     name = "bert"
     attention_classes = (BertSelfAttention,)
+    attention_dropout_field = "attention_probs_dropout_prob"
     cross_attention_classes = (BertCrossAttention,)
 
     def reads_shared_config(self, module):

@@ -12,6 +12,7 @@ from .base import ModelFamily, query_weight_std
 class GPT2Family(ModelFamily):
     name = "gpt2"
     attention_classes = (GPT2Attention,)
+    attention_dropout_field = "attn_pdrop"
 
     def matches(self, module):
         return super().matches(module) and not module.is_cross_attention

@@ -10,6 +10,7 @@ from .base import ModelFamily, linear_query_geometry
 class ViTFamily(ModelFamily):
     name = "vit"
     attention_classes = (ViTAttention,)
+    attention_dropout_field = "attention_probs_dropout_prob"
 
     def geometry(self, module):
         heads = module.num_attention_heads

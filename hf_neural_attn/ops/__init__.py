@@ -30,9 +30,10 @@ import torch
 
 from .blockwise import blockwise_attention, blockwise_unsupported_reason
 from .chunked import chunked_attention
+from .dropout import DEFAULT_SOURCE as DEFAULT_DROPOUT_SOURCE
 from .dropout import AttentionDropout
 from .grouped import repeat_kv
-from .masks import as_additive_mask
+from .masks import as_additive_mask, query_rows_seeing_all, rows_without_keys
 from .reference import reference_attention
 from .triton import TRITON_INSTALL_HINT, kernel_unsupported_reason, triton_attention, triton_unavailable_reason
 
@@ -164,34 +165,41 @@ def _warn_once(message: str) -> None:
 
 
 def blockwise_path(
-    scorer, query, key, value, attention_mask, *, scaling, dropout, extras, is_causal=False
+    scorer, query, key, value, attention_mask, *, scaling, dropout, extras, is_causal=False, rows_seeing_all=()
 ) -> tuple[torch.Tensor, None]:
     """The blockwise path with the signature of :func:`.reference.reference_attention`: the scorer's fused term
     (``scorer.fused_inputs``), a block of queries at a time."""
     inputs = scorer.fused_inputs(query, key, extras)
     output = blockwise_attention(
-        inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal, dropout=dropout
-    )
+        inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal, dropout=dropout,
+        rows_seeing_all=rows_seeing_all,
+    )  # fmt: skip
     return output, None
 
 
 def triton_path(
-    scorer, query, key, value, attention_mask, *, scaling, dropout, extras, is_causal=False
+    scorer, query, key, value, attention_mask, *, scaling, dropout, extras, is_causal=False, rows_seeing_all=()
 ) -> tuple[torch.Tensor, None]:
     """The Triton kernels with the signature of :func:`.reference.reference_attention` (:func:`resolve_impl` sends
     no call with dropout here)."""
     # Under autocast everything arrives in the autocast dtype already; otherwise align on the query's.
     key, value = key.to(query.dtype), value.to(query.dtype)
     inputs = scorer.fused_inputs(query, key, extras)
+    # The kernels skip the keys a causal mask hides from a whole tile; rows that see no key at all must see every
+    # key (see .masks.query_blocks), and the mask carries the causal part, so such a call is run without the skip.
+    is_causal = is_causal and not rows_seeing_all
     return triton_attention(inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal), None
 
 
 # Every path takes keys and values with their kv heads (grouped-query attention), any mask form and the call's
 # AttentionDropout or None, and returns (output (batch, heads, q_len, head_dim), probabilities or None).
+# The chunked and blockwise paths run eagerly inside a torch.compile'd model: they loop over query blocks in Python
+# around a hand-written backward, which the compiler would unroll block by block (a 1-layer GPT-2 at 512 tokens took
+# 250-300 s to compile, for the same numbers), and each block is already a few large ops.
 PATHS = {
     "reference": reference_attention,
-    "chunked": chunked_attention,
-    "blockwise": blockwise_path,
+    "chunked": torch.compiler.disable(chunked_attention),
+    "blockwise": torch.compiler.disable(blockwise_path),
     "triton": triton_path,
 }
 
@@ -205,6 +213,7 @@ def scored_attention(
     *,
     scaling: float,
     dropout: float = 0.0,
+    dropout_source: str = DEFAULT_DROPOUT_SOURCE,
     training: bool = False,
     extras: Any = None,
     is_causal: bool = False,
@@ -221,12 +230,14 @@ def scored_attention(
         need_weights: the caller wants the probabilities (``output_attentions``).
 
         dropout, training: attention dropout probability, applied in training mode (one seed per call,
-            :mod:`.dropout`: every path drops the same entries for a seed).
+            :mod:`.dropout`: every path drops the same entries for a seed). In training mode a value outside
+            [0, 1] (or NaN) is a ``ValueError`` naming ``dropout_source`` (the config field it came from).
 
     Returns:
         output (batch, q_len, heads, head_dim), the layout transformers' attention functions return,
         and the attention probabilities (batch, heads, q_len, kv_len) when the path keeps them.
     """
+    attention_dropout = AttentionDropout.for_call(dropout, training, dropout_source)
     if not scorer.uses_softmax:
         groups = query.shape[1] // key.shape[1]
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
@@ -242,12 +253,11 @@ def scored_attention(
             value,
             mask,
             scaling=scaling,
-            dropout=dropout if training else 0.0,
+            dropout=attention_dropout.p if attention_dropout is not None else 0.0,
             is_causal=is_causal,
             need_weights=need_weights,
         )
         return output.transpose(1, 2).contiguous(), weights
-    attention_dropout = AttentionDropout.for_call(dropout, training)
     path = resolve_impl(
         scorer.config.impl,
         scorer,
@@ -264,7 +274,12 @@ def scored_attention(
         need_weights=need_weights,
         dropout_active=attention_dropout is not None,
     )
-    run = functools.partial(PATHS[path], scorer, scaling=scaling, is_causal=is_causal)
+    # Rows whose mask allows no key get what the unpatched model gives them (see .masks): zero under a boolean mask,
+    # uniform weights over every key under an additive one, whose blocks the causal skip must then not cut short.
+    rows_seeing_all = query_rows_seeing_all(attention_mask, query.shape[-2]) if is_causal and path != "reference" else ()
+    run = functools.partial(
+        PATHS[path], scorer, scaling=scaling, is_causal=is_causal, rows_seeing_all=rows_seeing_all
+    )
     # A padded batch of unequal lengths: each sequence scores only the keys its mask leaves it, which the softmax
     # gives exactly zero weight otherwise. (Not for causal calls: they align queries to the end of the keys, which a
     # shorter span of keys would move.)
@@ -283,9 +298,20 @@ def scored_attention(
             )[0]
             for index, (start, end) in enumerate(spans)
         ]
-        return torch.cat(outputs).transpose(1, 2).contiguous(), None
+        return zero_rows_without_keys(torch.cat(outputs), attention_mask).transpose(1, 2).contiguous(), None
     output, probs = run(query, key, value, attention_mask, dropout=attention_dropout, extras=extras)
+    output = zero_rows_without_keys(output, attention_mask)
+    if probs is not None:
+        probs = zero_rows_without_keys(probs, attention_mask)
     return output.transpose(1, 2).contiguous(), probs
+
+
+def zero_rows_without_keys(tensor: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """``tensor`` (batch, heads, q_len, …) with zeros in the query rows a boolean mask allows no key: SDPA's safe
+    softmax gives them zero, with no gradient (see :mod:`.masks`). Other masks leave it as it is."""
+    if attention_mask is None or attention_mask.dtype != torch.bool:
+        return tensor
+    return tensor.masked_fill(rows_without_keys(attention_mask), 0)
 
 
 # A padded batch is split into its sequences when that leaves out at least this share of its keys: below, the

@@ -98,6 +98,7 @@ def blockwise_attention(
     is_causal: bool,
     dropout: AttentionDropout | None = None,
     block: int | None = None,
+    rows_seeing_all: tuple[int, ...] = (),
 ) -> torch.Tensor:
     """softmax(scores + mask) @ v, the scores given by ``inputs``' term, a query block at a time.
 
@@ -113,6 +114,8 @@ def blockwise_attention(
         dropout: the call's attention dropout (:class:`.dropout.AttentionDropout`), or None; each block's mask is
             regenerated in backward.
         block: queries per block; default :data:`QUERY_BLOCK`.
+        rows_seeing_all: query rows an additive mask hides every key from; their blocks score every key
+            (:func:`.masks.query_blocks`).
 
     Returns:
         output (batch, heads, q_len, value_dim).
@@ -122,8 +125,8 @@ def blockwise_attention(
         raise ValueError(f"query heads ({heads}) must be a multiple of the key/value heads ({kv_heads}).")
     block = QUERY_BLOCK if block is None else block
     return _BlockwisePairAttention.apply(
-        inputs.term, inputs.activation, float(scaling), bool(is_causal), int(block), dropout, attention_mask, query,
-        key, value, *inputs.tensors,
+        inputs.term, inputs.activation, float(scaling), (bool(is_causal), tuple(rows_seeing_all)), int(block), dropout,
+        attention_mask, query, key, value, *inputs.tensors,
     )  # fmt: skip
 
 
@@ -267,7 +270,8 @@ def _sum_over_groups(blocks: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 
 class _BlockwisePairAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, term, activation, scaling, is_causal, block, dropout, mask, query, key, value, *tensors):
+    def forward(ctx, term, activation, scaling, causality, block, dropout, mask, query, key, value, *tensors):
+        is_causal, rows_seeing_all = causality
         q_len, kv_heads, kv_len = query.shape[2], key.shape[1], key.shape[2]
         stats_dtype = torch.promote_types(query.dtype, torch.float32)
         grouped_value = value.unsqueeze(2)
@@ -278,7 +282,7 @@ class _BlockwisePairAttention(torch.autograd.Function):
         row_max = torch.empty(shape, dtype=stats_dtype, device=query.device)
         row_sum = torch.empty_like(row_max)
         streams = _grouped_streams(dropout, query, kv_heads) if dropout is not None else None
-        for start, end, kv_end in query_blocks(q_len, kv_len, is_causal, block):
+        for start, end, kv_end in query_blocks(q_len, kv_len, is_causal, block, rows_seeing_all):
             rows = slice(start, end)
             scores = state.scores(rows, kv_end, keep_z=False)[0]
             mask_block(scores, start, end, kv_end)
@@ -290,14 +294,14 @@ class _BlockwisePairAttention(torch.autograd.Function):
             # Normalise the (block, d) output rather than the (block, kv_end) weights.
             output[..., rows, :] = (exps.to(value.dtype) @ grouped_value[..., :kv_end, :]) / block_sum
             row_max[..., rows], row_sum[..., rows] = block_max.squeeze(-1), block_sum.squeeze(-1)
-        ctx.meta = (term, activation, scaling, is_causal, block, dropout)
+        ctx.meta = (term, activation, scaling, causality, block, dropout)
         ctx.save_for_backward(mask, query, key, value, output, row_max, row_sum, *tensors)
         return output.flatten(1, 2)
 
     @staticmethod
     def backward(ctx, grad_output):
         mask, query, key, value, output, row_max, row_sum, *tensors = ctx.saved_tensors
-        term, activation, scaling, is_causal, block, dropout = ctx.meta
+        term, activation, scaling, (is_causal, rows_seeing_all), block, dropout = ctx.meta
         q_len, kv_heads, kv_len = query.shape[2], key.shape[1], key.shape[2]
         stats_dtype = row_max.dtype
         mask_block = _BlockMasker(mask, kv_heads, is_causal, q_len, kv_len, block, query.device)
@@ -327,7 +331,7 @@ class _BlockwisePairAttention(torch.autograd.Function):
         else:
             grad_P, grad_R = per_row(state.P.shape), zeros(state.R.shape)
 
-        for start, end, kv_end in query_blocks(q_len, kv_len, is_causal, block):
+        for start, end, kv_end in query_blocks(q_len, kv_len, is_causal, block, rows_seeing_all):
             rows = slice(start, end)
             # Z is evaluated once per block, for the probabilities and for every gradient below.
             scores, z, activated = state.scores(rows, kv_end)
@@ -401,6 +405,6 @@ class _BlockwisePairAttention(torch.autograd.Function):
                 grad_w.to(w.dtype),
                 grad_gate,
             ]
-        # forward's arguments: term, activation, scaling, is_causal, block, dropout, mask, query, key, value, *tensors
+        # forward's arguments: term, activation, scaling, causality, block, dropout, mask, query, key, value, *tensors
         term_grads = [g if needs[10 + i] else None for i, g in enumerate(term_grads)]
         return (None, None, None, None, None, None, None, *grads, *term_grads)

@@ -19,8 +19,9 @@ would add an error proportional to |lse|.
 Under a causal mask, the keys after a block's last query are masked for the whole block and are not
 scored at all; a purely causal call (no mask tensor) masks each block's diagonal here.
 
-Queries that may attend to no key (left-padding rows) get uniform weights over the keys a path visits,
-which here can be fewer than the reference visits; their outputs carry no information on either path.
+Queries that may attend to no key (left-padding rows) under an additive mask get uniform weights over every
+key, as on the reference path: the blocks holding them score every key (``rows_seeing_all``, see
+:func:`.masks.query_blocks`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def chunked_attention(
     dropout: AttentionDropout | None,
     extras: Any,
     is_causal: bool = False,
+    rows_seeing_all: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, None]:
     """Same contract as :func:`~hf_neural_attn.ops.reference.reference_attention`, without returning the
     probabilities (the dispatcher sends calls that need them to the reference path). Dropout regenerates each
@@ -63,6 +65,7 @@ def chunked_attention(
         len(extras_tensors),
         scaling,
         is_causal,
+        rows_seeing_all,
         dropout,
         attention_mask,
         query,
@@ -86,8 +89,8 @@ def _block_scores(score, query, key, extras, mask, is_causal, start, end, kv_end
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, scorer, names, extras_type, num_extras, scaling, is_causal, dropout, attention_mask, query, key, value,
-        *tensors,
+        ctx, scorer, names, extras_type, num_extras, scaling, is_causal, rows_seeing_all, dropout, attention_mask,
+        query, key, value, *tensors,
     ):  # fmt: skip
         extras = extras_type._make(tensors[:num_extras]) if extras_type is not None else None
         q_len, kv_len = query.shape[-2], key.shape[-2]
@@ -96,7 +99,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         row_max = torch.empty(query.shape[:-1], dtype=stats_dtype, device=query.device)
         row_sum = torch.empty_like(row_max)
         streams = dropout.streams(query.shape[0], query.shape[1], query.device) if dropout is not None else None
-        for start, end, kv_end in query_blocks(q_len, kv_len, is_causal, QUERY_BLOCK):
+        for start, end, kv_end in query_blocks(q_len, kv_len, is_causal, QUERY_BLOCK, rows_seeing_all):
             scores = _block_scores(scorer, query, key, extras, attention_mask, is_causal, start, end, kv_end, scaling)
             block_max = scores.amax(dim=-1, keepdim=True)
             exps = torch.exp(scores - block_max)
@@ -109,7 +112,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         device = query.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.scorer, ctx.names, ctx.extras_type, ctx.num_extras = scorer, names, extras_type, num_extras
-        ctx.scaling, ctx.is_causal, ctx.dropout = scaling, is_causal, dropout
+        ctx.scaling, ctx.is_causal, ctx.rows_seeing_all, ctx.dropout = scaling, is_causal, rows_seeing_all, dropout
         ctx.save_for_backward(attention_mask, query, key, value, row_max, row_sum, *tensors)
         return output
 
@@ -117,11 +120,11 @@ class _BlockwiseAttention(torch.autograd.Function):
     def backward(ctx, grad_output):
         attention_mask, query, key, value, row_max, row_sum, *tensors = ctx.saved_tensors
         needs = ctx.needs_input_grad  # aligned with forward's arguments after ctx
-        first_tensor = 11  # index of *tensors among forward's arguments
+        first_tensor = 12  # index of *tensors among forward's arguments
         device, autocast_enabled, autocast_dtype = ctx.autocast
         with torch.enable_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast_enabled):
-            query_leaf = query.detach().requires_grad_(needs[8])
-            key_leaf = key.detach().requires_grad_(needs[9])
+            query_leaf = query.detach().requires_grad_(needs[9])
+            key_leaf = key.detach().requires_grad_(needs[10])
             # Optional extras (QANA's basis without u_rank) are None and stay None.
             leaves = [
                 t.detach().requires_grad_(needs[first_tensor + i]) if t is not None else None
@@ -136,7 +139,8 @@ class _BlockwiseAttention(torch.autograd.Function):
             grad_value = torch.zeros_like(value, dtype=row_max.dtype)
             dropout = ctx.dropout
             streams = dropout.streams(query.shape[0], query.shape[1], query.device) if dropout is not None else None
-            for start, end, kv_end in query_blocks(query.shape[-2], key.shape[-2], ctx.is_causal, QUERY_BLOCK):
+            blocks = query_blocks(query.shape[-2], key.shape[-2], ctx.is_causal, QUERY_BLOCK, ctx.rows_seeing_all)
+            for start, end, kv_end in blocks:
                 scores = _block_scores(
                     score, query_leaf, key_leaf, extras, attention_mask, ctx.is_causal, start, end, kv_end, ctx.scaling
                 )
@@ -155,9 +159,9 @@ class _BlockwiseAttention(torch.autograd.Function):
                 if scores.requires_grad:
                     torch.autograd.backward(scores, grad_scores)
         return (
-            None, None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None, None,
             query_leaf.grad,
             key_leaf.grad,
-            grad_value.to(value.dtype) if needs[10] else None,
+            grad_value.to(value.dtype) if needs[11] else None,
             *(leaf.grad if leaf is not None else None for leaf in leaves),
         )  # fmt: skip

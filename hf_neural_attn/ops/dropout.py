@@ -12,10 +12,14 @@ drawing and storing a mask they regenerate it: whether an entry is kept is a has
 restores the RNG state) draws the same seed, and two calls draw different ones. The reference path uses the same
 function, so for one seed every path drops exactly the same entries.
 
-The hash is 32-bit integer arithmetic on int32 tensors (multiplications wrap modulo 2^32, the shifts are made
-logical with a mask): a full 32-bit finaliser (``lowbias32``) per (batch, head) and per row, then one
-xorshift-multiply round per entry, the only part whose cost grows as n². An entry is kept when its hash, read as a
-signed 32-bit number, is at least ``-2^31 + round(p * 2^32)``: the keep rate is 1 - p to within 2^-32.
+The hash is 32-bit arithmetic carried in int64 tensors: every value is a 32-bit word in [0, 2^32), each
+multiplication is by a constant below 2^31 in magnitude and is masked back to 32 bits, so no step overflows a signed
+64-bit integer. That keeps the arithmetic defined in every backend: torch.compile's C++ and Triton code treat signed
+overflow as undefined behaviour, and an int32 version that relied on wrapping compiled to other masks (and, on one
+thread, to a crash). A full 32-bit finaliser (``lowbias32``) runs per (batch, head), per row and per column; each
+entry is then one xorshift-multiply round on its row's hash xor its column's, the only part whose cost grows as n².
+Hashing the columns apart (rather than stepping through them) leaves no correlation between entries at any distance
+in a row. An entry is kept when its hash is at least ``round(p * 2^32)``: the keep rate is 1 - p to within 2^-32.
 """
 
 from __future__ import annotations
@@ -24,8 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
-_GOLDEN = -1640531527  # 0x9E3779B9 as int32: spreads consecutive rows apart before the row round
-_COLUMN_STEP = 0x2C1B3C6D  # odd: consecutive columns land far apart before the entry round
+_WORD = 0xFFFFFFFF  # the low 32 bits
+# lowbias32's multipliers, each below 2^31 in magnitude (0x846CA68B taken as its negative twin, the same residue mod
+# 2^32), so a 32-bit word times either fits in int64.
+_MULTIPLY_1 = 0x7FEB352D
+_MULTIPLY_2 = 0x846CA68B - (1 << 32)
+_ROW_STEP = 0x9E3779B9  # the golden ratio's word: spreads consecutive rows apart before their finaliser
+_COLUMN_OFFSET = 0x632BE5AB  # keeps column 0's hash away from row hashes' inputs
 
 
 @torch.compiler.disable  # drawn in eager code: a compiled graph would draw from its own generator
@@ -35,13 +44,19 @@ def draw_seed() -> int:
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
-    """``lowbias32`` on int32 ``x``, in place: a bijection of the 32-bit words that spreads every input bit."""
-    x.bitwise_xor_(x.bitwise_right_shift(16).bitwise_and_(0xFFFF))
-    x.mul_(0x7FEB352D)
-    x.bitwise_xor_(x.bitwise_right_shift(15).bitwise_and_(0x1FFFF))
-    x.mul_(-2073254261)  # 0x846CA68B
-    x.bitwise_xor_(x.bitwise_right_shift(16).bitwise_and_(0xFFFF))
+    """``lowbias32`` on int64 ``x`` holding 32-bit words, in place: a bijection of the words that spreads every
+    input bit."""
+    x.bitwise_xor_(x.bitwise_right_shift(16))
+    x.mul_(_MULTIPLY_1).bitwise_and_(_WORD)
+    x.bitwise_xor_(x.bitwise_right_shift(15))
+    x.mul_(_MULTIPLY_2).bitwise_and_(_WORD)
+    x.bitwise_xor_(x.bitwise_right_shift(16))
     return x
+
+
+def keep_threshold(p: float) -> int:
+    """The smallest entry hash that is kept: ``round(p * 2^32)`` (2^32 for p = 1: nothing is kept)."""
+    return round(p * (1 << 32))
 
 
 def keep_mask(
@@ -50,27 +65,41 @@ def keep_mask(
     """Which entries of rows ``row_start:row_end`` and columns ``:col_end`` dropout keeps.
 
     Args:
-        seed: the call's seed (:func:`draw_seed`).
+        seed: the call's seed (:func:`draw_seed`), in [0, 2^31).
         p: the dropout probability.
-        streams: int32 ``batch * heads + head`` of each (batch, head) the probabilities have, in their layout with
-            the row and column axes of size 1 (e.g. (batch, heads, 1, 1)).
+        streams: integer ``batch * heads + head`` of each (batch, head) the probabilities have, in their layout
+            with the row and column axes of size 1 (e.g. (batch, heads, 1, 1)).
         row_start, row_end, col_end: the block's query rows and key columns, positions within the call.
 
     Returns:
         A boolean tensor of shape ``streams.shape[:-2] + (row_end - row_start, col_end)``, True where kept.
     """
     device = streams.device
-    keys = _mix(_mix(streams.to(torch.int32).bitwise_xor(seed)))  # (…, 1, 1): one key per (batch, head)
-    rows = torch.arange(row_start, row_end, dtype=torch.int32, device=device).mul_(_GOLDEN)
-    row_hashes = _mix(keys + rows[:, None])  # (…, rows, 1): every row its own random start
-    columns = torch.arange(col_end, dtype=torch.int32, device=device).mul_(_COLUMN_STEP)
-    # Per entry one xorshift-multiply round (6 passes over the block: the cost that matters) on the row's start
-    # plus an odd multiple of the column; the top bits decide. Read as int32, they are uniform over
-    # [-2^31, 2^31), so "kept" is one signed comparison.
-    entries = row_hashes + columns  # (…, rows, columns)
-    entries.bitwise_xor_(entries.bitwise_right_shift(15).bitwise_and_(0x1FFFF))
-    entries.mul_(-2073254261)  # 0x846CA68B
-    return entries >= -(1 << 31) + round(p * (1 << 32))
+    keys = _mix(_mix(streams.to(torch.int64).bitwise_xor(seed)))  # (…, 1, 1): one key per (batch, head)
+    rows = torch.arange(row_start, row_end, dtype=torch.int64, device=device).mul_(_ROW_STEP)
+    row_hashes = _mix(keys.add(rows[:, None]).bitwise_and_(_WORD))  # (…, rows, 1): every row its own start
+    column_hashes = _mix(torch.arange(col_end, dtype=torch.int64, device=device).add_(_COLUMN_OFFSET))
+    # Per entry one xorshift-multiply round (5 passes over the block: the cost that matters) on the row's hash xor
+    # the column's; the top bits decide.
+    entries = row_hashes.bitwise_xor(column_hashes)  # (…, rows, columns)
+    entries.bitwise_xor_(entries.bitwise_right_shift(15))
+    entries.mul_(_MULTIPLY_2).bitwise_and_(_WORD)
+    return entries >= keep_threshold(p)
+
+
+DEFAULT_SOURCE = "the attention dropout probability"
+
+
+def check_probability(p, source: str = DEFAULT_SOURCE) -> float:
+    """``p`` as a float when it is a probability, in [0, 1]; else a ``ValueError`` naming ``source`` (e.g.
+    ``"config.attention_dropout"``). NaN is refused: it would drop nothing and say nothing."""
+    try:
+        value = float(p)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or not 0.0 <= value <= 1.0:  # NaN fails both comparisons
+        raise ValueError(f"{source} must be a probability in [0, 1], got {p!r}. Set it to a value in that range.")
+    return value
 
 
 def head_streams(batch: int, heads: int, device) -> torch.Tensor:
@@ -94,10 +123,14 @@ class AttentionDropout:
     batch_offset: int = 0
 
     @classmethod
-    def for_call(cls, p: float, training: bool) -> AttentionDropout | None:
+    def for_call(cls, p: float, training: bool, source: str = DEFAULT_SOURCE) -> AttentionDropout | None:
         """The dropout of a call with probability ``p`` in ``training`` mode, with a fresh seed; None when no entry
-        is dropped (eval mode, or ``p`` 0), as transformers' eager attention does."""
-        return cls(float(p), draw_seed()) if training and p > 0 else None
+        is dropped (eval mode, or ``p`` 0), as transformers' eager attention does. ``p`` is checked in training
+        mode (:func:`check_probability`, naming ``source``), where the unpatched attention would refuse it too."""
+        if not training:
+            return None
+        p = check_probability(p, source)
+        return cls(p, draw_seed()) if p > 0 else None
 
     def streams(self, batch: int, heads: int, device) -> torch.Tensor:
         """(batch, heads, 1, 1) int32 streams of probabilities laid out as (batch, heads, q, kv) (:func:`head_streams`
@@ -119,4 +152,5 @@ class AttentionDropout:
     ) -> torch.Tensor:
         """A block's dropout as factors in ``dtype``: 1 / (1 - p) where kept, 0 where dropped."""
         keep = keep_mask(self.seed, self.p, streams, row_start, row_end, col_end)
-        return keep.to(dtype).mul_(1.0 / (1.0 - self.p))
+        # p = 1 keeps nothing, and its factors are all 0 (as F.dropout's), not 0 times an infinite scale.
+        return keep.to(dtype).mul_(1.0 / (1.0 - self.p) if self.p < 1 else 0.0)

@@ -10,9 +10,16 @@ A call's mask reaches the paths as it came from transformers' mask builder (see
 * an additive float tensor (0 = attend, large negative = blocked), as the eager builder returns.
 
 Tensors have shape (batch or 1, heads or 1, q_len or 1, kv_len).
+
+A query row whose mask allows no key at all (a leading pad of a left-padded causal batch) gets what the unpatched
+model gives it, which the mask's form tells: under a boolean mask (SDPA's) an output of zero and no gradient, as
+SDPA's safe softmax gives; under an additive mask (eager's) uniform weights over every key, as a softmax of a row
+of equal minima gives (:func:`rows_without_keys`).
 """
 
 from __future__ import annotations
+
+import bisect
 
 import torch
 
@@ -63,10 +70,41 @@ def block_mask(
     return causal_allowed(start, end, kv_len, q_len, device)[:, :kv_end]
 
 
-def query_blocks(q_len: int, kv_len: int, is_causal: bool, block: int):
+def query_blocks(q_len: int, kv_len: int, is_causal: bool, block: int, rows_seeing_all: tuple[int, ...] = ()):
     """(start, end, kv_end) per block of ``block`` queries. Under a causal mask (queries aligned to the end of
-    the keys) the keys after a block's last query are hidden from the whole block: ``kv_end`` stops there."""
+    the keys) the keys after a block's last query are hidden from the whole block: ``kv_end`` stops there, except
+    in a block holding one of ``rows_seeing_all`` (sorted query rows an additive mask hides every key from, which
+    softmax spreads uniformly over every key: :func:`rows_without_keys`)."""
     for start in range(0, q_len, block):
         end = min(start + block, q_len)
         kv_end = min(kv_len, end + kv_len - q_len) if is_causal else kv_len
+        first_at_or_after = bisect.bisect_left(rows_seeing_all, start)
+        if first_at_or_after < len(rows_seeing_all) and rows_seeing_all[first_at_or_after] < end:
+            kv_end = kv_len
         yield start, end, kv_end
+
+
+def rows_without_keys(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """(batch or 1, heads or 1, q_len or 1, 1) booleans, True where the mask allows a query row no key at all; None
+    without a mask (then every row sees a key: causal rows are aligned to the end of the keys)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dtype == torch.bool:
+        allowed = attention_mask
+    else:  # an additive mask blocks with the dtype's minimum (transformers' eager masks), or -inf
+        allowed = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    return ~allowed.any(dim=-1, keepdim=True)
+
+
+def query_rows_seeing_all(attention_mask: torch.Tensor | None, q_len: int) -> tuple[int, ...]:
+    """The query rows an additive mask hides every key from, in any sequence or head, sorted: the rows whose
+    softmax is uniform over all keys (eager attention's behaviour), for which a causal block skip must not stop
+    at the block's own position (:func:`query_blocks`). Empty for boolean masks: their rows without keys are
+    zeroed instead (:func:`rows_without_keys`)."""
+    if attention_mask is None or attention_mask.dtype == torch.bool:
+        return ()
+    empty = rows_without_keys(attention_mask)
+    per_row = empty.flatten(0, 1).any(dim=0).flatten()  # (q_len or 1,)
+    if per_row.numel() == 1:  # one mask row for every query
+        return tuple(range(q_len)) if bool(per_row) else ()
+    return tuple(per_row.nonzero().flatten().tolist())

@@ -27,6 +27,7 @@ def reference_attention(
     dropout: AttentionDropout | None,
     extras: Any,
     is_causal: bool = False,
+    rows_seeing_all: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(scorer.scores(q, k) + mask) @ v.
 
@@ -39,6 +40,7 @@ def reference_attention(
         is_causal: with ``attention_mask`` None, the call is causal (queries aligned to the end of the keys)
             and the mask is built here; with a mask, that mask says everything.
         dropout: the call's attention dropout (:class:`.dropout.AttentionDropout`), or None.
+        rows_seeing_all: see :func:`.masks.query_blocks`; this path scores every key of every row anyway.
 
     Returns:
         output (batch, heads, q_len, head_dim) and probabilities (batch, heads, q_len, kv_len), after dropout as
