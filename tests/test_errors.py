@@ -49,6 +49,9 @@ BAD_CALLS = [
     (("qana",), {"layers": []}, r"layers is empty"),
     (("qana",), {"layers": ["0"]}, r"layers must be None \(every layer\), a layer index or a list"),
     ((hf_neural_attn.QanaConfig(),), {"h": 3}, r"either a scorer config object or a scorer name"),
+    (("neural",), {"proj_bias": True}, r"proj_bias=True gives the down-projections a bias, and proj_dim=None"),
+    (("neural",), {"proj_dim": 2, "scale_mlp": False}, r"scale_mlp=False applies to mode='replace'"),
+    (("neural",), {"proj_dim": 2, "proj_bias": 1}, r"proj_bias must be True or False"),
 ]
 
 

@@ -78,6 +78,9 @@ def test_every_declared_option_has_help_and_its_constraints_are_checked():
         if item.metadata.get("minimum") is not None:
             with pytest.raises(ValueError, match=f"{item.name} must be"):
                 config_class(**{**required_options(scorer), item.name: item.metadata["minimum"] - 1})
+        if isinstance(item.default, bool):
+            with pytest.raises(ValueError, match=f"{item.name} must be True or False"):
+                config_class(**{**required_options(scorer), item.name: "no"})
 
 
 def test_every_declared_option_is_a_recipe_flag_with_the_declared_help_and_choices():

@@ -18,7 +18,8 @@ from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fix
 )
 
 import hf_neural_attn
-from recipes.args import GLUE_TASKS, RecipeError, parse_args
+from hf_neural_attn.scorers import NeuralAttentionConfig
+from recipes.args import GLUE_TASKS, RecipeError, parse_args, patch_settings, scorer_options
 from recipes.finetune import main as finetune_main
 
 
@@ -57,6 +58,19 @@ def test_shipped_configs_are_valid():
     for path in configs:
         args = parse_args(["--config", str(path)])
         assert args.task in ("clm", "image", *GLUE_TASKS), path
+
+
+def test_the_authors_code_config_is_the_paper_run_with_the_authors_scorer():
+    """neural_attention_wikitext103_authors_code.yaml differs from its _paper twin in the scorer's options (and its
+    output folder) only, and those are NeuralAttentionConfig.authors_code()."""
+    configs = helpers.ROOT / "recipes" / "configs"
+    paper, authors = (
+        parse_args(["--config", str(configs / f"neural_attention_wikitext103_{name}.yaml")])
+        for name in ("paper", "authors_code")
+    )
+    assert NeuralAttentionConfig.from_options(scorer_options(authors)) == NeuralAttentionConfig.authors_code(proj_dim=2)
+    differing = {name for name, value in vars(paper).items() if getattr(authors, name) != value}
+    assert differing <= {*patch_settings(), "output_dir", "config"}, differing
 
 
 def test_bad_config_values_are_errors(tmp_path):

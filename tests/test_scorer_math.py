@@ -82,9 +82,12 @@ def test_qana_matches_the_literal_widened_query(h, activation, use_rope):
 
 
 def neural_pair_scores_literal(scorer, query, key, sigma):
-    """A_ij = w_a . sigma(W_h C_ij + b_h) with C_ij = [q'_i ; k'_j] built explicitly (Eq. 7-9)."""
+    """A_ij = w_a . sigma(W_h C_ij + b_h) with C_ij = [q'_i ; k'_j] built explicitly (Eq. 7-9); the
+    down-projections' biases added where ``proj_bias`` gives them one (the authors' code)."""
     if scorer.config.proj_dim is not None:
         query, key = query @ scorer.query_down.weight.T, key @ scorer.key_down.weight.T
+        if scorer.config.proj_bias:
+            query, key = query + scorer.query_down.bias, key + scorer.key_down.bias
     batch, heads, q_len, _ = query.shape
     k_len = key.shape[2]
     C = torch.cat(
@@ -109,6 +112,8 @@ def neural_pair_scores_literal(scorer, query, key, sigma):
         {"h": 4, "proj_dim": 2, "depth": 2, "activation": "relu"},
         {"h": 2, "mode": "replace"},
         {"h": 4, "proj_dim": 3, "mode": "replace", "depth": 3, "activation": "tanh"},
+        {"h": 3, "proj_dim": 2, "proj_bias": True, "mode": "replace", "scale_mlp": False},
+        {"h": 2, "proj_dim": 2, "proj_bias": True},
     ],
 )
 def test_neural_attention_matches_the_literal_concatenation(options):
@@ -121,7 +126,7 @@ def test_neural_attention_matches_the_literal_concatenation(options):
     scaling = D**-0.5
     A = neural_pair_scores_literal(scorer, query, key, sigma)
     if scorer.config.mode == "replace":
-        expected = A * scaling  # Eq. 10: softmax(A / sqrt(d))
+        expected = A * scaling if scorer.config.scale_mlp else A  # Eq. 10: softmax(A / sqrt(d)); the code: A
     else:
         dot = torch.einsum("bnqd,bnkd->bnqk", query, key) * scaling
         expected = dot + scorer.gate.view(1, -1, 1, 1) * A

@@ -150,6 +150,15 @@ CASES = [
     ("neural", {"h": 2, "activation": "silu"}, (2, 2), 6, 6, "none"),
     ("neural", {"h": 4, "proj_dim": 3, "activation": "relu"}, (2, 1), 6, 5, "padding"),
     ("neural", {"h": 1, "mode": "replace", "activation": "tanh"}, (2, 1), 5, 5, "left_padded"),
+    # The authors' code's score scale and projections (unscaled replace form, biased down-projections), one layer.
+    (
+        "neural",
+        {"h": 3, "proj_dim": 2, "proj_bias": True, "mode": "replace", "scale_mlp": False},
+        (2, 1),
+        7,
+        7,
+        "causal",
+    ),
 ]
 
 

@@ -124,6 +124,7 @@ def blockwise_attention(
     if heads % kv_heads or value.shape[1] != kv_heads:
         raise ValueError(f"query heads ({heads}) must be a multiple of the key/value heads ({kv_heads}).")
     block = QUERY_BLOCK if block is None else block
+    scaling = inputs.term_scaling(scaling)
     return _BlockwisePairAttention.apply(
         inputs.term, inputs.activation, float(scaling), (bool(is_causal), tuple(rows_seeing_all)), int(block), dropout,
         attention_mask, query, key, value, *inputs.tensors,

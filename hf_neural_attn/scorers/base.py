@@ -36,8 +36,9 @@ def option(default: Any, help: str, *, choices=None, minimum: int | None = None,
 
     ``help`` is the text shown by ``--help`` in the recipes and in the docs; ``choices`` the accepted values;
     ``minimum`` makes it an integer option of at least that value (numpy integers and 0-d integer tensors are
-    accepted and stored as Python ints); ``nullable`` allows ``None``. :meth:`ScorerConfig.validate` checks these
-    constraints, and the recipes build their flags, resume checks and config-file keys from them.
+    accepted and stored as Python ints); ``nullable`` allows ``None``. An option whose default is a bool takes
+    only ``True`` or ``False``. :meth:`ScorerConfig.validate` checks these constraints, and the recipes build their
+    flags, resume checks and config-file keys from them.
     """
     metadata = {"help": help, "choices": tuple(choices) if choices is not None else None}
     metadata.update(minimum=minimum, nullable=nullable)
@@ -166,6 +167,8 @@ def _check_option(item: dataclasses.Field, value: Any) -> None:
     meta = item.metadata
     if value is None and meta.get("nullable"):
         return
+    if isinstance(item.default, bool) and not isinstance(value, bool):
+        raise ValueError(f"{item.name} must be True or False: {meta['help']}; got {item.name}={value!r}.")
     if meta.get("minimum") is not None:
         minimum = meta["minimum"]
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

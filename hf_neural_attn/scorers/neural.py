@@ -13,13 +13,19 @@ Two modes:
     layer starts as mirrored pairs of units with opposite output weights, so A cancels and outputs equal
     the pretrained model's, while w_a and the last layer get a gradient on the first backward.
   * ``replace`` (the paper's from-scratch form, Eq. 10): score = A * scaling, with random init (scaled as
-    described in ``reset_parameters``). Not function-preserving.
+    described in ``reset_parameters``). Not function-preserving. ``scale_mlp=False`` scores with A itself.
 
 The paper's output bias b_a adds one constant to every score, which softmax removes; it could never
 receive a gradient, so it is left out.
 
 Shared across heads like the authors' code: one MLP (and one pair of projections) per layer.
-``depth=2`` with ``h = proj_dim`` and ``activation="relu"`` gives the authors' 2d' -> d' -> d'/2 -> 1.
+
+**The authors' code** (github.com/awayfromzel/neural-attention-research, nlp_neural_attention/Models/
+NeuralAttention.py) differs from the paper's equations in three ways, each an option here:
+:meth:`NeuralAttentionConfig.authors_code` sets them all. Its down-projections have biases (``proj_bias``; Eq. 5-6
+have none), its score is the MLP's output without the 1/sqrt(d) of Eq. 10 (``scale_mlp=False``), and its MLP is
+``Linear(2d' -> d') ReLU Linear(d' -> d'/2) ReLU Linear(d'/2 -> 1)`` (``h = proj_dim``, ``depth=2``,
+``activation="relu"``; Eq. 3-4 have one hidden layer).
 
 **Relative input on RoPE models** (``pair_input="relative"``, the default there). q and k arrive rotated by the
 model's RoPE, so P_i + R_j above depends on the absolute positions i and j: shifting every position changes the
@@ -79,6 +85,16 @@ class NeuralAttentionConfig(MLPScorerConfig):
     depth: int = option(
         1, "hidden layers of the scoring MLP, widths h, h//2, h//4, ...; needs h >= 2**(depth-1)", minimum=1
     )
+    proj_bias: bool = option(
+        False,
+        "give the down-projections to proj_dim a bias, as the authors' code does (false: none, as the paper's "
+        "Eq. 5-6); needs proj_dim",
+    )
+    scale_mlp: bool = option(
+        True,
+        "mode='replace': multiply the MLP score by the model's dot-product scale 1/sqrt(D), as the paper's Eq. 10 "
+        "does (true); false scores with the MLP output itself, as the authors' code does",
+    )
     pair_input: str = option(
         "auto",
         "what the MLP's first layer reads: concat is the paper's [q'; k'] (on RoPE models the rotated vectors, so the "
@@ -101,11 +117,40 @@ class NeuralAttentionConfig(MLPScorerConfig):
                 f"pairs and bring absolute position back); proj_dim={self.proj_dim} applies to pair_input='concat'. "
                 "Drop one of them."
             )
+        if self.proj_bias and self.proj_dim is None:
+            raise ValueError(
+                "proj_bias=True gives the down-projections a bias, and proj_dim=None has no down-projection. Set "
+                "proj_dim (the authors' code: 2) or drop proj_bias."
+            )
+        if not self.scale_mlp and self.mode != "replace":
+            raise ValueError(
+                f"scale_mlp=False applies to mode='replace' (the MLP score alone); in mode={self.mode!r} the MLP term "
+                "is weighed by the learned per-head gate instead. Use mode='replace' or drop scale_mlp."
+            )
         if self.mode == "replace" and self.init == "zero":
             raise ValueError(
                 "init='zero' only applies to mode='residual'; mode='replace' trains the MLP from its "
                 "default random init."
             )
+
+    @classmethod
+    def authors_code(cls, proj_dim: int = 2, **options) -> NeuralAttentionConfig:
+        """The scorer of the authors' public code, function for function: q and k down-projected to
+        d' = ``proj_dim`` by biased linear maps, scored by ``Linear(2d' -> d') ReLU Linear(d' -> d'/2) ReLU
+        Linear(d'/2 -> 1)`` in place of the dot product, without 1/sqrt(d). Their last layer's bias is left out
+        (softmax removes it). Their default d' is head_dim // 32, 2 at the paper's head dimension 64. Their models
+        have it in the first layer only, trained from scratch: ``patch_model(model, config, layers=[0])``.
+
+        ``options`` add or override options (``impl``, ``proj_bias``, ...). Source: DiGiugno & Mahmood,
+        github.com/awayfromzel/neural-attention-research, nlp_neural_attention/Models/NeuralAttention.py.
+        """
+        if proj_dim is None or proj_dim < 2:
+            raise ValueError(
+                f"The authors' MLP has d'//2 units in its second hidden layer, none for proj_dim={proj_dim}. Use "
+                "proj_dim >= 2."
+            )
+        authors = {"h": proj_dim, "depth": 2, "activation": "relu", "mode": "replace", "scale_mlp": False}
+        return cls.from_options({"proj_dim": proj_dim, "proj_bias": True, **authors, **options})
 
     @property
     def has_gates(self) -> bool:
@@ -172,8 +217,8 @@ class NeuralAttentionScorer(Scorer):
             self.register_parameter("pair_weight", None)
             self.register_parameter("pair_bias", None)
             if config.proj_dim is not None:
-                self.query_down = nn.Linear(d, config.proj_dim, bias=False, **factory)
-                self.key_down = nn.Linear(d, config.proj_dim, bias=False, **factory)
+                self.query_down = nn.Linear(d, config.proj_dim, bias=config.proj_bias, **factory)
+                self.key_down = nn.Linear(d, config.proj_dim, bias=config.proj_bias, **factory)
                 d = config.proj_dim
             # W_h split into its query and key halves; the key half carries b_h.
             self.pair_query = nn.Linear(d, widths[0], bias=False, **factory)
@@ -284,7 +329,7 @@ class NeuralAttentionScorer(Scorer):
     def scores(self, query, key, extras, scaling: float) -> torch.Tensor:
         mlp = self.pair_scores(query, key)
         if self.gate is None:
-            return mlp * scaling
+            return mlp * scaling if self.config.scale_mlp else mlp
         dot = grouped_matmul(query, key.transpose(-1, -2)) * scaling
         return dot + self.gate.view(1, -1, 1, 1) * mlp
 
@@ -312,4 +357,4 @@ class NeuralAttentionScorer(Scorer):
         if self.query_down is not None:
             query, key = self.query_down(query), self.key_down(key)
         tensors = (self.pair_query(query), self.pair_key(key), self.output.weight[0], self.gate)
-        return FusedInputs("neural", tensors, self.config.activation, self.config.h)
+        return FusedInputs("neural", tensors, self.config.activation, self.config.h, self.config.scale_mlp)

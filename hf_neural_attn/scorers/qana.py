@@ -87,8 +87,6 @@ class QanaConfig(MLPScorerConfig):
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.skip, bool):
-            raise ValueError(f"skip must be True or False, got skip={self.skip!r}.")  # noqa: TRY004 (as every option)
         if self.key_dim is not None and self.key_dim % 2:
             raise ValueError(
                 f"key_dim={self.key_dim} must be even: RoPE turns key dimensions in pairs. Use {self.key_dim + 1} "

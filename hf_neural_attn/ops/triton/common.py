@@ -23,7 +23,8 @@ All three get a tile's scores from :func:`tile_scores`, s_ij in fp32 whatever th
 
 * ``KIND == 0`` (:mod:`.qana`): ``scaling * q_i.k_j + gate * (sum_l V_il act(U_il.k_j + b_il) + c_i)``.
 * ``KIND == 1`` (:mod:`.neural`, residual): ``scaling * q_i.k_j + gate * sum_m w_m act(P_im + R_jm)``.
-* ``KIND == 2`` (:mod:`.neural`, replace): ``scaling * sum_m w_m act(P_im + R_jm)``.
+* ``KIND == 2`` (:mod:`.neural`, replace): ``scaling * sum_m w_m act(P_im + R_jm)``; an unscaled replace form
+  (``FusedInputs.replace_scaled`` False) is launched with ``scaling = 1``.
 
 then ``max(s + mask, finfo(float32).min)`` with the additive mask (as the reference clamps), ``-inf`` after
 the causal diagonal when ``IS_CAUSAL`` (queries aligned to the end of the keys) and beyond the last key.

@@ -125,7 +125,7 @@ def fused_attention(
         P, R, w, gate = inputs.tensors
         kind = NEURAL_RESIDUAL if gate is not None else NEURAL_REPLACE
         tensors = (P.to(dtype), R.to(dtype), w, gate)
-    meta = _Meta(kind, inputs.activation, float(scaling), bool(is_causal), inputs.hidden)
+    meta = _Meta(kind, inputs.activation, float(inputs.term_scaling(scaling)), bool(is_causal), inputs.hidden)
     return _FusedAttention.apply(meta, attention_mask, query, key, value, *tensors)
 
 

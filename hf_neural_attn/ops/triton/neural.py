@@ -7,8 +7,9 @@ bias included), both computed by torch before the kernels run; the kernels compu
     mlp_ij = sum_m w_m act(P_im + R_jm)
 
 and add it to the scaled dot product through a per-head gate (``KIND == 1``, residual) or use it alone,
-scaled (``KIND == 2``, replace). Gradients: dP and the partial sums of dw (query-block backward kernel),
-dR (key-block kernel). The shared kernels in :mod:`.common` call these helpers.
+scaled (``KIND == 2``, replace; the torch side passes ``scaling = 1`` for an unscaled one). Gradients: dP and
+the partial sums of dw (query-block backward kernel), dR (key-block kernel). The shared kernels in
+:mod:`.common` call these helpers.
 
 Importing this module needs ``triton``.
 """
