@@ -15,6 +15,7 @@ import os
 import sys
 import typing
 import warnings
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -120,36 +121,53 @@ def _value_type(annotation) -> type:
     return values[0]
 
 
+FINETUNE_DESCRIPTION = (
+    "Fine-tune (or train from scratch) a Transformers model with its attention scoring replaced by "
+    "hf_neural_attn (QANA or Neural Attention), and evaluate it on WikiText, GLUE or CIFAR. "
+    "The offline demo (baseline and patched side by side) is `accelerate launch -m recipes.compare`."
+)
+
+
 class _FlagRecorder:
     """Adds arguments to a parser or group and records what each flag was declared with, so that config-file
-    values can be checked against the same declarations (no argparse internals)."""
+    values can be checked against the same declarations (no argparse internals). Flags in ``hidden`` are parsed
+    but not listed in --help: the command refuses them with its own message."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: Collection[str] = ()) -> None:
         self.flags: dict[str, dict[str, Any]] = {}
+        self.hidden = set(hidden)
 
     def adder(self, target):
         def add(name: str, **kwargs):
             self.flags[name.lstrip("-")] = kwargs
+            if name.lstrip("-") in self.hidden:
+                kwargs = {**kwargs, "help": argparse.SUPPRESS}
             return target.add_argument(name, **kwargs)
 
         return add
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The recipes' argument parser; ``parser.recipe_flags`` maps each flag (no dashes) to its declaration."""
-    recorder = _FlagRecorder()
-    parser = argparse.ArgumentParser(
-        prog="finetune.py",
-        allow_abbrev=False,
-        description=(
-            "Fine-tune (or train from scratch) a Transformers model with its attention scoring replaced by "
-            "hf_neural_attn (QANA or Neural Attention), and evaluate it on WikiText, GLUE or CIFAR. "
-            "The offline demo (baseline and patched side by side) is `accelerate launch -m recipes.compare`."
-        ),
-    )
+def build_parser(
+    prog: str = "finetune.py",
+    description: str = FINETUNE_DESCRIPTION,
+    own_flags: Callable[[argparse.ArgumentParser], None] | None = None,
+    hidden: Collection[str] = (),
+    config_flag: bool = True,
+) -> argparse.ArgumentParser:
+    """The recipes' argument parser; ``parser.recipe_flags`` maps each flag (no dashes) to its declaration.
+
+    ``recipes.compare`` and ``recipes.sweep`` pass finetune's flags on to their runs and parse them with this parser
+    under their own ``prog`` (so that errors name them), with ``own_flags`` adding their own flags (listed first in
+    --help, not in ``recipe_flags``), the finetune flags they refuse ``hidden`` from --help, and for the sweep, whose
+    ``--config`` is the sweep's, without finetune's ``--config`` (``config_flag=False``)."""
+    recorder = _FlagRecorder(hidden)
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=description)
     parser.recipe_flags = recorder.flags
+    if own_flags is not None:
+        own_flags(parser)
     add = recorder.adder(parser)
-    add("--config", type=str, default=None, help="A YAML or JSON file of flag values (keys = flag names).")
+    if config_flag:
+        add("--config", type=str, default=None, help="A YAML or JSON file of flag values (keys = flag names).")
 
     group = parser.add_argument_group("task and model")
     add = recorder.adder(group)
@@ -359,12 +377,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str] | None = None, output_dir_template: str = "{task}-{scorer}") -> argparse.Namespace:
+def split_own_flags(
+    argv: list[str], prog: str, own_flags: Callable[[argparse.ArgumentParser], None]
+) -> tuple[argparse.Namespace, list[str]]:
+    """A command's own flags (``own_flags`` adds them, as for :func:`build_parser`) taken out of ``argv``: their
+    values, and the rest of ``argv`` (finetune's flags)."""
+    own = argparse.ArgumentParser(prog=prog, add_help=False, allow_abbrev=False)
+    own_flags(own)
+    return own.parse_known_args(argv)
+
+
+def parse_args(
+    argv: list[str] | None = None,
+    output_dir_template: str = "{task}-{scorer}",
+    parser: argparse.ArgumentParser | None = None,
+) -> argparse.Namespace:
     """Parse flags (and a config file), check them, and fill in defaults that depend on the task.
 
-    Without --output_dir, the run writes to ``outputs/<output_dir_template>`` (formatted with the flags).
+    Without --output_dir, the run writes to ``outputs/<output_dir_template>`` (formatted with the flags). ``parser``:
+    :func:`build_parser`'s (default: finetune's).
     """
-    parser = build_parser()
+    parser = parser or build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     config_path = _config_path(argv)
     if config_path is not None:
