@@ -39,6 +39,9 @@ SCHEDULERS = (
 )
 TEXT_EXTENSIONS = {"txt": "text", "text": "text", "csv": "csv", "json": "json", "jsonl": "json"}
 CONFIG_EXTENSIONS = (".yaml", ".yml", ".json")
+# The split seed of --validation_split_percentage's held-out examples unless --validation_split_seed says otherwise:
+# fixed, so that the training seed changes the training, not the evaluation set (recipes.tasks.base).
+VALIDATION_SPLIT_SEED = 42
 EMBEDDED_CORPUS = "pydoc_data"  # --dataset_name of the demo's text (recipes.tasks loads it)
 # --gate_schedule: how the scorers' per-head gates alpha move during training (recipes.finetune.GateSchedule).
 GATE_SCHEDULES = ("learned", "fixed", "warmup")
@@ -224,7 +227,14 @@ def build_parser(
         "--validation_split_percentage",
         type=int,
         default=None,
-        help="Percent of the training data held out when there is no validation split (clm 5, image 15).",
+        help="Percent of the training data held out when there is no validation split (clm 5, GLUE 10, image 15).",
+    )
+    add(
+        "--validation_split_seed",
+        type=int,
+        default=None,
+        help=f"The seed that picks the held-out examples (default {VALIDATION_SPLIT_SEED}, whatever --seed is: runs "
+        "with different seeds evaluate on the same examples).",
     )
     add("--max_train_samples", type=int, default=None, help="Truncate the training set (debugging, quick runs).")
     add("--max_eval_samples", type=int, default=None, help="Truncate the evaluation set(s).")
@@ -587,6 +597,8 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         )
     if args.validation_split_percentage is not None and not 0 < args.validation_split_percentage < 100:
         raise RecipeError("--validation_split_percentage must be between 1 and 99.")
+    if args.validation_split_seed is not None and not 0 <= args.validation_split_seed < 2**32:
+        raise RecipeError(f"--validation_split_seed must be in [0, 2**32), got {args.validation_split_seed}.")
     if args.checkpointing_steps is not None:
         value = str(args.checkpointing_steps)
         if value != "epoch" and not (value.isdigit() and int(value) > 0):

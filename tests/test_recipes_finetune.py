@@ -140,7 +140,7 @@ def test_image_from_scratch_with_the_neural_attention_paper_patch(assets, tmp_pa
     )
     results = read_results(out)
     assert results["patch"]["layers"] == [0] and results["patch"]["options"]["mode"] == "replace"
-    assert results["data"]["eval_split"] == "15% of train" and results["from_scratch"]
+    assert results["data"]["eval_split"] == "15% of train (split seed 42)" and results["from_scratch"]
     assert (out / "preprocessor_config.json").is_file()
 
 
