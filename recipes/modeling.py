@@ -197,11 +197,27 @@ def load_tokenizer(args: argparse.Namespace):
 
     name = args.tokenizer_name or args.model_name_or_path
     if name is None:
+        if args.model_type or args.config_name:
+            built = f"--model_type {args.model_type}" if args.model_type else f"--config_name {args.config_name}"
+            why = f"the model is built from scratch ({built}) without a tokenizer of its own"
+        else:
+            why = "the model is the embedded one"
+        logger.info(
+            "Tokenizer: the byte-level ByT5Tokenizer, as --tokenizer_name is not given and %s; pass "
+            "--tokenizer_name (e.g. gpt2) for another.",
+            why,
+        )
         return ByT5Tokenizer()
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except Exception as error:
         raise RecipeError(f"Could not load a tokenizer from {name!r}: {error}") from error
+    logger.info(
+        "Tokenizer: %s from %s (%s)",
+        type(tokenizer).__name__,
+        name,
+        "--tokenizer_name" if args.tokenizer_name else "the model's own, --model_name_or_path",
+    )
     if tokenizer.pad_token is None:
         # The standard Hugging Face way for decoders without a pad token (GPT-2, Llama).
         if tokenizer.eos_token is None:
