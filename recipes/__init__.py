@@ -22,17 +22,13 @@ root (``pip install -e ".[recipes]"`` first): ``accelerate launch -m recipes.fin
 See ``docs/recipes.md``.
 """
 
-import importlib
+import importlib.util
 
 # The recipes extra (pyproject.toml): checked when the package is imported, so that a library-only install says
-# what to install in one line instead of failing deep inside a run.
+# what to install in one line instead of failing deep inside a run. Only looked up, not imported: the recipes import
+# them where they are used, so that parsing the command line (and --help) does not pay for them.
 _REQUIRED = {"accelerate": "accelerate", "datasets": "datasets", "evaluate": "evaluate"}
-_missing = []
-for _module, _package in _REQUIRED.items():
-    try:
-        importlib.import_module(_module)
-    except ImportError:
-        _missing.append(_package)
+_missing = [package for module, package in _REQUIRED.items() if importlib.util.find_spec(module) is None]
 if _missing:
     raise ImportError(
         f"The recipes need {', '.join(_missing)}, not installed here: pip install 'hf-neural-attn[recipes]' "

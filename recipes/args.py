@@ -15,6 +15,7 @@ import os
 import sys
 import typing
 import warnings
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,9 @@ SCHEDULERS = (
 )
 TEXT_EXTENSIONS = {"txt": "text", "text": "text", "csv": "csv", "json": "json", "jsonl": "json"}
 CONFIG_EXTENSIONS = (".yaml", ".yml", ".json")
+# The split seed of --validation_split_percentage's held-out examples unless --validation_split_seed says otherwise:
+# fixed, so that the training seed changes the training, not the evaluation set (recipes.tasks.base).
+VALIDATION_SPLIT_SEED = 42
 EMBEDDED_CORPUS = "pydoc_data"  # --dataset_name of the demo's text (recipes.tasks loads it)
 # --gate_schedule: how the scorers' per-head gates alpha move during training (recipes.finetune.GateSchedule).
 GATE_SCHEDULES = ("learned", "fixed", "warmup")
@@ -120,36 +124,53 @@ def _value_type(annotation) -> type:
     return values[0]
 
 
+FINETUNE_DESCRIPTION = (
+    "Fine-tune (or train from scratch) a Transformers model with its attention scoring replaced by "
+    "hf_neural_attn (QANA or Neural Attention), and evaluate it on WikiText, GLUE or CIFAR. "
+    "The offline demo (baseline and patched side by side) is `accelerate launch -m recipes.compare`."
+)
+
+
 class _FlagRecorder:
     """Adds arguments to a parser or group and records what each flag was declared with, so that config-file
-    values can be checked against the same declarations (no argparse internals)."""
+    values can be checked against the same declarations (no argparse internals). Flags in ``hidden`` are parsed
+    but not listed in --help: the command refuses them with its own message."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: Collection[str] = ()) -> None:
         self.flags: dict[str, dict[str, Any]] = {}
+        self.hidden = set(hidden)
 
     def adder(self, target):
         def add(name: str, **kwargs):
             self.flags[name.lstrip("-")] = kwargs
+            if name.lstrip("-") in self.hidden:
+                kwargs = {**kwargs, "help": argparse.SUPPRESS}
             return target.add_argument(name, **kwargs)
 
         return add
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The recipes' argument parser; ``parser.recipe_flags`` maps each flag (no dashes) to its declaration."""
-    recorder = _FlagRecorder()
-    parser = argparse.ArgumentParser(
-        prog="finetune.py",
-        allow_abbrev=False,
-        description=(
-            "Fine-tune (or train from scratch) a Transformers model with its attention scoring replaced by "
-            "hf_neural_attn (QANA or Neural Attention), and evaluate it on WikiText, GLUE or CIFAR. "
-            "The offline demo (baseline and patched side by side) is `accelerate launch -m recipes.compare`."
-        ),
-    )
+def build_parser(
+    prog: str = "finetune.py",
+    description: str = FINETUNE_DESCRIPTION,
+    own_flags: Callable[[argparse.ArgumentParser], None] | None = None,
+    hidden: Collection[str] = (),
+    config_flag: bool = True,
+) -> argparse.ArgumentParser:
+    """The recipes' argument parser; ``parser.recipe_flags`` maps each flag (no dashes) to its declaration.
+
+    ``recipes.compare`` and ``recipes.sweep`` pass finetune's flags on to their runs and parse them with this parser
+    under their own ``prog`` (so that errors name them), with ``own_flags`` adding their own flags (listed first in
+    --help, not in ``recipe_flags``), the finetune flags they refuse ``hidden`` from --help, and for the sweep, whose
+    ``--config`` is the sweep's, without finetune's ``--config`` (``config_flag=False``)."""
+    recorder = _FlagRecorder(hidden)
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=description)
     parser.recipe_flags = recorder.flags
+    if own_flags is not None:
+        own_flags(parser)
     add = recorder.adder(parser)
-    add("--config", type=str, default=None, help="A YAML or JSON file of flag values (keys = flag names).")
+    if config_flag:
+        add("--config", type=str, default=None, help="A YAML or JSON file of flag values (keys = flag names).")
 
     group = parser.add_argument_group("task and model")
     add = recorder.adder(group)
@@ -206,7 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--validation_split_percentage",
         type=int,
         default=None,
-        help="Percent of the training data held out when there is no validation split (clm 5, image 15).",
+        help="Percent of the training data held out when there is no validation split (clm 5, GLUE 10, image 15).",
+    )
+    add(
+        "--validation_split_seed",
+        type=int,
+        default=None,
+        help=f"The seed that picks the held-out examples (default {VALIDATION_SPLIT_SEED}, whatever --seed is: runs "
+        "with different seeds evaluate on the same examples).",
     )
     add("--max_train_samples", type=int, default=None, help="Truncate the training set (debugging, quick runs).")
     add("--max_eval_samples", type=int, default=None, help="Truncate the evaluation set(s).")
@@ -359,12 +387,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str] | None = None, output_dir_template: str = "{task}-{scorer}") -> argparse.Namespace:
+def split_own_flags(
+    argv: list[str], prog: str, own_flags: Callable[[argparse.ArgumentParser], None]
+) -> tuple[argparse.Namespace, list[str]]:
+    """A command's own flags (``own_flags`` adds them, as for :func:`build_parser`) taken out of ``argv``: their
+    values, and the rest of ``argv`` (finetune's flags)."""
+    own = argparse.ArgumentParser(prog=prog, add_help=False, allow_abbrev=False)
+    own_flags(own)
+    return own.parse_known_args(argv)
+
+
+def parse_args(
+    argv: list[str] | None = None,
+    output_dir_template: str = "{task}-{scorer}",
+    parser: argparse.ArgumentParser | None = None,
+) -> argparse.Namespace:
     """Parse flags (and a config file), check them, and fill in defaults that depend on the task.
 
-    Without --output_dir, the run writes to ``outputs/<output_dir_template>`` (formatted with the flags).
+    Without --output_dir, the run writes to ``outputs/<output_dir_template>`` (formatted with the flags). ``parser``:
+    :func:`build_parser`'s (default: finetune's).
     """
-    parser = build_parser()
+    parser = parser or build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     config_path = _config_path(argv)
     if config_path is not None:
@@ -554,6 +597,8 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         )
     if args.validation_split_percentage is not None and not 0 < args.validation_split_percentage < 100:
         raise RecipeError("--validation_split_percentage must be between 1 and 99.")
+    if args.validation_split_seed is not None and not 0 <= args.validation_split_seed < 2**32:
+        raise RecipeError(f"--validation_split_seed must be in [0, 2**32), got {args.validation_split_seed}.")
     if args.checkpointing_steps is not None:
         value = str(args.checkpointing_steps)
         if value != "epoch" and not (value.isdigit() and int(value) > 0):

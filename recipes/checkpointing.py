@@ -61,7 +61,11 @@ def save_checkpoint(accelerator, output_dir: str | os.PathLike, name: str, progr
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial))
+    hook = accelerator.register_save_state_pre_hook(drop_tied_weights)
+    try:
+        accelerator.save_state(str(partial))
+    finally:
+        hook.remove()
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         state_path = partial / STATE_FILE
@@ -80,6 +84,26 @@ def save_checkpoint(accelerator, output_dir: str | os.PathLike, name: str, progr
         logger.info("Saved checkpoint %s", final)
     accelerator.wait_for_everyone()
     return final
+
+
+def drop_tied_weights(models: list, weights: list[dict[str, Any]], output_dir: str) -> None:
+    """``accelerator.save_state`` hook: leave out of each model's state dict the weights that are tied to another
+    one (GPT-2's ``lm_head.weight``, the same tensor as ``transformer.wte.weight``), as ``save_pretrained`` does.
+    safetensors cannot store one tensor under two names, so Accelerate would drop the alias itself, warning on every
+    save; loading a checkpoint ties the weight again. Only a name that the model declares tied
+    (``all_tied_weights_keys``) and that shares its storage with its source is dropped."""
+    from accelerate.utils import extract_model_from_parallel
+
+    for model, state in zip(models, weights):
+        tied = getattr(extract_model_from_parallel(model), "all_tied_weights_keys", None) or {}
+        for target, source in tied.items():
+            for key in [key for key in state if key == target or key.endswith(f".{target}")]:
+                source_key = key[: len(key) - len(target)] + source  # the same wrapper prefix (DDP's module.)
+                tensor, source_tensor = state[key], state.get(source_key)
+                if source_tensor is not None and tensor.untyped_storage().data_ptr() == (
+                    source_tensor.untyped_storage().data_ptr()
+                ):
+                    del state[key]
 
 
 def list_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:

@@ -35,10 +35,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from recipes.args import RecipeError, parse_args, parse_values
+from recipes.args import RecipeError, build_parser, parse_args, parse_values, split_own_flags
 from recipes.report import HISTORY_FILE, RESULTS_FILE, describe_patch, plot_evaluation_curves, scorer_section
 from recipes.sweep.plan import (
     MANAGED_FLAGS,
+    NOT_ACCEPTED_FLAGS,
     SweepPlan,
     baseline_flags,
     check_run_folders,
@@ -192,22 +193,53 @@ def run_demo(
     return compare(args, no_difference_below, seeds)
 
 
+PROG = "compare.py"
+DESCRIPTION = (
+    "Run the unpatched baseline and the patched model with the same data, seed and budget, and write one table "
+    "and one plot (comparison.md, comparison.png). With no arguments: the offline demo. The flags after the "
+    "comparison's own are finetune's, for the patched run (the baseline drops the patch flags)."
+)
+
+
+def add_comparison_flags(parser: argparse.ArgumentParser) -> None:
+    """compare.py's own flags (the rest are finetune's)."""
+    group = parser.add_argument_group("the comparison")
+    group.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="Run baseline and patched for seeds --seed, --seed+1, ... (N of them); with N >= 2 the table shows "
+        "mean ± std and the paired difference with its 95%% interval.",
+    )
+    group.add_argument(
+        "--no_difference_below",
+        type=float,
+        default=NO_DIFFERENCE_BELOW,
+        help="With one seed: a relative change of the primary metric below this many percent reads "
+        f"'no difference' (default {NO_DIFFERENCE_BELOW}).",
+    )
+
+
+def build_compare_parser() -> argparse.ArgumentParser:
+    """compare.py's command line: its own flags, then finetune's (those it refuses not listed)."""
+    return build_parser(prog=PROG, description=DESCRIPTION, own_flags=add_comparison_flags, hidden=NOT_ACCEPTED_FLAGS)
+
+
 def main(argv: list[str] | None = None) -> int:
     """No arguments: the offline demo. Otherwise finetune's flags, plus --no_difference_below and --seeds."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    own.add_argument("--no_difference_below", type=float, default=NO_DIFFERENCE_BELOW)
-    own.add_argument("--seeds", type=int, default=1)
-    known, argv = own.parse_known_args(argv)
+    known, rest = split_own_flags(argv, PROG, add_comparison_flags)
     try:
         if known.no_difference_below < 0:
             raise RecipeError(f"--no_difference_below must be >= 0, got {known.no_difference_below}.")
         if known.seeds < 1:
             raise RecipeError(f"--seeds must be at least 1, got {known.seeds}.")
-        if not argv:
+        if not rest:
             run_demo(no_difference_below=known.no_difference_below, seeds=known.seeds)
         else:
-            args = parse_args(argv, output_dir_template="compare-{task}-{scorer}")
+            args = parse_args(argv, output_dir_template="compare-{task}-{scorer}", parser=build_compare_parser())
+            for name in vars(known):  # the comparison's own flags are not run settings
+                delattr(args, name)
             compare(args, known.no_difference_below, known.seeds)
     except RecipeError as error:
         print(f"compare.py: error: {error}", file=sys.stderr)

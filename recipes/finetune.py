@@ -48,6 +48,7 @@ logger = logging.getLogger("recipes")
 RESUME_RUN_SETTINGS = (
     "task",
     "seed",
+    "validation_split_seed",
     "per_device_train_batch_size",
     "gradient_accumulation_steps",
     "num_processes",

@@ -117,14 +117,31 @@ def check_tasks(tasks: list[str], include_path: str | None = None) -> None:
         manager.load(list(tasks))
     except Exception as error:  # the harness and datasets raise many kinds; any means the task cannot run here
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "") or os.environ.get("HF_DATASETS_OFFLINE")
+        unreachable = _unreachable(error)
         hint = (
             " In offline mode a task's data must already be on this machine: use a task over local files "
             "(--lm_eval_include_path), or run online once to cache it."
-            if offline
+            if offline and unreachable
             else ""
         )
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"lm-evaluation-harness cannot load the data of {', '.join(tasks)}: {message}.{hint}") from None
+        what = f"the data of {', '.join(tasks)}" if unreachable else ", ".join(tasks)
+        message = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+        raise ValueError(f"lm-evaluation-harness cannot load {what}: {message}.{hint}") from None
+
+
+def _unreachable(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) says that data could not be reached: a connection error
+    (what datasets and the Hub clients raise in offline mode too), or a Hub file neither cached nor downloadable. A
+    task definition's own error (a template, a missing local file, a bad key) is not."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, (ConnectionError, LocalEntryNotFoundError)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _metrics(values: dict[str, Any]) -> dict[str, float]:

@@ -12,6 +12,7 @@ Where the model comes from:
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import os
 import warnings
@@ -92,10 +93,7 @@ def load_config(args: argparse.Namespace):
     else:
         config = GPT2Config(**EMBEDDED_TEXT_CONFIG, n_positions=args.block_size or EMBEDDED_BLOCK_SIZE)
     if args.config_overrides:
-        try:
-            config.update_from_string(args.config_overrides)
-        except ValueError as error:
-            raise RecipeError(f"Bad --config_overrides {args.config_overrides!r}: {error}") from error
+        apply_config_overrides(config, args.config_overrides)
 
     mapping, head = task_head(args.task)
     if config.model_type not in mapping:
@@ -104,6 +102,8 @@ def load_config(args: argparse.Namespace):
             f"transformers has no {head} for model type {config.model_type!r}. "
             + ("Use a ViT-style image model." if is_image else "Use a decoder such as gpt2 or llama.")
         )
+    if args.config_overrides:  # the model's own checks of the overridden values, before any data or weights load
+        build_skeleton(copy.deepcopy(config), args.task, f"with --config_overrides {args.config_overrides!r}")
     record = patch_record_of(config)
     if record is not None and args.scorer != "none":
         raise RecipeError(
@@ -111,6 +111,62 @@ def load_config(args: argparse.Namespace):
             "Pass --scorer none to keep training it with its patch."
         )
     return config
+
+
+def apply_config_overrides(config, overrides: str) -> None:
+    """``--config_overrides "n_layer=8,attn_pdrop=0.1"`` onto ``config``: an item that is not key=value, a key the
+    config does not have, a value of the wrong type, and a dropout probability (a numeric key with ``drop`` in its
+    name: attn_pdrop, hidden_dropout_prob, layerdrop, drop_path_rate, ...) outside [0, 1] are RecipeErrors."""
+    for item in (item.strip() for item in overrides.split(",")):
+        key, equals, value = (part.strip() for part in item.partition("="))
+        if not (equals and key and value) or "=" in value:
+            raise RecipeError(
+                f"--config_overrides {overrides!r}: {item!r} is not key=value; write key=value pairs separated by "
+                'commas, e.g. "n_layer=8,n_head=8".'
+            )
+        if not hasattr(config, key):
+            raise RecipeError(
+                f"--config_overrides {item!r}: the {config.model_type} config ({type(config).__name__}) has no key "
+                f"{key!r}; use one of its own keys."
+            )
+        old = getattr(config, key)
+        if isinstance(old, bool) or not isinstance(old, (int, float, str)):
+            kind = "true or false" if isinstance(old, bool) else None
+        else:
+            kind = {int: "an integer", float: "a number", str: "text"}[type(old)]
+        if kind is None:
+            raise RecipeError(
+                f"--config_overrides {item!r}: {key} is {old!r} in the {config.model_type} config, and "
+                "--config_overrides sets only numbers, true/false and text; set it in a config.json and pass its "
+                "folder as --config_name."
+            )
+        try:
+            config.update_from_string(f"{key}={value}")
+        except ValueError:
+            raise RecipeError(
+                f"--config_overrides {item!r}: {key} takes {kind} (the {config.model_type} config has {key}={old!r})."
+            ) from None
+        new = getattr(config, key)
+        if "drop" in key and isinstance(new, (int, float)) and not isinstance(new, bool) and not 0 <= new <= 1:
+            raise RecipeError(
+                f"--config_overrides {item!r}: a dropout probability must be in [0, 1] (0 turns the dropout off)."
+            )
+
+
+def build_skeleton(config, task: str, what: str):
+    """The task's model built from ``config`` on the meta device (no weights, no memory); a config the model refuses
+    (a width its head count does not divide, an unknown activation, ...) is a RecipeError naming ``what``."""
+    import transformers
+
+    mapping, _ = task_head(task)
+    model_class = getattr(transformers, mapping[config.model_type])
+    try:
+        with torch.device("meta"):
+            return model_class(config)
+    except Exception as error:  # the model classes raise ValueError, KeyError, RuntimeError, ... on a bad config
+        raise RecipeError(
+            f"{model_class.__name__} cannot be built {what}: {type(error).__name__}: {error} Change those values."
+        ) from None
 
 
 def patch_record_of(config) -> hf_neural_attn.PatchRecord | None:
@@ -141,11 +197,27 @@ def load_tokenizer(args: argparse.Namespace):
 
     name = args.tokenizer_name or args.model_name_or_path
     if name is None:
+        if args.model_type or args.config_name:
+            built = f"--model_type {args.model_type}" if args.model_type else f"--config_name {args.config_name}"
+            why = f"the model is built from scratch ({built}) without a tokenizer of its own"
+        else:
+            why = "the model is the embedded one"
+        logger.info(
+            "Tokenizer: the byte-level ByT5Tokenizer, as --tokenizer_name is not given and %s; pass "
+            "--tokenizer_name (e.g. gpt2) for another.",
+            why,
+        )
         return ByT5Tokenizer()
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except Exception as error:
         raise RecipeError(f"Could not load a tokenizer from {name!r}: {error}") from error
+    logger.info(
+        "Tokenizer: %s from %s (%s)",
+        type(tokenizer).__name__,
+        name,
+        "--tokenizer_name" if args.tokenizer_name else "the model's own, --model_name_or_path",
+    )
     if tokenizer.pad_token is None:
         # The standard Hugging Face way for decoders without a pad token (GPT-2, Llama).
         if tokenizer.eos_token is None:
@@ -198,17 +270,14 @@ def _override_keys(overrides: str | None) -> list[str]:
 
 
 def check_patch(args: argparse.Namespace) -> None:
-    """Whether the run's patch fits its model (a ``key_dim`` on a family without it, an out-of-range layer), found
-    before anything trains: the model's skeleton is built from its config on the meta device (no weights, no
-    memory) and patched there. A sweep checks every run this way before the first one starts."""
+    """Whether the run's config (its ``--config_overrides``) and patch fit its model (a ``key_dim`` on a family
+    without it, an out-of-range layer), found before anything trains: the model's skeleton is built from its config
+    on the meta device (no weights, no memory) and patched there. A sweep checks every run this way before the first
+    one starts."""
+    config = load_config(args)
     if args.scorer == "none":
         return
-    import transformers
-
-    config = load_config(args)
-    mapping, _ = task_head(args.task)
-    with torch.device("meta"):
-        skeleton = getattr(transformers, mapping[config.model_type])(config)
+    skeleton = build_skeleton(config, args.task, f"from {describe_source(args)}")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the run itself shows the patch's warnings

@@ -72,6 +72,19 @@ TINY_GPT2 = {
 }
 TINY_GPT2_OVERRIDES = "n_layer=2,n_embd=32,n_head=2,resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0"
 
+# A small GPT-2 built from scratch on the demo's text (flags), and --config_overrides that every recipe refuses before
+# training, with the error each gives (a regular expression).
+TINY_SCRATCH = ["--model_type", "gpt2", "--dataset_name", "pydoc_data", "--block_size", "32", "--max_train_steps", "1"]
+BAD_OVERRIDES = {
+    "n_layer=1,n_embd=32,n_head=2,attn_pdrop=2": r"'attn_pdrop=2': a dropout probability must be in \[0, 1\]",
+    "resid_pdrop=-0.1": r"'resid_pdrop=-0.1': a dropout probability must be in \[0, 1\]",
+    "n_layer=1,no_such_key=3": "the gpt2 config \\(GPT2Config\\) has no key 'no_such_key'",
+    "n_layer=two": r"'n_layer=two': n_layer takes an integer \(the gpt2 config has n_layer=12\)",
+    "n_layer=1,,n_head=2": "'' is not key=value",
+    "n_layer": "'n_layer' is not key=value",
+    "n_embd=33": "GPT2LMHeadModel cannot be built with --config_overrides 'n_embd=33': ValueError: `embed_dim` must be",
+}
+
 
 def reset_accelerate_state() -> None:
     """Forget Accelerate's process-wide singletons, which the last in-process run's Accelerator set."""

@@ -173,6 +173,35 @@ def test_a_task_the_harness_cannot_run_is_refused_before_training(tmp_path, caps
     assert not out.exists() or not any(out.iterdir())  # nothing trained, nothing written
 
 
+def test_only_data_that_cannot_be_reached_gets_the_offline_hint(tmp_path, capsys):
+    # A task over a local file whose template is broken: its error is the template's, offline or not (the tests run
+    # with HF_HUB_OFFLINE=1), so the message must not send the user after the data.
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    (tmp_path / "broken.yaml").write_text(
+        textwrap.dedent(
+            f"""\
+            task: broken_template
+            dataset_path: json
+            dataset_kwargs: {{data_files: {{test: {tmp_path / "docs.jsonl"}}}}}
+            test_split: test
+            output_type: loglikelihood_rolling
+            doc_to_text: ""
+            doc_to_target: "{{{{text"
+            metric_list: [{{metric: word_perplexity}}]
+            """
+        )
+    )
+    from recipes.finetune import main
+
+    out = tmp_path / "run"
+    flags = ["--lm_eval_tasks", "broken_template", "--lm_eval_include_path", str(tmp_path), "--output_dir", str(out)]
+    assert main([*RUN_FLAGS, *flags]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]  # after datasets' progress bar over the local file
+    assert error.startswith("finetune.py: error: --lm_eval_tasks: lm-evaluation-harness cannot load broken_template")
+    assert "unexpected end of template" in error and "offline" not in error and "data" not in error
+    assert not out.exists() or not any(out.iterdir())
+
+
 def test_a_harness_failure_after_training_keeps_the_run(task_dir, tmp_path, capsys, monkeypatch):
     from recipes import harness
     from recipes.finetune import main

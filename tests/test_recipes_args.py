@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import recipes_helpers as helpers
 from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fixtures
+    BAD_OVERRIDES,
+    TINY_SCRATCH,
     clm_flags,
     finetune_in_process,
     fresh_accelerate_state,  # noqa: F401
@@ -20,6 +23,7 @@ from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fix
 import hf_neural_attn
 from hf_neural_attn.scorers import NeuralAttentionConfig
 from recipes.args import GLUE_TASKS, RecipeError, parse_args, patch_settings, scorer_options
+from recipes.compare import main as compare_main
 from recipes.finetune import main as finetune_main
 
 
@@ -204,3 +208,15 @@ def test_gate_schedule_refuses_a_model_without_gates_even_when_the_options_canno
 def test_train_only_new_params_without_any_patch_is_refused(assets, tmp_path):
     with pytest.raises(RecipeError, match="--train_only_new_params needs a patch"):
         finetune_in_process(tmp_path / "run", *clm_flags(assets, "--scorer", "none", "--train_only_new_params"))
+
+
+@pytest.mark.parametrize("overrides", list(BAD_OVERRIDES))
+@pytest.mark.parametrize(("main", "prog"), [(finetune_main, "finetune.py"), (compare_main, "compare.py")])
+def test_a_bad_config_override_is_one_line_with_exit_code_2_before_training(main, prog, overrides, tmp_path, capsys):
+    # compare.py checks both of its runs before the baseline trains (recipes.sweep's base: test_sweep.py).
+    out = tmp_path / "run"
+    assert main([*TINY_SCRATCH, "--config_overrides", overrides, "--output_dir", str(out)]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith(f"{prog}: error: ")
+    assert re.search(BAD_OVERRIDES[overrides], error[0]), error[0]
+    assert not out.exists()

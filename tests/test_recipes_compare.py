@@ -111,3 +111,31 @@ def test_embedded_default_runs_offline_without_model_or_data_flags(tmp_path, cap
         assert results["data"]["dataset_name"] == "pydoc_data" and results["from_scratch"]
         assert "ByT5Tokenizer" in results["model_source"] and math.isfinite(results["perplexity"])
     assert "| `qana` |" in capsys.readouterr().out
+
+
+def test_help_lists_the_comparisons_flags_and_the_finetune_flags_it_passes_on(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("usage: compare.py ")
+    for flag in ("--seeds", "--no_difference_below", "--config", "--learning_rate", "--config_overrides", "--h"):
+        assert f"{flag} " in printed, flag
+    for refused in ("--push_to_hub", "--hub_model_id", "--resume_from_checkpoint"):  # compare refuses them
+        assert refused not in printed
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--seeds", "2", "--learning_rate", "fast"], "argument --learning_rate: invalid float value: 'fast'"),
+        (["--seeds", "two"], "argument --seeds: invalid int value: 'two'"),
+    ],
+)
+def test_a_bad_flag_is_an_error_of_compare(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert f"compare.py: error: {message}" in error and "finetune.py" not in error

@@ -18,11 +18,13 @@ from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fix
     fresh_accelerate_state,  # noqa: F401
     glue_file_args,
     map_size,
+    offline_env,
     one_thread,  # noqa: F401
     png_size,
     read_history,
     read_results,
     recipe_assets,
+    run_recipe,
     write_glue_files,
 )
 
@@ -140,7 +142,7 @@ def test_image_from_scratch_with_the_neural_attention_paper_patch(assets, tmp_pa
     )
     results = read_results(out)
     assert results["patch"]["layers"] == [0] and results["patch"]["options"]["mode"] == "replace"
-    assert results["data"]["eval_split"] == "15% of train" and results["from_scratch"]
+    assert results["data"]["eval_split"] == "15% of train (split seed 42)" and results["from_scratch"]
     assert (out / "preprocessor_config.json").is_file()
 
 
@@ -302,3 +304,35 @@ def test_a_patched_checkpoint_can_keep_training_only_its_new_parameters(assets, 
     for name, tensor in before.items():
         if ".attn_scorer." not in name:
             assert torch.equal(after[name], tensor), f"pretrained weight {name} changed"
+
+
+@pytest.fixture(scope="module")
+def from_scratch_command_line(tmp_path_factory):
+    """`python -m recipes.finetune` on a GPT-2 built from --model_type (input and output embeddings tied), without
+    --tokenizer_name, saving a checkpoint at each of its two steps: the run folder and what the command printed."""
+    out = tmp_path_factory.mktemp("from_scratch") / "run"
+    flags = ["--model_type", "gpt2", "--config_overrides", "n_layer=1,n_embd=32,n_head=2", "--block_size", "32"]
+    flags += ["--dataset_name", "pydoc_data", "--max_train_samples", "16", "--max_eval_samples", "2"]
+    flags += ["--max_train_steps", "2", "--attention_map_layer", "none"]
+    finished = run_recipe([*flags, "--checkpointing_steps", "1", "--output_dir", str(out)], offline_env())
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return out, finished.stdout + finished.stderr
+
+
+def test_the_log_names_the_tokenizer_and_why(from_scratch_command_line):
+    _, printed = from_scratch_command_line
+    lines = [line for line in printed.splitlines() if " - INFO - recipes.modeling - Tokenizer: " in line]
+    assert len(lines) == 1 and lines[0].endswith(
+        "Tokenizer: the byte-level ByT5Tokenizer, as --tokenizer_name is not given and the model is built from "
+        "scratch (--model_type gpt2) without a tokenizer of its own; pass --tokenizer_name (e.g. gpt2) for another."
+    )
+
+
+def test_checkpoints_of_tied_embeddings_are_saved_without_warnings(from_scratch_command_line):
+    from safetensors import safe_open
+
+    out, printed = from_scratch_command_line
+    assert "Removed shared tensor" not in printed
+    for checkpoint in ("step_1", "step_2"):  # the tied output weight is stored once, as save_pretrained stores it
+        with safe_open(out / checkpoint / "model.safetensors", framework="pt") as weights:
+            assert "transformer.wte.weight" in weights.keys() and "lm_head.weight" not in weights.keys()

@@ -268,3 +268,21 @@ def test_image_classification_end_to_end(assets, tmp_path):
                 correct += int(model(pixel_values=pixels).logits.argmax(-1).item() == label)
             total += 1
     assert results["accuracy"] == pytest.approx(correct / total)
+
+
+def test_the_held_out_split_does_not_change_with_the_training_seed(assets, tmp_path):
+    # Training text without a validation file: 5% of it is held out. Lines of different lengths, so that another
+    # split would hold another number of tokens. The pretrained tiny GPT-2's step-0 evaluation (--eval_at_start,
+    # before any training) depends on the evaluation examples only.
+    train = tmp_path / "train.txt"
+    train.write_text("".join(" ".join(["word"] * (1 + index % 17)) + "\n" for index in range(200)))
+    flags = ["--model_name_or_path", str(assets["gpt2"]), "--train_file", str(train), "--scorer", "none"]
+    flags += ["--block_size", "16", "--max_train_steps", "1", "--eval_at_start", "--attention_map_layer", "none"]
+    step_zero = {}
+    runs = {"seed 1": ["--seed", "1"], "seed 2": ["--seed", "2"], "split 7": ["--validation_split_seed", "7"]}
+    for name, extra in runs.items():
+        results = finetune_in_process(tmp_path / name.replace(" ", "_"), *flags, *extra)
+        assert results["data"]["eval_split"] == f"5% of train (split seed {7 if name == 'split 7' else 42})"
+        step_zero[name] = (results["eval_samples"], results["history"]["evaluations"][0])
+    assert step_zero["seed 1"] == step_zero["seed 2"]  # the same windows of the same tokens, the same loss
+    assert step_zero["split 7"] != step_zero["seed 1"]  # --validation_split_seed picks another split

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -147,6 +148,47 @@ def test_a_bad_config_is_one_line_and_leaves_nothing_behind(assets, tmp_path, ca
     write_config(tmp_path / "sweep.yaml", base=base, axes={"h": [1, 2]})
     assert sweep.main(["--config", str(config), "--dry_run"]) == 0
     assert "0 done, 0 interrupted, 2 to run" in capsys.readouterr().out  # h=2 is the base point
+
+
+def test_help_lists_the_sweeps_flags_and_the_finetune_flags_it_passes_on(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.main(["--help"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("usage: python -m recipes.sweep ")
+    for flag in ("--config", "--grid", "--report_only", "--dry_run", "--learning_rate", "--config_overrides", "--h"):
+        assert f"{flag} " in printed, flag
+    for refused in ("--push_to_hub", "--hub_model_id", "--resume_from_checkpoint"):  # a sweep refuses them
+        assert refused not in printed
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--config", "sweep.yaml", "--bogus"], "unrecognized arguments: --bogus"),
+        (["--config", "sweep.yaml", "--learning_rate", "fast"], "argument --learning_rate: invalid float value"),
+        (["--config", "sweep.yaml", "--grid", "tiny"], "argument --grid: invalid choice: 'tiny'"),
+    ],
+)
+def test_a_bad_flag_is_an_error_of_the_sweep(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.main(argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert f"python -m recipes.sweep: error: {message}" in error and "finetune.py" not in error
+
+
+@pytest.mark.parametrize("overrides", list(helpers.BAD_OVERRIDES))
+def test_a_bad_config_override_in_base_stops_the_sweep_before_anything_runs(overrides, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(finetune, "run", lambda args: pytest.fail("a run started"))
+    base = {"model_type": "gpt2", "dataset_name": "pydoc_data", "block_size": 32, "max_train_steps": 1}
+    base.update(config_overrides=overrides, output_dir=str(tmp_path / "out"))
+    config = write_config(tmp_path / "sweep.yaml", base=base, axes={"h": [1, 2]}, baseline=True)
+    assert sweep.main(["--config", str(config)]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("sweep: error: Run 'base' of sweep ")
+    assert re.search(helpers.BAD_OVERRIDES[overrides], error[0]), error[0]
+    assert not (tmp_path / "out").exists()
 
 
 def test_sweep_plan_grid_reduced_and_command_line_overrides(assets, tmp_path):

@@ -48,10 +48,33 @@ from __future__ import annotations
 import argparse
 import sys
 
-from recipes.args import CONFIG_EXTENSIONS, RecipeError
-from recipes.sweep.plan import GRIDS, build_plan, check_run_folders
+from recipes.args import CONFIG_EXTENSIONS, RecipeError, build_parser, split_own_flags
+from recipes.sweep.plan import GRIDS, NOT_ACCEPTED_FLAGS, build_plan, check_run_folders
 from recipes.sweep.report import SWEEP_TABLE, write_report
 from recipes.sweep.run import is_main_process, run_sweep
+
+PROG = "python -m recipes.sweep"
+DESCRIPTION = (
+    "Run a sweep of recipe runs from a config file (recipes/sweeps/*.yaml). The flags after the sweep's own are "
+    "finetune's: given here, they override the config's base for every run."
+)
+
+
+def add_sweep_flags(parser: argparse.ArgumentParser) -> None:
+    """The sweep's own flags (the rest are finetune's)."""
+    group = parser.add_argument_group("the sweep")
+    group.add_argument("--config", required=True, help="The sweep config (YAML or JSON).")
+    group.add_argument("--grid", choices=GRIDS, default="full", help="full (as written) or reduced (its reduced:).")
+    group.add_argument("--report_only", action="store_true", help="Write the report from the finished runs only.")
+    group.add_argument("--dry_run", action="store_true", help="Print the plan and each run's status; run nothing.")
+
+
+def build_sweep_parser() -> argparse.ArgumentParser:
+    """The sweep's command line: its own flags, then finetune's (those it refuses not listed; its --config is the
+    sweep's)."""
+    return build_parser(
+        prog=PROG, description=DESCRIPTION, own_flags=add_sweep_flags, hidden=NOT_ACCEPTED_FLAGS, config_flag=False
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,17 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and not argv[0].startswith("-") and argv[0].lower().endswith(CONFIG_EXTENSIONS):
         argv = ["--config", *argv]
-    own = argparse.ArgumentParser(
-        prog="python -m recipes.sweep",
-        allow_abbrev=False,
-        description="Run a sweep of recipe runs from a config file (recipes/sweeps/*.yaml); other flags are "
-        "recipe flags that override the config's base for every run.",
-    )
-    own.add_argument("--config", required=True, help="The sweep config (YAML or JSON).")
-    own.add_argument("--grid", choices=GRIDS, default="full", help="full (as written) or reduced (its reduced:).")
-    own.add_argument("--report_only", action="store_true", help="Write the report from the finished runs only.")
-    own.add_argument("--dry_run", action="store_true", help="Print the plan and each run's status; run nothing.")
-    known, rest = own.parse_known_args(argv)
+    build_sweep_parser().parse_args(argv)  # --help; every flag's name, type and choice, errors in the sweep's name
+    known, rest = split_own_flags(argv, PROG, add_sweep_flags)
     try:
         plan = build_plan(known.config, known.grid, rest)
         check_run_folders(plan)

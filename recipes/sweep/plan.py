@@ -38,6 +38,8 @@ BASE_CHANGES = "— (base)"  # the "flags" cell of an ablation's base point, whi
 # Flags the sweep sets for every run itself, and flags a sweep cannot use (every run would push to one repository).
 MANAGED_FLAGS = ("seed", "output_dir", "resume_from_checkpoint")
 REFUSED_FLAGS = ("push_to_hub", "hub_model_id", "hub_token", "hub_private_repo")
+# What a sweep (and recipes.compare) refuses in base and on its command line, and does not list in its --help.
+NOT_ACCEPTED_FLAGS = (*REFUSED_FLAGS, "resume_from_checkpoint")
 # Settings that do not change a run's result: a finished run is the same run whatever they were.
 IGNORED_SETTINGS = frozenset(
     {
@@ -364,12 +366,12 @@ def build_plan(config_path: str | os.PathLike, grid: str = "full", argv: list[st
     if not isinstance(base, dict):
         raise RecipeError(f"Sweep config {path}: base must be a mapping of recipe flags.")
     base = check_config_values(base, parser, f"Sweep config {path}, base:,")
-    for flag in sorted(set(base) & set(REFUSED_FLAGS + ("resume_from_checkpoint",))):
+    for flag in sorted(set(base) & set(NOT_ACCEPTED_FLAGS)):
         raise RecipeError(f"Sweep config {path}, base: {flag} cannot be set in a sweep (each run is managed by it).")
     axes = parse_axes(values.get("axes"), recipe_flags, path)
 
     command_line = given_flags(list(argv or []))
-    for flag in sorted(set(command_line) & set(REFUSED_FLAGS + ("resume_from_checkpoint",))):
+    for flag in sorted(set(command_line) & set(NOT_ACCEPTED_FLAGS)):
         raise RecipeError(f"--{flag} cannot be given to a sweep (it resumes its runs itself and does not upload).")
     swept = {flag: axis for axis, items in axes.items() for item in items for flag in item.flags}
     clashes = sorted(set(command_line) & set(swept))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recipes.args import TEXT_EXTENSIONS, RecipeError
+from recipes.args import TEXT_EXTENSIONS, VALIDATION_SPLIT_SEED, RecipeError
 
 logger = logging.getLogger(__name__)
 
@@ -114,14 +114,19 @@ def local_text_files(args: argparse.Namespace) -> tuple[str, dict[str, str]]:
     return builder, files
 
 
-def split_off_validation(raw, percentage: int, seed: int):
-    """Hold out ``percentage`` percent of the training split as validation (deterministic)."""
+def split_off_validation(raw, percentage: int, args: argparse.Namespace):
+    """Hold out ``percentage`` percent of the training split as validation, shuffled with ``--validation_split_seed``
+    (default :data:`~recipes.args.VALIDATION_SPLIT_SEED`), not the training seed: runs with different ``--seed``
+    evaluate on the same examples, so a spread over seeds is the training's alone. Returns the split and its
+    description for ``DataInfo.eval_split``."""
     import datasets
 
     if len(raw["train"]) < 2:
         raise RecipeError("The training data has fewer than 2 examples: cannot hold out a validation split.")
+    seed = VALIDATION_SPLIT_SEED if args.validation_split_seed is None else args.validation_split_seed
     split = raw["train"].train_test_split(test_size=percentage / 100, seed=seed, shuffle=True)
-    return datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
+    described = f"{percentage}% of train (split seed {seed})"
+    return datasets.DatasetDict({"train": split["train"], "validation": split["test"]}), described
 
 
 def require_columns(raw, columns: dict[str, str | None], splits) -> None:

@@ -94,8 +94,7 @@ class CausalLMTask(Task):
                 raw["validation"] = raw[args.eval_split]
                 self.info.eval_split = args.eval_split
         if "validation" not in raw:
-            raw = split_off_validation(raw, percentage, args.seed)
-            self.info.eval_split = f"{percentage}% of train"
+            raw, self.info.eval_split = split_off_validation(raw, percentage, args)
         return raw
 
     def check_raw(self, args, raw):

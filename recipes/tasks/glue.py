@@ -75,9 +75,10 @@ class GlueTask(Task):
             self.info = DataInfo("local files", files=list(files.values()))
             if "validation" not in raw:
                 percentage = args.validation_split_percentage or 10
-                split = split_off_validation(datasets.DatasetDict({"train": raw["train"]}), percentage, args.seed)
+                split, self.info.eval_split = split_off_validation(
+                    datasets.DatasetDict({"train": raw["train"]}), percentage, args
+                )
                 raw["train"], raw["validation"] = split["train"], split["validation"]
-                self.info.eval_split = f"{percentage}% of train"
             if self.name == "mnli" and "validation_mismatched" not in raw:
                 logger.warning("MNLI without --validation_mismatched_file: only matched accuracy is reported.")
             return raw

@@ -62,8 +62,7 @@ class ImageTask(Task):
                 self.info.eval_split = eval_split
         if "validation" not in raw:
             percentage = args.validation_split_percentage or 15
-            raw = split_off_validation(raw, percentage, args.seed)
-            self.info.eval_split = f"{percentage}% of train"
+            raw, self.info.eval_split = split_off_validation(raw, percentage, args)
         return raw
 
     def check_raw(self, args, raw):
