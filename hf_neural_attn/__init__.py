@@ -9,22 +9,24 @@ model = hf_neural_attn.unpatch_model(model)                  # the original mode
 hf_neural_attn.save_adapter(model, "adapter")                # scorer tensors + patch record + base model id
 model = hf_neural_attn.from_pretrained("adapter")            # base model loaded, patched, tensors filled in
 LoraConfig(..., modules_to_save=hf_neural_attn.peft_modules_to_save(model))   # scorers trained beside LoRA
+
+Importing the library is cheap: what needs transformers' modeling stack (seconds to import) is imported on first use,
+and what the library sets up in it waits until something else imports it (see the side effects below).
 """
 
-from . import _compat
+from __future__ import annotations
+
+import importlib
+
+from . import _compat, _import_hooks
 from ._version import __version__
 
 # Before anything touches transformers: below the floor the failures are hard to read, so say which release is needed.
 _compat.check_transformers_version()
 
-from . import attention, patched_config
-from .loading import auto
-from .loading.adapters import push_adapter_to_hub, save_adapter
-from .loading.checkpoints import from_pretrained
-from .patching import patch_model, unpatch_model
-from .peft_utils import peft_modules_to_save
-from .record import PatchRecord, is_patched, patch_record, scorer_parameters
-from .scorers import (
+from . import patched_config  # noqa: E402
+from .record import PatchRecord, is_patched, patch_record, scorer_parameters  # noqa: E402
+from .scorers import (  # noqa: E402
     AdditiveConfig,
     GeneralConfig,
     HeaConfig,
@@ -34,13 +36,60 @@ from .scorers import (
     ScorerConfig,
 )
 
+# The public functions whose modules import transformers' modeling stack: loaded on first access.
+_LAZY_NAMES = {
+    "patch_model": "patching",
+    "unpatch_model": "patching",
+    "from_pretrained": "loading.checkpoints",
+    "save_adapter": "loading.adapters",
+    "push_adapter_to_hub": "loading.adapters",
+    "peft_modules_to_save": "peft_utils",
+}
+_SUBMODULES = ("attention", "auto", "families", "loading", "ops", "patching", "peft_utils", "plotting", "scorers")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_NAMES:
+        value = getattr(importlib.import_module(f".{_LAZY_NAMES[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_NAMES, *_SUBMODULES})
+
+
+def _on_patched_class(patched_class, base_class) -> None:
+    """A patched config class was made (by patch_model, or by AutoConfig reading a patched checkpoint): register the
+    attention function its models run, and map it to the Auto model classes, tokenizers and processors of its base."""
+    from . import attention
+    from .loading import auto
+
+    attention.register()
+    auto.register_patched_config(patched_class, base_class)
+
+
+def _on_modeling_utils(_module) -> None:
+    """transformers' modeling stack is imported: a model class's own from_pretrained loads patched checkpoints
+    patched, and its save_pretrained refuses a patched model PEFT still wraps. (This may run in the middle of another
+    import of the library's, which imported transformers: plain_classes imports nothing of the library's at its top
+    but the record's names and the loading files' keywords.)"""
+    from .loading import plain_classes
+
+    plain_classes.install()
+
+
 # The import side effects, all of them here:
-# 1. the attention function and mask builder a patched model runs, as attn_implementation="hf_neural_attn";
-attention.register()
-# 2. model_type "hf_neural_attn" with AutoConfig, and each patched config class with the AutoModel* classes that
-#    build its base class, as the class is made (so `import hf_neural_attn` is all an Auto class needs).
-auto.register()
-patched_config.on_patched_class(auto.register_patched_config)
+# 1. model_type "hf_neural_attn" with AutoConfig, so that `import hf_neural_attn` is all an Auto class needs;
+patched_config.register_checkpoint_config()
+# 2. each patched config class, as it is made: the attention function, the Auto model classes, preprocessors;
+patched_config.on_patched_class(_on_patched_class)
+# 3. once transformers' modeling stack is imported (now, or whenever something imports it): transformers' own
+#    from_pretrained and save_pretrained know patched checkpoints and models (hf_neural_attn.loading.plain_classes).
+_import_hooks.after_import("transformers.modeling_utils", _on_modeling_utils)
 
 __all__ = [
     "AdditiveConfig",

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from .families import FAMILIES
+from .families import FAMILIES, ModelFamily
 from .families.base import offloaded_weights_loaded
 from .ops import scored_attention, zero_rows_without_keys
 from .ops.masks import as_additive_mask
@@ -85,7 +85,7 @@ def hf_neural_attention_forward(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     mask = _scoring_mask(attention_mask, query, key, is_causal)
-    family_name = getattr(module, FALLBACK_ATTR)[0]
+    family = FAMILIES.get(getattr(module, FALLBACK_ATTR)[0], ModelFamily)  # named in a dropout value's error
     # The paths read the scorer's parameters without calling it as a module, so when accelerate offloaded the
     # scorer (a model patched, then dispatched with offloading) its tensors are loaded here for the call.
     with offloaded_weights_loaded(scorer):
@@ -97,7 +97,7 @@ def hf_neural_attention_forward(
             mask,
             scaling=scaling,
             dropout=dropout,
-            dropout_source=f"config.{FAMILIES[family_name].attention_dropout_field}",
+            dropout_source=f"config.{family.attention_dropout_field}",
             training=module.training,
             extras=extras,
             is_causal=is_causal,

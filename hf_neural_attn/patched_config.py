@@ -25,7 +25,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from .record import ATTN_IMPLEMENTATION, PATCHED_MODEL_TYPE, RECORD_KEY, known_implementations
@@ -208,3 +208,21 @@ def config_from_saved_dict(config_dict: dict[str, Any], **kwargs):
     result = CONFIG_MAPPING[base_type].from_dict(plain, **kwargs)
     make_patched(result[0] if isinstance(result, tuple) else result)
     return result
+
+
+class PatchedCheckpointConfig(PretrainedConfig):
+    """``AutoConfig``'s class for ``model_type: "hf_neural_attn"``: builds the checkpoint's patched base config
+    (:func:`config_from_saved_dict`). Saved checkpoints' loader files import it as
+    ``hf_neural_attn.auto.PatchedCheckpointConfig``."""
+
+    model_type = PATCHED_MODEL_TYPE
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        return config_from_saved_dict(config_dict, **kwargs)
+
+
+def register_checkpoint_config() -> None:
+    """Register ``model_type: "hf_neural_attn"`` with ``AutoConfig`` (``import hf_neural_attn`` does; the Auto model
+    classes are mapped per patched config class, as each is made: :func:`on_patched_class`)."""
+    AutoConfig.register(PATCHED_MODEL_TYPE, PatchedCheckpointConfig, exist_ok=True)

@@ -9,6 +9,9 @@ error naming the file and the field) and :meth:`PatchRecord.to_dict` the only wr
 The read-only questions asked of a model (is it patched, with which record, which parameters are new) are here
 too, judged from the names below; the modules that write them (:mod:`hf_neural_attn.patching`,
 :mod:`hf_neural_attn.attention`) sit above this one.
+
+``import hf_neural_attn`` reads this module (the names, the record type), so what only a model or a loaded record
+needs (transformers' modeling stack, the model families) is imported where it is used: those are seconds to import.
 """
 
 from __future__ import annotations
@@ -20,12 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from torch import nn
-from transformers import PreTrainedModel
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ._version import __version__
 from ._warnings import warn_user
-from .families import FAMILIES
 from .ops.triton import triton_unavailable_reason
 from .scorers import SCORERS, ScorerConfig
 
@@ -40,6 +40,12 @@ FALLBACK_ATTR = "_hf_neural_attn_fallback"
 # the scorers' (they train, save and load with the patch).
 ADDED_MODULE_ATTR = "_hf_neural_attn_added"
 EXTRAS_KWARG = "hf_neural_attn_extras"  # per-query scorer inputs passed from the pre-hook to the attention function
+# On the classes the loaders build a patched checkpoint's base model with: transformers' from_pretrained, which sends
+# patched checkpoints to the loaders (hf_neural_attn.loading.plain_classes), lets them through.
+BASE_LOAD_ATTR = "_hf_neural_attn_loads_base"
+# The parts of the names PEFT gives a wrapped module's tensors (ModulesToSaveWrapper, a tuner layer's base_layer): a
+# scorer tensor saved under one of them was saved while PEFT wrapped the scorer.
+PEFT_WRAPPER_PARTS = (".modules_to_save.", ".original_module.", ".base_layer.")
 
 # The compute path a checkpoint recorded with impl="triton" runs where Triton cannot: the default per-call rule.
 PORTABLE_IMPL = "auto"
@@ -48,6 +54,8 @@ PORTABLE_IMPL = "auto"
 def known_implementations() -> list[str]:
     """The attention implementations a model can run under the patch (``base_attn_implementation``): eager, and
     those registered in transformers' ``AttentionInterface`` (SDPA, flash, flex, kernels loaded so far), not ours."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     ours = ATTN_IMPLEMENTATION  # the patch's own name, and the generic family's probe
     return ["eager", *(name for name in ALL_ATTENTION_FUNCTIONS.valid_keys() if not name.startswith(ours))]
 
@@ -122,6 +130,8 @@ class PatchRecord:
             raise damaged(source, filename, "layers", f"must hold sorted non-negative layer indices, got {layers!r}")
         if not isinstance(version, str) or not re.fullmatch(r"\d+(\.\d+)*\S*", version):
             raise damaged(source, filename, "version", f"must be a version string, got {version!r}")
+        from .families import FAMILIES
+
         names = {}
         for name in cls.OPTIONAL_NAMES:
             value = data.get(name)
@@ -211,6 +221,8 @@ def patch_record(model: nn.Module) -> PatchRecord | None:
 def inner_transformers_model(model: nn.Module) -> nn.Module | None:
     """The transformers model inside a sentence-transformers ``SentenceTransformer`` (its ``Transformer`` module's
     ``auto_model``), or None for any other object. Looked up by shape, so sentence-transformers is never imported."""
+    from transformers import PreTrainedModel
+
     if isinstance(model, PreTrainedModel) or not isinstance(model, nn.Sequential):
         return None
     inner = [getattr(part, "auto_model", None) for part in model.children()]

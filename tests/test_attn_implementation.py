@@ -175,10 +175,11 @@ def test_sub_configs_switch_too():
     torch.testing.assert_close(over_eager, over_sdpa, **SWITCH_TOLERANCE)
 
 
-def test_plain_class_reload_of_a_switched_checkpoint_still_refuses_to_run_unpatched(tmp_path):
+def test_plain_class_reload_of_a_switched_checkpoint_is_patched_on_the_switched_base(tmp_path):
     _, model = patched("llama")
     model.set_attn_implementation("eager")
     model.save_pretrained(tmp_path)
     plain = LlamaForCausalLM.from_pretrained(tmp_path)
-    with pytest.raises(RuntimeError, match="hf_neural_attn.from_pretrained"):
-        plain(**model_inputs("llama"))
+    assert hf_neural_attn.is_patched(plain) and plain.config.base_attn_implementation == "eager"
+    inputs = model_inputs("llama")
+    torch.testing.assert_close(plain(**inputs).logits, model(**inputs).logits, rtol=0, atol=1e-6)

@@ -6,22 +6,23 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
-from helpers import CORE_FAMILIES, IMAGE, family_case, model_inputs, perturb_scorers, tiny_llama, tiny_model, tiny_vit
+from helpers import CORE_FAMILIES, IMAGE, family_case, model_inputs, perturb_scorers, tiny_llama, tiny_model
 from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForImageClassification,
+    ByT5Tokenizer,
     LlamaConfig,
     LlamaForCausalLM,
     LlamaModel,
-    ViTForImageClassification,
 )
 
 import hf_neural_attn
@@ -166,19 +167,14 @@ def test_trusting_the_loader_file_with_the_library_installed_loads_patched(llama
     assert name == "LlamaForCausalLM" and float(error) <= TOL
 
 
-def test_loading_by_the_plain_class_with_the_library_present_fails_loudly(llama_checkpoint):
+def test_a_plain_model_set_to_the_patch_name_by_hand_fails_loudly(llama_checkpoint):
+    """A model of the plain class built from a patched config (not loaded, not patched) cannot run as if patched."""
     folder, inputs, *_ = llama_checkpoint
-    model = LlamaForCausalLM.from_pretrained(folder)  # transformers builds the unpatched class as asked ...
+    hf_neural_attn.patch_model(tiny_llama(), "qana")  # the attention function is registered once a patch exists
+    model = LlamaForCausalLM(LlamaConfig.from_pretrained(folder))  # the file's attn_implementation: ours
     assert not hf_neural_attn.is_patched(model)
     with pytest.raises(RuntimeError, match="hf_neural_attn.from_pretrained"):
-        model(**inputs)  # ... but it cannot run as if it were the trained model
-
-
-def test_vit_plain_class_refuses_too(tmp_path):
-    hf_neural_attn.patch_model(tiny_vit(), "qana").save_pretrained(tmp_path)
-    model = ViTForImageClassification.from_pretrained(tmp_path)
-    with pytest.raises(RuntimeError, match="hf_neural_attn.from_pretrained"):
-        model(**model_inputs("vit"))
+        model(**inputs)
 
 
 def test_checkpoints_saved_before_the_patched_model_type_still_load(llama_checkpoint, tmp_path):
@@ -192,3 +188,21 @@ def test_checkpoints_saved_before_the_patched_model_type_still_load(llama_checkp
     (tmp_path / "config.json").write_text(json.dumps(saved))
     model = hf_neural_attn.from_pretrained(tmp_path)
     torch.testing.assert_close(model(**inputs).logits, logits, rtol=0, atol=TOL)
+
+
+def test_without_the_library_a_tokenizer_loads_when_remote_code_is_declined(llama_checkpoint, tmp_path):
+    """transformers 5's AutoTokenizer reads the config first, and a patched config.json names the library's loader
+    file in auto_map, so without the library transformers asks whether to run it. Declining up front loads the
+    tokenizer, with no question asked (docs/api.md)."""
+    folder = shutil.copytree(llama_checkpoint[0], tmp_path / "with-tokenizer")
+    ByT5Tokenizer().save_pretrained(folder)
+    result = _run_without_importing_the_library(
+        f"""
+        from transformers import AutoTokenizer
+        print(type(AutoTokenizer.from_pretrained({str(folder)!r}, trust_remote_code=False)).__name__)
+        """,
+        block_library=True,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-1] == "ByT5Tokenizer"
+    assert "Do you wish to run the custom code" not in result.stdout + result.stderr

@@ -64,6 +64,17 @@ def add_scorer_tensor(tensors: dict[str, torch.Tensor]) -> None:
     tensors["model.layers.7.self_attn.attn_scorer.gate"] = torch.zeros(4)  # the tiny Llama has 2 layers
 
 
+def add_stray_scorer_tensor(tensors: dict[str, torch.Tensor]) -> None:
+    tensors["model.layers.1.self_attn.attn_scorer.bogus"] = torch.zeros(4)  # a patched layer, a name it lacks
+
+
+def rename_scorers_as_peft_wraps_them(tensors: dict[str, torch.Tensor]) -> None:
+    """The names a model saved while PEFT's ModulesToSaveWrapper held its scorers gives them."""
+    for name in [name for name in tensors if ".attn_scorer." in name]:
+        head, _, tail = name.partition(".attn_scorer.")
+        tensors[f"{head}.attn_scorer.modules_to_save.default.{tail}"] = tensors.pop(name)
+
+
 def truncate_weights(folder: Path, kind: str) -> None:
     path = folder / WEIGHTS_FILE[kind]
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
@@ -139,11 +150,30 @@ DAMAGES = [
         r"cannot be read as JSON",
         kinds=("adapter",),
     ),
-    # The scorer tensors.
+    # The scorer tensors. Every one in the files must be where the record puts one: a tensor the record does not
+    # patch (an edited record, a stray name) would otherwise be dropped and the model differ from the saved one.
     Damage("tensor-missing", in_weights(drop_first_scorer_tensor), r"lacks 1 scorer tensor"),
-    # A full checkpoint loads it with a warning naming the tensor (transformers' unexpected keys): the model is
-    # the saved one. An adapter's tensors are all scorer tensors, so one without a place is a damage.
-    Damage("tensor-extra", in_weights(add_scorer_tensor), r"no place for 1 scorer tensor", kinds=("adapter",)),
+    Damage(
+        "tensor-extra",
+        in_weights(add_scorer_tensor),
+        r"no place for 1 scorer tensor.*layers\.7\.self_attn\.attn_scorer\.gate",
+    ),
+    Damage(
+        "tensor-stray",
+        in_weights(add_stray_scorer_tensor),
+        r"no place for 1 scorer tensor.*attn_scorer\.bogus",
+    ),
+    Damage(
+        "record-fewer-layers",
+        in_record(lambda record: record.update(layers=[0])),
+        r"no place for \d+ scorer tensor.*layers\.1\..*patches attention layers \[0\]",
+    ),
+    Damage(
+        "tensors-under-peft-names",
+        in_weights(rename_scorers_as_peft_wraps_them),
+        r"lacks \d+ scorer tensor.*modules_to_save.*saved while PEFT wrapped its scorers",
+        kinds=("full",),
+    ),
     Damage("weights-truncated", truncate_weights, r"truncated or corrupt"),
 ]
 

@@ -245,8 +245,9 @@ def load_adapter_model(
             loading_kwargs,
             lambda names: saved,
             describe=describe,
-            hint="The adapter was saved from another base model (another size, heads or layers) or is "
-            "incomplete; check base_model_name_or_path.",
+            hint=f"Its record patches attention layers {list(record.layers)}. The adapter was saved from another base "
+            "model (another size, heads or layers), its record was edited, or it is incomplete; check "
+            "base_model_name_or_path.",
             exact=True,
             check_base=check_base,
         )

@@ -1,9 +1,10 @@
 """transformers' Auto classes load patched checkpoints as patched models, once hf_neural_attn is imported.
 
 A patched checkpoint's config.json says ``model_type: "hf_neural_attn"`` (see :mod:`hf_neural_attn.patched_config`).
-Importing the library registers that type with ``AutoConfig``, whose config class rebuilds the base config
-(``LlamaConfig``, ...) as its patched subclass. Each patched config class is in turn registered with every
-``AutoModel*`` class that serves its base class, mapped to a small loader class:
+Importing the library registers that type with ``AutoConfig``, whose config class
+(:class:`~hf_neural_attn.patched_config.PatchedCheckpointConfig`) rebuilds the base config (``LlamaConfig``, ...) as
+its patched subclass. Each patched config class is in turn registered here with every ``AutoModel*`` class that
+serves its base class, mapped to a small loader class:
 
 * ``AutoModelForCausalLM.from_pretrained(path)`` -> :func:`hf_neural_attn.from_pretrained` with the base class
   that Auto class would have built (``LlamaForCausalLM``), so the model comes back patched with its trained
@@ -12,8 +13,7 @@ Importing the library registers that type with ``AutoConfig``, whose config clas
   patched as recorded (freshly initialised scorers, like any ``from_config``).
 
 This is the same route transformers offers any library with its own model types (``AutoConfig.register`` and
-``AutoModel*.register``); nothing of transformers is modified. ``hf_neural_attn/__init__.py`` calls
-:func:`register` on import and hands :func:`register_patched_config` to
+``AutoModel*.register``). ``hf_neural_attn/__init__.py`` hands :func:`register_patched_config` to
 :func:`hf_neural_attn.patched_config.on_patched_class`, so each patched config class is mapped as it is made.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from functools import cache
 
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 from transformers.models.auto import modeling_auto
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
 from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING
@@ -30,20 +30,10 @@ from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPI
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
-from ..patched_config import base_config, config_from_saved_dict
-from ..record import PATCHED_MODEL_TYPE, PatchRecord
+from ..patched_config import base_config
+from ..record import PatchRecord
 from .checkpoints import from_pretrained
 from .load import apply_record
-
-
-class PatchedCheckpointConfig(PretrainedConfig):
-    """``AutoConfig``'s class for ``model_type: "hf_neural_attn"``: builds the checkpoint's patched base config."""
-
-    model_type = PATCHED_MODEL_TYPE
-
-    @classmethod
-    def from_dict(cls, config_dict, **kwargs):
-        return config_from_saved_dict(config_dict, **kwargs)
 
 
 def _auto_model_classes() -> list[type[_BaseAutoModelClass]]:
@@ -119,9 +109,3 @@ def _loader_for(auto_class: type[_BaseAutoModelClass]) -> type:
 
     PatchedModelLoader.__name__ = PatchedModelLoader.__qualname__ = f"{auto_class.__name__}PatchedLoader"
     return PatchedModelLoader
-
-
-def register() -> None:
-    """Register ``model_type: "hf_neural_attn"`` with ``AutoConfig`` (the Auto model classes are mapped per patched
-    config class, by :func:`register_patched_config`)."""
-    AutoConfig.register(PATCHED_MODEL_TYPE, PatchedCheckpointConfig, exist_ok=True)

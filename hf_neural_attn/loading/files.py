@@ -142,6 +142,20 @@ def names_on_disk(model, parameters: Mapping[str, torch.Tensor]) -> dict[str, li
     return candidates
 
 
+def tensor_names(source: str, file_kwargs: dict) -> set[str]:
+    """The names of every tensor in the checkpoint's safetensors file(s), single or sharded (headers only)."""
+    lookup = {**file_kwargs, "_raise_exceptions_for_missing_entries": False}
+    index_file = cached_file(source, WEIGHTS_INDEX_NAME, **lookup)
+    if index_file is not None:
+        with open(index_file) as handle:
+            return set(json.load(handle)["weight_map"])
+    local = cached_file(source, WEIGHTS_NAME, **lookup)
+    if local is None:
+        raise ValueError(f"{source} has no {WEIGHTS_NAME}; patched checkpoints are saved as safetensors.")
+    with safe_open(local, framework="pt") as weights:
+        return set(weights.keys())
+
+
 def read_tensors(source: str, names: set[str], file_kwargs: dict) -> dict[str, torch.Tensor]:
     """Read those of ``names`` present in the checkpoint's safetensors file(s), single or sharded."""
     lookup = {**file_kwargs, "_raise_exceptions_for_missing_entries": False}

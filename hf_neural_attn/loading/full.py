@@ -12,8 +12,8 @@ from typing import Any
 
 from ..families import find_attention
 from ..patched_config import base_config
-from ..record import PatchRecord, damaged
-from .files import FILE_KWARGS, load_config, model_class_for, read_tensors
+from ..record import SCORER_ATTR, PatchRecord, damaged
+from .files import FILE_KWARGS, load_config, model_class_for, read_tensors, tensor_names
 from .load import load_patched_model, read_config_record
 
 
@@ -25,6 +25,13 @@ def load_full_checkpoint(source: str, model_class, impl: str | None, hf_kwargs: 
     scorer = record.scorer_config(impl)
     model_class = model_class_for(config, source, model_class)
     file_kwargs = {key: loading_kwargs[key] for key in FILE_KWARGS if key in loading_kwargs}
+
+    def read_scorer_tensors(names: set[str]) -> dict:
+        # Every scorer tensor in the files, not only those the record asks for: one the record does not patch (a
+        # layer left out of an edited record, a stray name) is refused rather than dropped.
+        marker = f".{SCORER_ATTR}."
+        return read_tensors(source, names | {n for n in tensor_names(source, file_kwargs) if marker in f".{n}"}, file_kwargs)
+
     model, info = load_patched_model(
         model_class,
         source,
@@ -32,10 +39,14 @@ def load_full_checkpoint(source: str, model_class, impl: str | None, hf_kwargs: 
         record,
         scorer,
         loading_kwargs,
-        lambda names: read_tensors(source, names, file_kwargs),
+        read_scorer_tensors,
         describe=f"The checkpoint {source}",
-        hint="The checkpoint is incomplete, or its config.json and weights come from different models.",
+        hint=(
+            f"Its config.json's record patches attention layers {list(record.layers)}. The checkpoint is incomplete, "
+            "its config.json was edited, or its config.json and weights come from different models."
+        ),
         check_base=lambda base: check_record_fits(base, record, source),
+        exact=True,
     )
     # transformers has logged its load report for the base model (missing, unexpected, mismatched weights).
     return (model, info) if output_loading_info else model

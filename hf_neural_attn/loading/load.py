@@ -18,7 +18,7 @@ from .._version import __version__
 from .._warnings import warn_user
 from ..families import find_attention
 from ..patching import patch_model
-from ..record import RECORD_KEY, SCORER_ATTR, PatchRecord, scorer_parameters
+from ..record import BASE_LOAD_ATTR, PEFT_WRAPPER_PARTS, RECORD_KEY, SCORER_ATTR, PatchRecord, scorer_parameters
 from ..scorers import ScorerConfig
 from .files import check_model_class_fits, names_on_disk, unreadable_weights_are_errors
 
@@ -77,7 +77,8 @@ def fill_scorer_weights(
         saved: on-disk name -> tensor; each scorer parameter is looked up under :func:`names_on_disk`.
         describe: the subject of the error messages ("The checkpoint X", "The adapter X").
         hint: what to check or do, appended to every error.
-        exact: every tensor of ``saved`` must find a place (an adapter holds scorer tensors only).
+        exact: every tensor of ``saved`` must find a place (an adapter holds scorer tensors only; a full checkpoint's
+            loader reads every scorer tensor of its files, so one the record does not patch is refused).
 
     Raises:
         ValueError: a scorer tensor is missing or has another shape, or (``exact``) one is left over. The model's
@@ -97,6 +98,11 @@ def fill_scorer_weights(
         for label, names in (("it lacks", missing), ("the patched model has no place for", unused))
         if names
     ]
+    if any(part in f".{name}" for name in unused for part in PEFT_WRAPPER_PARTS):
+        hint = (
+            f"{hint} Its scorer tensors carry PEFT's wrapper names: the model was saved while PEFT wrapped its "
+            "scorers. Save the PEFT model instead (peft_model.save_pretrained), or merge first (merge_and_unload)."
+        )
     if problems:
         raise ValueError(f"{describe} does not fit the recorded patch: " + "; ".join(problems) + f". {hint}")
     mismatched = [
@@ -152,9 +158,16 @@ def load_patched_model(
     adapter_name = loading_kwargs.pop("adapter_name", "default")
     adapter_kwargs = dict(loading_kwargs.pop("adapter_kwargs", None) or {})
     adapter_path = adapter_kwargs.pop("_adapter_model_path", None)
-    # Unpatched layers (and unpatch_model) should run what the saved model ran, unless told otherwise.
-    if record.base_attn_implementation in ("eager", "sdpa"):
-        loading_kwargs.setdefault("attn_implementation", record.base_attn_implementation)
+    # Unpatched layers (and unpatch_model) should run what the saved model ran, unless told otherwise: by the keyword,
+    # or by a config= that names one (the Auto classes hand the keyword to AutoConfig, which sets it on the config).
+    told = "attn_implementation" in loading_kwargs or config.__dict__.get("_attn_implementation_internal") is not None
+    asked = loading_kwargs.get("attn_implementation", config.__dict__.get("_attn_implementation_internal"))
+    if asked is not None and not isinstance(asked, str):  # transformers' own check fails on it with an AttributeError
+        raise TypeError(
+            f"attn_implementation must name an attention implementation ('eager', 'sdpa', ...), got {asked!r}."
+        )
+    if record.base_attn_implementation in ("eager", "sdpa") and not told:
+        loading_kwargs["attn_implementation"] = record.base_attn_implementation
     if record.key_dim is not None:
         _refuse_offloading_narrow_keys(record, loading_kwargs.get("device_map"), loading_kwargs.get("offload_folder"))
     with unreadable_weights_are_errors(weights_source):
@@ -224,6 +237,7 @@ def _reporting_class(model_class, record: PatchRecord):
 
     for name in ("__name__", "__qualname__", "__module__"):  # transformers names the class in its messages
         setattr(PatchedCheckpointBase, name, getattr(model_class, name))
+    setattr(PatchedCheckpointBase, BASE_LOAD_ATTR, True)
     return PatchedCheckpointBase
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .._import_hooks import after_import
 from .blockwise import blockwise_attention, blockwise_unsupported_reason
 from .chunked import chunked_attention
 from .dropout import DEFAULT_SOURCE as DEFAULT_DROPOUT_SOURCE
@@ -193,15 +194,25 @@ def triton_path(
 
 # Every path takes keys and values with their kv heads (grouped-query attention), any mask form and the call's
 # AttentionDropout or None, and returns (output (batch, heads, q_len, head_dim), probabilities or None).
-# The chunked and blockwise paths run eagerly inside a torch.compile'd model: they loop over query blocks in Python
-# around a hand-written backward, which the compiler would unroll block by block (a 1-layer GPT-2 at 512 tokens took
-# 250-300 s to compile, for the same numbers), and each block is already a few large ops.
 PATHS = {
     "reference": reference_attention,
-    "chunked": torch.compiler.disable(chunked_attention),
-    "blockwise": torch.compiler.disable(blockwise_path),
+    "chunked": chunked_attention,
+    "blockwise": blockwise_path,
     "triton": triton_path,
 }
+
+
+def _run_block_loops_eagerly(_dynamo) -> None:
+    """The chunked and blockwise paths run eagerly inside a torch.compile'd model: they loop over query blocks in
+    Python around a hand-written backward, which the compiler would unroll block by block (a 1-layer GPT-2 at 512
+    tokens took 250-300 s to compile, for the same numbers), and each block is already a few large ops."""
+    for name in ("chunked", "blockwise"):
+        PATHS[name] = torch.compiler.disable(PATHS[name])
+
+
+# torch.compiler.disable imports torch._dynamo, a second's import: applied once something imports it, which
+# torch.compile does before it traces anything.
+after_import("torch._dynamo", _run_block_loops_eagerly)
 
 
 def scored_attention(

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .._import_hooks import after_import
+
 _WORD = 0xFFFFFFFF  # the low 32 bits
 # lowbias32's multipliers, each below 2^31 in magnitude (0x846CA68B taken as its negative twin, the same residue mod
 # 2^32), so a 32-bit word times either fits in int64.
@@ -37,9 +39,9 @@ _ROW_STEP = 0x9E3779B9  # the golden ratio's word: spreads consecutive rows apar
 _COLUMN_OFFSET = 0x632BE5AB  # keeps column 0's hash away from row hashes' inputs
 
 
-@torch.compiler.disable  # drawn in eager code: a compiled graph would draw from its own generator
 def draw_seed() -> int:
-    """One seed for a call's dropout masks, from torch's default (CPU) generator."""
+    """One seed for a call's dropout masks, from torch's default (CPU) generator. Drawn in eager code inside a
+    compiled model (see the end of this module): a compiled graph would draw from its own generator."""
     return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64))
 
 
@@ -154,3 +156,13 @@ class AttentionDropout:
         keep = keep_mask(self.seed, self.p, streams, row_start, row_end, col_end)
         # p = 1 keeps nothing, and its factors are all 0 (as F.dropout's), not 0 times an infinite scale.
         return keep.to(dtype).mul_(1.0 / (1.0 - self.p) if self.p < 1 else 0.0)
+
+
+def _draw_seeds_eagerly(_dynamo) -> None:
+    global draw_seed
+    draw_seed = torch.compiler.disable(draw_seed)
+
+
+# torch.compiler.disable imports torch._dynamo, a second's import: it is applied once something imports it, which
+# torch.compile does before it traces anything.
+after_import("torch._dynamo", _draw_seeds_eagerly)

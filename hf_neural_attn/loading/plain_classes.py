@@ -1,0 +1,163 @@
+"""A transformers model class's own ``from_pretrained`` and ``save_pretrained``, on patched checkpoints and models.
+
+transformers builds what it is asked for: ``LlamaForCausalLM.from_pretrained(path)`` builds a ``LlamaForCausalLM``
+from ``path/config.json`` whatever model type the file names, and an explicit ``attn_implementation=`` overrides the
+one the file asks for. On a patched checkpoint that would be the base model, its trained scorer tensors left aside as
+"unexpected". It is the most common way to load a model (``transformers serve`` loads the class named in
+``config.architectures`` that way, with its own ``attn_implementation``).
+
+Once the library is imported, :func:`install` (run as soon as transformers' modeling stack is imported as well, see
+:mod:`hf_neural_attn._import_hooks`) wraps transformers' ``PreTrainedModel.from_pretrained``: a call whose source
+is a patched checkpoint (its config.json, or the ``config=`` passed in, carries the patch record) is served by
+:func:`hf_neural_attn.from_pretrained` with the class asked for and every keyword as given (``attn_implementation``,
+``config``, ``device_map``, ``dtype``, ...), so it returns the patched model, of that class. Any other call runs
+transformers' own code unchanged; the check costs one read of config.json where no ``config=`` is passed (transformers
+reads it next anyway). The library's own loaders build the base model through classes marked with
+:data:`~.load.BASE_LOAD_ATTR`, which pass straight through.
+
+``save_pretrained`` of a patched model whose scorers PEFT still wraps (``get_peft_model(model).get_base_model()
+.save_pretrained(path)``) would write the scorer tensors under PEFT's wrapper names, a checkpoint nothing can load
+patched: it is refused, with the calls that save what was trained.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any
+
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.utils import CONFIG_NAME, cached_file
+
+from ..record import BASE_LOAD_ATTR, PATCHED_MODEL_TYPE, PEFT_WRAPPER_PARTS, RECORD_KEY, SCORER_ATTR, is_patched
+from .files import FILE_KWARGS
+
+_WRAPPED_ATTR = "_hf_neural_attn_wrapped"  # on the functions install() put in place, so a second install does nothing
+
+
+def install() -> None:
+    """Wrap ``PreTrainedModel.from_pretrained`` and ``save_pretrained`` (once; see the module docstring)."""
+    for name, wrap in (("from_pretrained", _routing_from_pretrained), ("save_pretrained", _checked_save_pretrained)):
+        current = PreTrainedModel.__dict__[name]
+        function = current.__func__ if isinstance(current, classmethod) else current
+        if getattr(function, _WRAPPED_ATTR, False):
+            continue
+        wrapper = wrap(function)
+        setattr(wrapper, _WRAPPED_ATTR, True)
+        setattr(PreTrainedModel, name, classmethod(wrapper) if isinstance(current, classmethod) else wrapper)
+
+
+def _routing_from_pretrained(original):
+    @functools.wraps(original)
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        if getattr(cls, BASE_LOAD_ATTR, False) or not is_patched_source(pretrained_model_name_or_path, kwargs):
+            return original(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        if model_args:
+            raise TypeError(
+                f"{pretrained_model_name_or_path} is a hf_neural_attn checkpoint, whose loading takes no positional "
+                "model arguments; pass options as keywords."
+            )
+        # Imported here: install() runs while transformers' modeling stack finishes importing, which may be in the
+        # middle of one of the library's own imports, so this module imports no loader at its top.
+        from .checkpoints import from_pretrained as load_patched
+
+        return load_patched(pretrained_model_name_or_path, model_class=cls, **kwargs)
+
+    return from_pretrained
+
+
+def _checked_save_pretrained(original):
+    @functools.wraps(original)
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # With transformers' own PEFT integration loaded (add_adapter), save_pretrained writes the adapter only.
+        if is_patched(self) and not getattr(self, "_hf_peft_config_loaded", False):
+            check_scorers_unwrapped(self, kwargs.get("state_dict"))
+        return original(self, save_directory, *args, **kwargs)
+
+    return save_pretrained
+
+
+def is_patched_source(source, kwargs: dict[str, Any]) -> bool:
+    """Whether a ``from_pretrained(source, **kwargs)`` call loads a patched checkpoint: the ``config=`` passed in
+    carries the patch record, or (none passed) the checkpoint's config.json does.
+
+    Raises:
+        ValueError: a ``config=`` without the record for a local folder whose config.json is a patched checkpoint's:
+            the model would be built without its patch.
+    """
+    if source is None or kwargs.get("gguf_file") or kwargs.get("state_dict") is not None:
+        return False
+    config = kwargs.get("config")
+    if isinstance(config, PretrainedConfig):
+        if getattr(config, RECORD_KEY, None) is not None:
+            return True
+        # The Auto classes pass the config they read: for a patched checkpoint that is a patched config (above).
+        # A config built by hand for a patched folder is checked where that is a file read (a local folder).
+        if is_patched_config_dict(_saved_config(source, kwargs, local_only=True)):
+            raise ValueError(
+                f"{source} is a hf_neural_attn checkpoint, and the config= passed in ({type(config).__name__}) carries "
+                "no patch record, so the model would be built without its scorers. Leave config= out, or pass "
+                f"AutoConfig.from_pretrained({str(source)!r}) (with hf_neural_attn imported), changed as you need."
+            )
+        return False
+    saved = _saved_config(config if isinstance(config, (str, os.PathLike)) else source, kwargs)
+    return is_patched_config_dict(saved)
+
+
+def is_patched_config_dict(data: Any) -> bool:
+    """Whether a config.json's content is a patched checkpoint's (also in the format before model_type was ours)."""
+    return isinstance(data, dict) and (
+        data.get("model_type") == PATCHED_MODEL_TYPE or isinstance(data.get(RECORD_KEY), dict)
+    )
+
+
+def _saved_config(source, kwargs: dict[str, Any], *, local_only: bool = False) -> dict | None:
+    """config.json of ``source`` (a folder, or a Hub repo unless ``local_only``) as a mapping, or None where there
+    is none to read: transformers' own loading then says what is wrong."""
+    try:
+        folder = os.path.join(os.fspath(source), kwargs.get("subfolder") or "")
+    except TypeError:
+        return None
+    if os.path.isdir(folder):
+        path = os.path.join(folder, CONFIG_NAME)
+    elif local_only:
+        return None
+    else:
+        lookup = {key: kwargs[key] for key in FILE_KWARGS if key in kwargs}
+        try:
+            path = cached_file(
+                os.fspath(source), CONFIG_NAME, _raise_exceptions_for_missing_entries=False,
+                _raise_exceptions_for_connection_errors=False, **lookup,
+            )  # fmt: skip
+        except (OSError, ValueError):  # a malformed repo id, a gated repo, ...: transformers reports it next
+            return None
+    if path is None or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, ValueError):
+        return None
+
+
+def check_scorers_unwrapped(model, state_dict: dict | None = None) -> None:
+    """Refuse to save a patched model whose scorer tensors would be written under PEFT's wrapper names.
+
+    Raises:
+        ValueError: naming the tensors and the calls that save what was trained.
+    """
+    names = state_dict.keys() if state_dict is not None else (name for name, _ in model.named_parameters())
+    marker = f".{SCORER_ATTR}."
+    wrapped = [
+        name
+        for name in names
+        if marker in f".{name}" and any(part in "." + f".{name}".partition(marker)[2] for part in PEFT_WRAPPER_PARTS)
+    ]
+    if wrapped:
+        raise ValueError(
+            f"This patched model's scorers are still wrapped by PEFT ({len(wrapped)} tensors such as {wrapped[:2]}), "
+            "so save_pretrained would write them under PEFT's names, where loading cannot find them. Save the PEFT "
+            "model (peft_model.save_pretrained(path): the adapter with the trained scorers), or merge first "
+            "(peft_model.merge_and_unload().save_pretrained(path): a full patched checkpoint)."
+        )
