@@ -59,7 +59,9 @@ def main() -> None:
     print("| command | median s | min s |\n|---|---|---|")
     for name, values in times.items():
         print(f"| `{name}` | {statistics.median(values):.2f} | {min(values):.2f} |")
-    print(f"\nimport hf_neural_attn over the floor: median {statistics.median(over_floor):.2f} s (target: at most 0.5 s)")
+    print(
+        f"\nimport hf_neural_attn over the floor: median {statistics.median(over_floor):.2f} s (target: at most 0.5 s)"
+    )
     if args.json:
         args.json.write_text(json.dumps({"times": times, "library_over_floor": over_floor}, indent=2))
 

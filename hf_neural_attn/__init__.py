@@ -24,9 +24,9 @@ from ._version import __version__
 # Before anything touches transformers: below the floor the failures are hard to read, so say which release is needed.
 _compat.check_transformers_version()
 
-from . import patched_config  # noqa: E402
-from .record import PatchRecord, is_patched, patch_record, scorer_parameters  # noqa: E402
-from .scorers import (  # noqa: E402
+from . import patched_config
+from .record import PatchRecord, is_patched, patch_record, scorer_parameters
+from .scorers import (
     AdditiveConfig,
     GeneralConfig,
     HeaConfig,

@@ -231,7 +231,9 @@ def _normalise_layers(layers, num_layers: int) -> list[int]:
     if layers is None:
         return list(range(num_layers))
     if isinstance(layers, Mapping):  # iterating would read its keys and drop its values in silence
-        raise ValueError(f"layers must be None (every layer), a layer index or a list of layer indices; got {layers!r}.")
+        raise ValueError(
+            f"layers must be None (every layer), a layer index or a list of layer indices; got {layers!r}."
+        )
     if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__") or getattr(layers, "ndim", None) == 0:
         layers = [layers]
     selected = []

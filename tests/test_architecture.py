@@ -18,7 +18,15 @@ PACKAGES = ("hf_neural_attn", "recipes")
 # Within a floor, the import graph must still have no circle (checked separately). Patterns are module names;
 # a trailing ".*" covers a package and everything under it.
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
-    ("leaves", ("hf_neural_attn._version", "hf_neural_attn._compat", "hf_neural_attn._warnings", "hf_neural_attn._import_hooks")),
+    (
+        "leaves",
+        (
+            "hf_neural_attn._version",
+            "hf_neural_attn._compat",
+            "hf_neural_attn._warnings",
+            "hf_neural_attn._import_hooks",
+        ),
+    ),
     ("fused-term contract", ("hf_neural_attn.ops.terms",)),
     ("kernels", ("hf_neural_attn.ops.triton", "hf_neural_attn.ops.triton.*")),
     ("compute", ("hf_neural_attn.ops", "hf_neural_attn.ops.*")),
@@ -176,7 +184,9 @@ def test_library_modules_import_only_their_floor_and_below():
 
 def test_the_library_does_not_import_the_recipes():
     graph = internal_graph()
-    assert [(n, t) for n, ts in graph.items() if n.startswith("hf_neural_attn") for t in ts if t.startswith("recipes")] == []
+    assert [
+        (n, t) for n, ts in graph.items() if n.startswith("hf_neural_attn") for t in ts if t.startswith("recipes")
+    ] == []
 
 
 def test_recipes_import_only_public_names_of_the_library():

@@ -48,7 +48,9 @@ def base_calls(monkeypatch):
     """Counts the base implementations the unscored modules run: eager (the module's own eager function) or SDPA."""
     calls = []
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", lambda *a, **k: calls.append("sdpa") or sdpa(*a, **k))
+    monkeypatch.setitem(
+        ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", lambda *a, **k: calls.append("sdpa") or sdpa(*a, **k)
+    )
     for module_name in ("llama", "gpt2", "vit", "bert"):
         module = sys.modules[f"transformers.models.{module_name}.modeling_{module_name}"]
         eager = module.eager_attention_forward

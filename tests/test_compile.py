@@ -67,7 +67,12 @@ for n in lengths:
 def test_compiled_training_with_attention_dropout_is_the_eager_model(threads, scorer, lengths, paths):
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, scorer, lengths], env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "-c", SCRIPT, scorer, lengths],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
     )
     assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout}\n{result.stderr[-4000:]}"
     ran = [line.split("path=")[1].split(":")[0] for line in result.stdout.splitlines() if "path=" in line]

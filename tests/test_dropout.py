@@ -111,9 +111,7 @@ def test_every_path_drops_what_the_reference_drops(small_blocks, term, heads, kv
     scorer = make_scorer(term, heads, kv_heads)
     tensors, mask, is_causal = case(kind, heads, kv_heads)
     expected = run(scorer, "reference", tensors, mask, is_causal, seed=5)
-    assert_same_outputs_and_grads(
-        run(scorer, "chunked", tensors, mask, is_causal, seed=5), expected, atol=1e-5
-    )
+    assert_same_outputs_and_grads(run(scorer, "chunked", tensors, mask, is_causal, seed=5), expected, atol=1e-5)
     # Dropout is live: another seed gives another output.
     assert (run(scorer, "chunked", tensors, mask, is_causal, seed=6)[0] - expected[0]).abs().max() > 1e-3
 

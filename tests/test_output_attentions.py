@@ -78,7 +78,8 @@ def test_one_map_per_layer_in_layer_order(case, base):
             assert len(attentions) == 2, f"{where}: {len(attentions)} maps"
             for index, probs in enumerate(attentions):
                 assert probs.shape == unpatched[index].shape and probs.shape[:2] == (2, HEADS), (where, index)
-                row_sums = (torch.ones(probs.shape[:-1]).unsqueeze(-1) * keep).squeeze(-1)  # 1, or 0 for SDPA's empty rows
+                # Every row sums to 1, but the rows that see no key over an SDPA base: 0.
+                row_sums = (torch.ones(probs.shape[:-1]).unsqueeze(-1) * keep).squeeze(-1)
                 torch.testing.assert_close(probs.sum(-1), row_sums, rtol=0, atol=ROUNDING)
                 if index < min(scored):
                     # Before the first scored layer the hidden states are the unpatched model's: the same maps.

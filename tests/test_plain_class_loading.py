@@ -103,14 +103,16 @@ def test_config_keyword(llama_folder):
 
 
 def test_another_class_of_the_same_model_and_a_class_of_another(llama_folder):
-    folder, inputs, *_ = llama_folder
+    folder, *_ = llama_folder
     bare = LlamaModel.from_pretrained(folder)  # the bare model of a causal-LM checkpoint, as transformers allows
     assert type(bare) is LlamaModel and hf_neural_attn.is_patched(bare)
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*'llama'"):
         GPT2LMHeadModel.from_pretrained(folder)
 
 
-@pytest.mark.parametrize("build,model_class,family", [(tiny_gpt2, GPT2LMHeadModel, "gpt2"), (tiny_vit, ViTForImageClassification, "vit")])
+@pytest.mark.parametrize(
+    "build,model_class,family", [(tiny_gpt2, GPT2LMHeadModel, "gpt2"), (tiny_vit, ViTForImageClassification, "vit")]
+)
 def test_other_families(tmp_path, build, model_class, family):
     model = hf_neural_attn.patch_model(build(), "neural", proj_dim=2)
     perturb_scorers(model)
@@ -134,7 +136,11 @@ def test_unpatched_folders_load_as_transformers_loads_them(tmp_path):
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 def test_auto_classes_honour_attn_implementation(llama_folder, implementation):
     folder, inputs, logits, _ = llama_folder
-    for load in (AutoModelForCausalLM.from_pretrained, hf_neural_attn.from_pretrained, LlamaForCausalLM.from_pretrained):
+    for load in (
+        AutoModelForCausalLM.from_pretrained,
+        hf_neural_attn.from_pretrained,
+        LlamaForCausalLM.from_pretrained,
+    ):
         model = load(folder, attn_implementation=implementation)
         assert model.config.base_attn_implementation == implementation, load
         assert hf_neural_attn.patch_record(model).base_attn_implementation == implementation, load
@@ -146,7 +152,11 @@ def test_every_entry_point_refuses_an_invalid_attn_implementation_alike(llama_fo
     tiny_llama().save_pretrained(tmp_path)  # the unpatched model, for what transformers itself says
     with pytest.raises(ValueError, match="banana"):
         LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="banana")
-    for load in (AutoModelForCausalLM.from_pretrained, hf_neural_attn.from_pretrained, LlamaForCausalLM.from_pretrained):
+    for load in (
+        AutoModelForCausalLM.from_pretrained,
+        hf_neural_attn.from_pretrained,
+        LlamaForCausalLM.from_pretrained,
+    ):
         with pytest.raises(ValueError, match="banana"):  # transformers' own error, as for the unpatched model
             load(folder, attn_implementation="banana")
         # Not a name at all: transformers fails on it with an AttributeError about str methods; this says what is wrong.
@@ -176,7 +186,7 @@ def _run_without_the_library(code: str) -> subprocess.CompletedProcess:
     env.pop("TRANSFORMERS_VERBOSITY", None)
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=300,
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL, check=False,
     )  # fmt: skip
 
 

@@ -30,7 +30,9 @@ def load_full_checkpoint(source: str, model_class, impl: str | None, hf_kwargs: 
         # Every scorer tensor in the files, not only those the record asks for: one the record does not patch (a
         # layer left out of an edited record, a stray name) is refused rather than dropped.
         marker = f".{SCORER_ATTR}."
-        return read_tensors(source, names | {n for n in tensor_names(source, file_kwargs) if marker in f".{n}"}, file_kwargs)
+        return read_tensors(
+            source, names | {n for n in tensor_names(source, file_kwargs) if marker in f".{n}"}, file_kwargs
+        )
 
     model, info = load_patched_model(
         model_class,

@@ -287,10 +287,10 @@ def scored_attention(
     )
     # Rows whose mask allows no key get what the unpatched model gives them (see .masks): zero under a boolean mask,
     # uniform weights over every key under an additive one, whose blocks the causal skip must then not cut short.
-    rows_seeing_all = query_rows_seeing_all(attention_mask, query.shape[-2]) if is_causal and path != "reference" else ()
-    run = functools.partial(
-        PATHS[path], scorer, scaling=scaling, is_causal=is_causal, rows_seeing_all=rows_seeing_all
+    rows_seeing_all = (
+        query_rows_seeing_all(attention_mask, query.shape[-2]) if is_causal and path != "reference" else ()
     )
+    run = functools.partial(PATHS[path], scorer, scaling=scaling, is_causal=is_causal, rows_seeing_all=rows_seeing_all)
     # A padded batch of unequal lengths: each sequence scores only the keys its mask leaves it, which the softmax
     # gives exactly zero weight otherwise. (Not for causal calls: they align queries to the end of the keys, which a
     # shorter span of keys would move.)

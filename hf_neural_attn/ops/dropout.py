@@ -61,9 +61,7 @@ def keep_threshold(p: float) -> int:
     return round(p * (1 << 32))
 
 
-def keep_mask(
-    seed: int, p: float, streams: torch.Tensor, row_start: int, row_end: int, col_end: int
-) -> torch.Tensor:
+def keep_mask(seed: int, p: float, streams: torch.Tensor, row_start: int, row_end: int, col_end: int) -> torch.Tensor:
     """Which entries of rows ``row_start:row_end`` and columns ``:col_end`` dropout keeps.
 
     Args:
