@@ -12,12 +12,14 @@ other option at its default. Each model runs in train mode with its config's att
 families) and again with attention dropout 0 (``--dropouts``): the first is what fine-tuning runs, the second the
 linear-memory class that FlashAttention keeps on a GPU whatever the dropout. Each configuration runs in its own
 process so peak memory (resident set size on CPU, the allocator's peak on CUDA) belongs to it alone. Reports the
-median step time, peak memory, and both as ratios to the unpatched model (transformers' SDPA) with the same dropout,
+median step time, peak memory, and both as ratios to the unpatched model (transformers' SDPA, or ``--base eager``)
+with the same dropout,
 and memory also against the unpatched model with no attention dropout; writes a markdown table and, with matplotlib
 installed, a plot of how each grows with n. ``--interleave`` takes the step times from one more process per length
 and dropout that runs a step of every configuration in turn, so that a machine whose speed drifts (a shared VM)
 slows them all alike; peak memory still comes from the separate processes. ``--padded`` pads every row but the
-first from the middle of the sequence (an encoder batch of unequal lengths). ``--dtype bf16``/``fp16`` runs the step
+first from the middle of the sequence (an encoder batch of unequal lengths; ``--padding_side left``: a decoder batch
+padded for generation, whose leading pad rows see no key). ``--dtype bf16``/``fp16`` runs the step
 under autocast (fp32 weights, half-precision matmuls), as mixed-precision training does. ``default``/``auto`` rows
 also say which path the rule chose. ``--dry_run`` prints the child commands without running them.
 """
@@ -65,9 +67,13 @@ def build_model(args, dropout: str):
         model_class, batch = BertForSequenceClassification, {"input_ids": ids, "labels": labels}
     if dropout == "zero":
         setattr(config, ATTENTION_DROPOUT_FIELD[args.family], 0.0)
+    config._attn_implementation = args.base
     if args.padded:
         mask = torch.ones(args.batch, args.seq, dtype=torch.long, device=device)
-        mask[1:, args.seq // 2 :] = 0  # every row but the first padded from the middle
+        # Every row but the first padded from the middle: on the right (an encoder batch), or on the left (a decoder
+        # batch as tokenizers pad for generation, whose leading pad rows see no key).
+        pads = slice(args.seq // 2, None) if args.padding_side == "right" else slice(None, args.seq // 2)
+        mask[1:, pads] = 0
         batch["attention_mask"] = mask
     return model_class(config).to(device), batch
 
@@ -163,6 +169,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--padded", action="store_true", help="pad every row but the first from the middle")
+    parser.add_argument("--padding_side", choices=["right", "left"], default="right", help="where --padded pads")
+    parser.add_argument(
+        "--base", choices=["sdpa", "eager"], default="sdpa", help="the model's attn_implementation (the patch's base)"
+    )
     parser.add_argument("--dropouts", nargs="+", choices=DROPOUTS, default=list(DROPOUTS))
     parser.add_argument("--scorers", nargs="+", default=["qana", "neural"], choices=["qana", "neural"])
     parser.add_argument(
@@ -260,11 +270,12 @@ def main() -> None:
         if not torch.cuda.is_available():
             sys.exit(f"--device {args.device}, but torch.cuda.is_available() is False (torch {torch.__version__}).")
 
-    runs = [("none", "sdpa")] + [(scorer, impl) for scorer in args.scorers for impl in args.impls]
+    runs = [("none", args.base)] + [(scorer, impl) for scorer in args.scorers for impl in args.impls]
     keys = ("family", "batch", "layers", "width", "heads", "h", "steps", "device", "dtype")
     shared = [f"--{k}={getattr(args, k)}" for k in keys]
     shared += [f"--proj_dim={args.proj_dim}"] if args.proj_dim else []
-    shared += ["--padded"] if args.padded else []
+    shared += ["--padded", f"--padding_side={args.padding_side}"] if args.padded else []
+    shared += [f"--base={args.base}"]
     results = []
     for seq in args.seq:
         for dropout in args.dropouts:
@@ -324,7 +335,7 @@ def report(results, args) -> str:
         else ""
     )
     shape = "GPT-2" if args.family == "gpt2" else "BERT (sequence classification)"
-    padding = ", rows 2 and on padded from the middle" if args.padded else ""
+    padding = f", rows 2 and on padded from the middle on the {args.padding_side}" if args.padded else ""
     neural = f"neural proj_dim={args.proj_dim}" if args.proj_dim else "neural with its default options"
     setup = (
         f"{shape} from its default config, {args.layers} layers x {args.width} wide x {args.heads} heads, batch "
@@ -380,7 +391,7 @@ def plot(results, path: Path) -> None:
     figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(10, 4))
     for key in sorted({(r["dropout"], r["scorer"], r["impl"]) for r in results}):
         points = [r for r in results if (r["dropout"], r["scorer"], r["impl"]) == key and "error" not in r]
-        name = "unpatched (SDPA)" if key[1] == "none" else f"{key[1]} / {key[2]}"
+        name = f"unpatched ({key[2]})" if key[1] == "none" else f"{key[1]} / {key[2]}"
         label_text = f"{name}, dropout {key[0]}"
         time_axis.plot([p["seq"] for p in points], [p["time_s"] * 1e3 for p in points], marker="o", label=label_text)
         memory_axis.plot(

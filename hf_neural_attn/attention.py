@@ -54,10 +54,10 @@ def hf_neural_attention_forward(
         if not hasattr(module, FALLBACK_ATTR):
             raise RuntimeError(
                 f"{type(module).__name__} runs attn_implementation={ATTN_IMPLEMENTATION!r} but was not patched. "
-                "Either it was loaded from a patched checkpoint by its plain class (e.g. LlamaForCausalLM."
-                "from_pretrained), which builds the unpatched model: load it with hf_neural_attn.from_pretrained(path) "
-                "or an AutoModel* class after `import hf_neural_attn`; or it was built from a patched model's config "
-                "(use AutoModel*.from_config, which patches it); or the name was set by hand (use "
+                "Either it was built by its plain class from a patched model's or checkpoint's config (e.g. "
+                "LlamaForCausalLM(config)), which builds the unpatched model: load the checkpoint with "
+                "hf_neural_attn.from_pretrained(path) or any from_pretrained after `import hf_neural_attn`, or build "
+                "it with AutoModel*.from_config, which patches it; or the name was set by hand (use "
                 "hf_neural_attn.patch_model)."
             )
         family_name, patched_over = getattr(module, FALLBACK_ATTR)
@@ -71,9 +71,8 @@ def hf_neural_attention_forward(
                 module, "eager", query, key, value, _additive_mask(attention_mask, query, key, is_causal), scaling,
                 dropout, **kwargs,
             )  # fmt: skip
-            return zero_rows_without_keys(output.transpose(1, 2), boolean_mask).transpose(1, 2), (
-                zero_rows_without_keys(weights, boolean_mask) if weights is not None else None
-            )
+            output, weights = zero_rows_without_keys(boolean_mask, output.transpose(1, 2), weights)
+            return output.transpose(1, 2), weights
         return FAMILIES[family_name].original_attention(
             module, implementation, query, key, value, attention_mask, scaling, dropout, **kwargs
         )

@@ -56,3 +56,11 @@ def test_inference_benchmark_reports_prefill_and_decode(tmp_path):
     assert all(times["prefill_s"] > 0 and times["decode_s"] > 0 for times in results.values())
     table = (tmp_path / "inference.md").read_text()
     assert "| 16 | none |" in table and "| 16 | qana |" in table and "µs |" in table
+
+
+def test_train_step_benchmark_on_a_left_padded_decoder_batch_over_an_eager_base(tmp_path):
+    flags = ["--batch", "2", "--padded", "--padding_side", "left", "--base", "eager", "--seq", "24", "--layers", "1"]
+    flags += ["--width", "32", "--steps", "1", "--dropouts", "config"]
+    run_benchmark("train_step.py", *flags, tmp_path=tmp_path)
+    table = (tmp_path / "train_step_gpt2.md").read_text()
+    assert "padded from the middle on the left" in table and "| none | eager |" in table

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -17,7 +17,9 @@ import transformers
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
-from transformers.utils import cached_file
+from transformers.utils import CONFIG_NAME, cached_file
+
+from ..record import PATCHED_MODEL_TYPE, RECORD_KEY
 
 # Keyword arguments that locate files (on disk or on the Hub); shared by the config, weights and our reads.
 FILE_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
@@ -58,6 +60,48 @@ def load_config(path_or_repo_id: str, hf_kwargs: dict[str, Any]) -> tuple[Any, d
     lookup = {key: loading[key] for key in (*FILE_KWARGS, "trust_remote_code") if key in loading}
     config, unused = AutoConfig.from_pretrained(path_or_repo_id, return_unused_kwargs=True, **lookup, **overrides)
     return config, {**loading, **unused}
+
+
+def saved_config_dict(
+    source, hf_kwargs: dict[str, Any], *, local_only: bool = False, quiet: bool = True
+) -> dict | None:
+    """The config.json of ``source`` (a folder, or a Hub repo unless ``local_only``; ``hf_kwargs`` locate it) as a
+    mapping, without building a config; None where there is none. ``quiet``: None also where the Hub cannot be reached
+    or the repo id is malformed (transformers' own loading then says what is wrong); else those errors propagate."""
+    try:
+        folder = os.path.join(os.fspath(source), hf_kwargs.get("subfolder") or "")
+    except TypeError:
+        return None
+    if os.path.isdir(folder):
+        path = os.path.join(folder, CONFIG_NAME)
+    elif local_only:
+        return None
+    else:
+        lookup = {key: hf_kwargs[key] for key in FILE_KWARGS if key in hf_kwargs}
+        try:
+            path = cached_file(
+                os.fspath(source), CONFIG_NAME, _raise_exceptions_for_missing_entries=False,
+                _raise_exceptions_for_connection_errors=not quiet, **lookup,
+            )  # fmt: skip
+        except (OSError, ValueError):  # a malformed repo id, a gated repo, no connection
+            if not quiet:
+                raise
+            return None
+    if path is None or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def is_patched_config_dict(data: Any) -> bool:
+    """Whether a config.json's content is a patched checkpoint's (also in the format before model_type was ours)."""
+    return isinstance(data, dict) and (
+        data.get("model_type") == PATCHED_MODEL_TYPE or isinstance(data.get(RECORD_KEY), dict)
+    )
 
 
 def check_source(path_or_repo_id) -> None:
@@ -142,28 +186,17 @@ def names_on_disk(model, parameters: Mapping[str, torch.Tensor]) -> dict[str, li
     return candidates
 
 
-def tensor_names(source: str, file_kwargs: dict) -> set[str]:
-    """The names of every tensor in the checkpoint's safetensors file(s), single or sharded (headers only)."""
-    lookup = {**file_kwargs, "_raise_exceptions_for_missing_entries": False}
-    index_file = cached_file(source, WEIGHTS_INDEX_NAME, **lookup)
-    if index_file is not None:
-        with open(index_file) as handle:
-            return set(json.load(handle)["weight_map"])
-    local = cached_file(source, WEIGHTS_NAME, **lookup)
-    if local is None:
-        raise ValueError(f"{source} has no {WEIGHTS_NAME}; patched checkpoints are saved as safetensors.")
-    with safe_open(local, framework="pt") as weights:
-        return set(weights.keys())
-
-
-def read_tensors(source: str, names: set[str], file_kwargs: dict) -> dict[str, torch.Tensor]:
-    """Read those of ``names`` present in the checkpoint's safetensors file(s), single or sharded."""
+def read_tensors(
+    source: str, names: set[str], file_kwargs: dict, also: Callable[[str], bool] | None = None
+) -> dict[str, torch.Tensor]:
+    """Read those of ``names`` present in the checkpoint's safetensors file(s), single or sharded, and every tensor
+    whose name ``also`` accepts."""
     lookup = {**file_kwargs, "_raise_exceptions_for_missing_entries": False}
     index_file = cached_file(source, WEIGHTS_INDEX_NAME, **lookup)
     if index_file is not None:
         with open(index_file) as handle:
             weight_map = json.load(handle)["weight_map"]
-        files = sorted({weight_map[name] for name in names if name in weight_map})
+        files = sorted({file for name, file in weight_map.items() if name in names or (also and also(name))})
     else:
         files = [WEIGHTS_NAME]
     tensors: dict[str, torch.Tensor] = {}
@@ -172,6 +205,6 @@ def read_tensors(source: str, names: set[str], file_kwargs: dict) -> dict[str, t
         if local is None:
             raise ValueError(f"{source} has no {filename}; patched checkpoints are saved as safetensors.")
         with safe_open(local, framework="pt") as weights:
-            for name in names.intersection(weights.keys()):
+            for name in (name for name in weights.keys() if name in names or (also and also(name))):  # noqa: SIM118
                 tensors[name] = weights.get_tensor(name)
     return tensors

@@ -13,7 +13,7 @@ from typing import Any
 from ..families import find_attention
 from ..patched_config import base_config
 from ..record import SCORER_ATTR, PatchRecord, damaged
-from .files import FILE_KWARGS, load_config, model_class_for, read_tensors, tensor_names
+from .files import FILE_KWARGS, load_config, model_class_for, read_tensors
 from .load import load_patched_model, read_config_record
 
 
@@ -26,13 +26,8 @@ def load_full_checkpoint(source: str, model_class, impl: str | None, hf_kwargs: 
     model_class = model_class_for(config, source, model_class)
     file_kwargs = {key: loading_kwargs[key] for key in FILE_KWARGS if key in loading_kwargs}
 
-    def read_scorer_tensors(names: set[str]) -> dict:
-        # Every scorer tensor in the files, not only those the record asks for: one the record does not patch (a
-        # layer left out of an edited record, a stray name) is refused rather than dropped.
-        marker = f".{SCORER_ATTR}."
-        return read_tensors(
-            source, names | {n for n in tensor_names(source, file_kwargs) if marker in f".{n}"}, file_kwargs
-        )
+    def is_scorer_tensor(name: str) -> bool:
+        return f".{SCORER_ATTR}." in f".{name}"
 
     model, info = load_patched_model(
         model_class,
@@ -41,7 +36,9 @@ def load_full_checkpoint(source: str, model_class, impl: str | None, hf_kwargs: 
         record,
         scorer,
         loading_kwargs,
-        read_scorer_tensors,
+        # Every scorer tensor of the files, not only those the record asks for: one the record does not patch (a
+        # layer left out of an edited record, a stray name) is refused by `exact` rather than dropped.
+        lambda names: read_tensors(source, names, file_kwargs, also=is_scorer_tensor),
         describe=f"The checkpoint {source}",
         hint=(
             f"Its config.json's record patches attention layers {list(record.layers)}. The checkpoint is incomplete, "

@@ -11,14 +11,12 @@ names), then transformers' ``load_adapter`` does the rest.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from typing import Any
 
 from transformers.utils import cached_file
 
-from ..record import PATCHED_MODEL_TYPE
-from .files import FILE_KWARGS
+from .files import FILE_KWARGS, is_patched_config_dict, saved_config_dict
 
 PEFT_CONFIG_NAME = "adapter_config.json"  # PEFT's name for its adapter config
 
@@ -61,7 +59,7 @@ def load_peft_adapter_model(
         if key in hf_kwargs:
             adapter_kwargs.setdefault(key, hf_kwargs[key])
     base_kwargs = {key: value for key, value in hf_kwargs.items() if key not in ("revision", "subfolder")}
-    if not _is_patched_checkpoint(base, base_kwargs):
+    if not is_patched_config_dict(saved_config_dict(base, base_kwargs, quiet=False)):
         raise ValueError(
             f"{source} is a PEFT adapter whose base model {base!r} is not a patched checkpoint, so hf_neural_attn has "
             "no patch to apply. Load it with transformers (or peft), after patching the base by hand: docs/peft.md."
@@ -69,14 +67,3 @@ def load_peft_adapter_model(
     model = load_base(base, model_class=model_class, impl=impl, **base_kwargs)
     info = model.load_adapter(source, adapter_name=adapter_name, adapter_kwargs=adapter_kwargs)
     return (model, info.to_dict() if hasattr(info, "to_dict") else info) if output_loading_info else model
-
-
-def _is_patched_checkpoint(path_or_repo_id: str, hf_kwargs: dict[str, Any]) -> bool:
-    lookup = {key: hf_kwargs[key] for key in FILE_KWARGS if key in hf_kwargs}
-    config_file = cached_file(
-        path_or_repo_id, "config.json", **lookup, _raise_exceptions_for_missing_entries=False
-    )
-    if config_file is None or not os.path.isfile(config_file):
-        return False
-    with open(config_file, encoding="utf-8") as handle:
-        return json.load(handle).get("model_type") == PATCHED_MODEL_TYPE

@@ -11,9 +11,10 @@ Once the library is imported, :func:`install` (run as soon as transformers' mode
 is a patched checkpoint (its config.json, or the ``config=`` passed in, carries the patch record) is served by
 :func:`hf_neural_attn.from_pretrained` with the class asked for and every keyword as given (``attn_implementation``,
 ``config``, ``device_map``, ``dtype``, ...), so it returns the patched model, of that class. Any other call runs
-transformers' own code unchanged; the check costs one read of config.json where no ``config=`` is passed (transformers
-reads it next anyway). The library's own loaders build the base model through classes marked with
-:data:`~.load.BASE_LOAD_ATTR`, which pass straight through.
+transformers' own code unchanged. The check reads config.json where no ``config=`` is passed (transformers reads it
+next anyway; for a Hub repo it is one more cached-file lookup), and a local folder's config.json where a ``config=``
+without the record is. The library's own loaders build the base model through classes marked with
+:data:`~hf_neural_attn.record.BASE_LOAD_ATTR`, which pass straight through.
 
 ``save_pretrained`` of a patched model whose scorers PEFT still wraps (``get_peft_model(model).get_base_model()
 .save_pretrained(path)``) would write the scorer tensors under PEFT's wrapper names, a checkpoint nothing can load
@@ -23,15 +24,13 @@ patched: it is refused, with the calls that save what was trained.
 from __future__ import annotations
 
 import functools
-import json
 import os
 from typing import Any
 
 from transformers import PretrainedConfig, PreTrainedModel
-from transformers.utils import CONFIG_NAME, cached_file
 
-from ..record import BASE_LOAD_ATTR, PATCHED_MODEL_TYPE, PEFT_WRAPPER_PARTS, RECORD_KEY, SCORER_ATTR, is_patched
-from .files import FILE_KWARGS
+from ..record import BASE_LOAD_ATTR, PEFT_WRAPPER_PARTS, RECORD_KEY, SCORER_ATTR, is_patched
+from .files import is_patched_config_dict, saved_config_dict
 
 _WRAPPED_ATTR = "_hf_neural_attn_wrapped"  # on the functions install() put in place, so a second install does nothing
 
@@ -94,51 +93,15 @@ def is_patched_source(source, kwargs: dict[str, Any]) -> bool:
             return True
         # The Auto classes pass the config they read: for a patched checkpoint that is a patched config (above).
         # A config built by hand for a patched folder is checked where that is a file read (a local folder).
-        if is_patched_config_dict(_saved_config(source, kwargs, local_only=True)):
+        if is_patched_config_dict(saved_config_dict(source, kwargs, local_only=True)):
             raise ValueError(
                 f"{source} is a hf_neural_attn checkpoint, and the config= passed in ({type(config).__name__}) carries "
                 "no patch record, so the model would be built without its scorers. Leave config= out, or pass "
                 f"AutoConfig.from_pretrained({str(source)!r}) (with hf_neural_attn imported), changed as you need."
             )
         return False
-    saved = _saved_config(config if isinstance(config, (str, os.PathLike)) else source, kwargs)
+    saved = saved_config_dict(config if isinstance(config, (str, os.PathLike)) else source, kwargs)
     return is_patched_config_dict(saved)
-
-
-def is_patched_config_dict(data: Any) -> bool:
-    """Whether a config.json's content is a patched checkpoint's (also in the format before model_type was ours)."""
-    return isinstance(data, dict) and (
-        data.get("model_type") == PATCHED_MODEL_TYPE or isinstance(data.get(RECORD_KEY), dict)
-    )
-
-
-def _saved_config(source, kwargs: dict[str, Any], *, local_only: bool = False) -> dict | None:
-    """config.json of ``source`` (a folder, or a Hub repo unless ``local_only``) as a mapping, or None where there
-    is none to read: transformers' own loading then says what is wrong."""
-    try:
-        folder = os.path.join(os.fspath(source), kwargs.get("subfolder") or "")
-    except TypeError:
-        return None
-    if os.path.isdir(folder):
-        path = os.path.join(folder, CONFIG_NAME)
-    elif local_only:
-        return None
-    else:
-        lookup = {key: kwargs[key] for key in FILE_KWARGS if key in kwargs}
-        try:
-            path = cached_file(
-                os.fspath(source), CONFIG_NAME, _raise_exceptions_for_missing_entries=False,
-                _raise_exceptions_for_connection_errors=False, **lookup,
-            )  # fmt: skip
-        except (OSError, ValueError):  # a malformed repo id, a gated repo, ...: transformers reports it next
-            return None
-    if path is None or not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
-    except (OSError, ValueError):
-        return None
 
 
 def check_scorers_unwrapped(model, state_dict: dict | None = None) -> None:

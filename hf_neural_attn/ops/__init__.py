@@ -205,7 +205,8 @@ PATHS = {
 def _run_block_loops_eagerly(_dynamo) -> None:
     """The chunked and blockwise paths run eagerly inside a torch.compile'd model: they loop over query blocks in
     Python around a hand-written backward, which the compiler would unroll block by block (a 1-layer GPT-2 at 512
-    tokens took 250-300 s to compile, for the same numbers), and each block is already a few large ops."""
+    tokens took 250-300 s to compile, and in another run failed inside inductor; docs/scorers.md), and each block is
+    already a few large ops."""
     for name in ("chunked", "blockwise"):
         PATHS[name] = torch.compiler.disable(PATHS[name])
 
@@ -285,19 +286,28 @@ def scored_attention(
         need_weights=need_weights,
         dropout_active=attention_dropout is not None,
     )
+    batch, kv_len = query.shape[0], key.shape[-2]
     # Rows whose mask allows no key get what the unpatched model gives them (see .masks): zero under a boolean mask,
     # uniform weights over every key under an additive one, whose blocks the causal skip must then not cut short.
-    rows_seeing_all = (
-        query_rows_seeing_all(attention_mask, query.shape[-2]) if is_causal and path != "reference" else ()
+    rows_by_sequence = (
+        query_rows_seeing_all(attention_mask, query.shape[-2]) if is_causal and path != "reference" else []
     )
-    run = functools.partial(PATHS[path], scorer, scaling=scaling, is_causal=is_causal, rows_seeing_all=rows_seeing_all)
-    # A padded batch of unequal lengths: each sequence scores only the keys its mask leaves it, which the softmax
-    # gives exactly zero weight otherwise. (Not for causal calls: they align queries to the end of the keys, which a
-    # shorter span of keys would move.)
-    spans = None
+    rows_seeing_all = tuple(sorted(set().union(*rows_by_sequence)))
+    run = functools.partial(PATHS[path], scorer, scaling=scaling, is_causal=is_causal)
+    # Where the sequences of a batch differ, the blockwise paths run one sequence at a time: (first key, key end,
+    # rows seeing all) each.
+    per_sequence = None
     if path in ("chunked", "blockwise") and not is_causal:
-        spans = key_spans(attention_mask, query.shape[0], key.shape[-2])
-    if spans is not None:
+        # A padded batch of unequal lengths: each sequence scores only the keys its mask leaves it, which the softmax
+        # gives exactly zero weight otherwise. (Not for causal calls: they align queries to the end of the keys, which
+        # a shorter span of keys would move.)
+        spans = key_spans(attention_mask, batch, kv_len)
+        per_sequence = [(start, end, ()) for start, end in spans] if spans is not None else None
+    elif path in ("chunked", "blockwise") and len(set(rows_by_sequence)) > 1:
+        # A left-padded batch over an eager base: widening every sequence's blocks for another's pad rows would cost
+        # them all the keys a causal block skips.
+        per_sequence = [(0, kv_len, rows) for rows in rows_by_sequence]
+    if per_sequence is not None:
         outputs = [
             run(
                 query[index : index + 1],
@@ -305,24 +315,28 @@ def scored_attention(
                 value[index : index + 1, :, start:end],
                 _one_sequence(attention_mask, index)[..., start:end],
                 dropout=attention_dropout.for_sequence(index) if attention_dropout is not None else None,
-                extras=_one_sequence_extras(extras, index, query.shape[0]),
+                extras=_one_sequence_extras(extras, index, batch),
+                rows_seeing_all=rows,
             )[0]
-            for index, (start, end) in enumerate(spans)
+            for index, (start, end, rows) in enumerate(per_sequence)
         ]
-        return zero_rows_without_keys(torch.cat(outputs), attention_mask).transpose(1, 2).contiguous(), None
-    output, probs = run(query, key, value, attention_mask, dropout=attention_dropout, extras=extras)
-    output = zero_rows_without_keys(output, attention_mask)
-    if probs is not None:
-        probs = zero_rows_without_keys(probs, attention_mask)
+        (output,) = zero_rows_without_keys(attention_mask, torch.cat(outputs))
+        return output.transpose(1, 2).contiguous(), None
+    output, probs = run(
+        query, key, value, attention_mask, dropout=attention_dropout, extras=extras, rows_seeing_all=rows_seeing_all
+    )
+    output, probs = zero_rows_without_keys(attention_mask, output, probs)
     return output.transpose(1, 2).contiguous(), probs
 
 
-def zero_rows_without_keys(tensor: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """``tensor`` (batch, heads, q_len, …) with zeros in the query rows a boolean mask allows no key: SDPA's safe
-    softmax gives them zero, with no gradient (see :mod:`.masks`). Other masks leave it as it is."""
+def zero_rows_without_keys(attention_mask: torch.Tensor | None, *tensors: torch.Tensor | None) -> tuple:
+    """``tensors`` (each (batch, heads, q_len, …), or None) with zeros in the query rows a boolean mask allows no key:
+    SDPA's safe softmax gives them zero, with no gradient (see :mod:`.masks`). The mask is read once for all of them;
+    other masks leave them as they are."""
     if attention_mask is None or attention_mask.dtype != torch.bool:
-        return tensor
-    return tensor.masked_fill(rows_without_keys(attention_mask), 0)
+        return tensors
+    empty = rows_without_keys(attention_mask)
+    return tuple(tensor.masked_fill(empty, 0) if tensor is not None else None for tensor in tensors)
 
 
 # A padded batch is split into its sequences when that leaves out at least this share of its keys: below, the

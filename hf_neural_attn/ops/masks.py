@@ -96,15 +96,14 @@ def rows_without_keys(attention_mask: torch.Tensor | None) -> torch.Tensor | Non
     return ~allowed.any(dim=-1, keepdim=True)
 
 
-def query_rows_seeing_all(attention_mask: torch.Tensor | None, q_len: int) -> tuple[int, ...]:
-    """The query rows an additive mask hides every key from, in any sequence or head, sorted: the rows whose
-    softmax is uniform over all keys (eager attention's behaviour), for which a causal block skip must not stop
-    at the block's own position (:func:`query_blocks`). Empty for boolean masks: their rows without keys are
-    zeroed instead (:func:`rows_without_keys`)."""
+def query_rows_seeing_all(attention_mask: torch.Tensor | None, q_len: int) -> list[tuple[int, ...]]:
+    """Per sequence of the mask's batch (one entry when the mask broadcasts over it), the query rows an additive mask
+    hides every key from, in any head, sorted: the rows whose softmax is uniform over all keys (eager attention's
+    behaviour), for which a causal block skip must not stop at the block's own position (:func:`query_blocks`).
+    Empty for no mask and for boolean masks: their rows without keys are zeroed instead (:func:`rows_without_keys`)."""
     if attention_mask is None or attention_mask.dtype == torch.bool:
-        return ()
-    empty = rows_without_keys(attention_mask)
-    per_row = empty.flatten(0, 1).any(dim=0).flatten()  # (q_len or 1,)
-    if per_row.numel() == 1:  # one mask row for every query
-        return tuple(range(q_len)) if bool(per_row) else ()
-    return tuple(per_row.nonzero().flatten().tolist())
+        return []
+    empty = rows_without_keys(attention_mask).any(dim=1)[..., 0]  # (batch or 1, q_len or 1)
+    if empty.shape[-1] == 1:  # one mask row for every query
+        empty = empty.expand(-1, q_len)
+    return [tuple(row.nonzero().flatten().tolist()) for row in empty]
