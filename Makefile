@@ -34,7 +34,8 @@ OLDEST_VENV ?= $(VENV)/oldest
 CORE_TESTS := tests/test_function_preserving.py tests/test_scorer_contracts.py tests/test_families_llama_like.py \
 	tests/test_families_generic.py tests/test_checkpoint.py tests/test_damaged_checkpoints.py tests/test_auto_loading.py \
 	tests/test_positions_masks_cache.py tests/test_output_attentions.py tests/test_hf_usage.py tests/test_versions.py \
-	tests/test_peft_over_patched_checkpoints.py tests/test_plain_class_loading.py tests/test_left_padding.py
+	tests/test_peft_over_patched_checkpoints.py tests/test_plain_class_loading.py tests/test_left_padding.py \
+	tests/test_continuous_batching.py
 # test_peft_over_patched_checkpoints.py goes through transformers' own PEFT integration, which transformers 5.24 refuses
 # with every peft on PyPI (it asks for 0.22): it runs here, on 5.18, as well.
 # This test calls activation_checkpointing_enable(), the name transformers 5.23 gave gradient_checkpointing_enable().

@@ -82,6 +82,13 @@ def _on_modeling_utils(_module) -> None:
     plain_classes.install()
 
 
+def _on_continuous_batching(continuous_api) -> None:
+    """transformers' continuous batching is imported: its manager serves patched models with their scorers."""
+    from . import continuous_batching
+
+    continuous_batching.install(continuous_api)
+
+
 # The import side effects, all of them here:
 # 1. model_type "hf_neural_attn" with AutoConfig, so that `import hf_neural_attn` is all an Auto class needs;
 patched_config.register_checkpoint_config()
@@ -90,6 +97,9 @@ patched_config.on_patched_class(_on_patched_class)
 # 3. once transformers' modeling stack is imported (now, or whenever something imports it): transformers' own
 #    from_pretrained and save_pretrained know patched checkpoints and models (hf_neural_attn.loading.plain_classes).
 _import_hooks.after_import("transformers.modeling_utils", _on_modeling_utils)
+# 4. once transformers' continuous batching is imported: its manager keeps a patched model's scorers
+#    (hf_neural_attn.continuous_batching).
+_import_hooks.after_import("transformers.generation.continuous_batching.continuous_api", _on_continuous_batching)
 
 __all__ = [
     "AdditiveConfig",

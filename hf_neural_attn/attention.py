@@ -21,6 +21,7 @@ from .families import FAMILIES, ModelFamily
 from .families.base import offloaded_weights_loaded
 from .ops import scored_attention, zero_rows_without_keys
 from .ops.masks import as_additive_mask
+from .ops.packed import PACKING_KWARGS, packed_sequences, sequence_mask
 from .patched_config import is_patched_config
 from .record import ATTN_IMPLEMENTATION, EXTRAS_KWARG, FALLBACK_ATTR, SCORER_ATTR
 from .scorers import Scorer
@@ -45,23 +46,59 @@ def hf_neural_attention_forward(
 
     query: (batch, heads, q_len, head_dim); key, value: (batch, kv_heads, kv_len, head_dim).
     Returns (batch, q_len, heads, head_dim) output and the attention probabilities.
+
+    A packed call (continuous batching: ``cu_seq_lens_q`` / ``cu_seq_lens_k``, batch 1, no mask) runs one sequence
+    at a time, each against its own keys (:mod:`hf_neural_attn.ops.packed`), scored or not.
     """
     extras = kwargs.pop(EXTRAS_KWARG, None)
-    need_weights = wants_attention_weights(kwargs)
     is_causal = kwargs.get("is_causal", getattr(module, "is_causal", False))
+    sequences = packed_sequences(query, key, kwargs)
+    if sequences is None:
+        return _attention(module, query, key, value, attention_mask, scaling, dropout, extras, is_causal, kwargs)
+    if attention_mask is not None:
+        raise ValueError(
+            "hf_neural_attn got a packed call (cu_seq_lens_q / cu_seq_lens_k) with an attention mask as well: "
+            "each packed sequence is masked by its own lengths, so the call must carry no mask."
+        )
+    sliding_window = kwargs.get("sliding_window")
+    call_kwargs = {name: value for name, value in kwargs.items() if name not in PACKING_KWARGS}
+    eager_base = getattr(module, SCORER_ATTR, None) is None and _unscored_implementation(module) == "eager"
+    output = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
+    for sequence in sequences:
+        sequence_query = query[:, :, sequence.queries]
+        sequence_key, sequence_value = key[:, :, sequence.keys], value[:, :, sequence.keys]
+        mask = sequence_mask(sequence, is_causal=is_causal, sliding_window=sliding_window, device=query.device)
+        if eager_base:  # eager adds its mask to the logits, and builds no causal mask of its own
+            mask = _additive_mask(mask, sequence_query, sequence_key, is_causal)
+        sequence_extras = (
+            extras.query_block(sequence.queries.start, sequence.queries.stop) if extras is not None else None
+        )
+        output[:, sequence.queries], _ = _attention(
+            module, sequence_query, sequence_key, sequence_value, mask, scaling, dropout, sequence_extras, is_causal,
+            call_kwargs,
+        )  # fmt: skip
+    return output, None
+
+
+def _attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    extras,
+    is_causal: bool,
+    kwargs: dict,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One ordinary call of :func:`hf_neural_attention_forward`: ``module``'s scorer, or the model's own attention
+    for a module the patch does not score. Shapes as there; ``extras`` is the scorer's per-query inputs."""
+    need_weights = wants_attention_weights(kwargs)
     scorer: Scorer | None = getattr(module, SCORER_ATTR, None)
     if scorer is None:
-        if not hasattr(module, FALLBACK_ATTR):
-            raise RuntimeError(
-                f"{type(module).__name__} runs attn_implementation={ATTN_IMPLEMENTATION!r} but was not patched. "
-                "Either it was built by its plain class from a patched model's or checkpoint's config (e.g. "
-                "LlamaForCausalLM(config)), which builds the unpatched model: load the checkpoint with "
-                "hf_neural_attn.from_pretrained(path) or any from_pretrained after `import hf_neural_attn`, or build "
-                "it with AutoModel*.from_config, which patches it; or the name was set by hand (use "
-                "hf_neural_attn.patch_model)."
-            )
-        family_name, patched_over = getattr(module, FALLBACK_ATTR)
-        implementation = runnable_base(base_implementation(getattr(module, "config", None)) or patched_over)
+        implementation = _unscored_implementation(module)
+        family_name = getattr(module, FALLBACK_ATTR)[0]
         if need_weights and implementation != "eager":
             # Only the eager path returns probabilities. It adds its mask to the logits, so it gets the
             # additive form of the mask this call carries (which may be SDPA's boolean one, or None for causal);
@@ -158,6 +195,22 @@ def base_implementation(config) -> str | None:
     """The base implementation a patched config holds (what ``set_attn_implementation`` last chose), or None for a
     config the patch did not mark."""
     return config.base_attn_implementation if is_patched_config(config) else None
+
+
+def _unscored_implementation(module: nn.Module) -> str:
+    """The implementation a module the patch does not score runs: its config's base (what
+    ``set_attn_implementation`` last chose) or, without one, the implementation it was patched over."""
+    if not hasattr(module, FALLBACK_ATTR):
+        raise RuntimeError(
+            f"{type(module).__name__} runs attn_implementation={ATTN_IMPLEMENTATION!r} but was not patched. "
+            "Either it was built by its plain class from a patched model's or checkpoint's config (e.g. "
+            "LlamaForCausalLM(config)), which builds the unpatched model: load the checkpoint with "
+            "hf_neural_attn.from_pretrained(path) or any from_pretrained after `import hf_neural_attn`, or build "
+            "it with AutoModel*.from_config, which patches it; or the name was set by hand (use "
+            "hf_neural_attn.patch_model)."
+        )
+    patched_over = getattr(module, FALLBACK_ATTR)[1]
+    return runnable_base(base_implementation(getattr(module, "config", None)) or patched_over)
 
 
 def runnable_base(base: str) -> str:

@@ -37,7 +37,15 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("attention", ("hf_neural_attn.attention",)),
     ("patching", ("hf_neural_attn.patching",)),
     ("loading", ("hf_neural_attn.loading", "hf_neural_attn.loading.*")),
-    ("extras", ("hf_neural_attn.peft_utils", "hf_neural_attn.plotting", "hf_neural_attn.auto")),
+    (
+        "extras",
+        (
+            "hf_neural_attn.peft_utils",
+            "hf_neural_attn.plotting",
+            "hf_neural_attn.auto",
+            "hf_neural_attn.continuous_batching",
+        ),
+    ),
     ("package", ("hf_neural_attn",)),
 ]
 

@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
@@ -113,7 +114,14 @@ class NarrowKeyLlamaAttention(LlamaAttention):
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
         if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+            # A paged cache (continuous batching: its packed calls carry cu_seq_lens_k) holds keys at the model's
+            # head_dim, so the narrow keys go in zero-padded and come back cut; other caches take any width.
+            paged = kwargs.get("cu_seq_lens_k") is not None
+            if paged:
+                key_states = F.pad(key_states, (0, self.head_dim - self.key_dim))
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+            if paged:
+                key_states = key_states[..., : self.key_dim]
 
         # A patched model runs attn_implementation "hf_neural_attn": this is its scoring path.
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(

@@ -1,0 +1,116 @@
+"""Packed calls: several sequences laid end to end in one row, as transformers' continuous batching hands them over.
+
+Continuous batching (``generate_batch``, ``transformers serve --continuous-batching``) runs every request of a step
+in one forward of batch 1: the new tokens of all requests one after the other, no attention mask, and per request
+the span of its queries (``cu_seq_lens_q``, cumulative lengths) and of its keys (``cu_seq_lens_k``: what its paged
+cache read back, then its new tokens). A request's queries are the last of its keys. Flash attention takes that form
+natively; the scorers take it one sequence at a time (:func:`packed_sequences`), each against its own keys only,
+causally, so memory stays linear in the tokens and no request sees another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .masks import causal_allowed
+
+# The keyword arguments of a packed call that describe the packing (and its paged cache): what is left once a
+# sequence is cut out of it is an ordinary call.
+PACKING_KWARGS = (
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+    "block_table",
+    "k_cache",
+    "v_cache",
+    "read_index",
+    "write_index",
+    "logits_indices",
+    "logits_processor_args",
+    "position_ids",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedSequence:
+    """Where one sequence of a packed call lies: its queries and its keys (slices of the sequence axis)."""
+
+    queries: slice
+    keys: slice
+
+    @property
+    def q_len(self) -> int:
+        return self.queries.stop - self.queries.start
+
+    @property
+    def kv_len(self) -> int:
+        return self.keys.stop - self.keys.start
+
+
+def packed_sequences(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> list[PackedSequence] | None:
+    """The sequences of a packed call, or None for an ordinary call (no ``cu_seq_lens_q`` / ``cu_seq_lens_k``).
+
+    query: (1, heads, total_q, head_dim); key: (1, kv_heads, total_kv, head_dim). Sequences without queries (the
+    padding entries of a static-shape batch, where the cumulative lengths plateau) are left out.
+
+    Raises ``ValueError`` for packed calls the scorers cannot serve: keys left in a paged cache for a fused kernel to
+    read (``block_table``), or lengths that do not fit the tensors.
+    """
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None or cu_k is None:
+        return None
+    if kwargs.get("block_table") is not None:
+        raise ValueError(
+            "hf_neural_attn got a packed call whose keys stay in the paged cache (a block table, for flash "
+            "attention's kv-cache kernel): the scorers need the keys. Serve the patched model with its own "
+            "attn_implementation ('hf_neural_attn'), which continuous batching keeps for patched models."
+        )
+    if isinstance(cu_k, dict):  # one entry per layer type: the layer's cache.update(..., kwargs=) picks its own
+        raise TypeError(
+            "hf_neural_attn got a packed call whose key lengths were not resolved for this layer "
+            f"(cu_seq_lens_k has one entry per layer type: {sorted(cu_k)}): the layer did not pass its keyword "
+            "arguments to the paged cache's update."
+        )
+    q_bounds, k_bounds = _bounds(cu_q), _bounds(cu_k)
+    if len(q_bounds) != len(k_bounds) or query.shape[0] != 1:
+        raise ValueError(
+            f"hf_neural_attn got a packed call it cannot split: batch {query.shape[0]} (packed calls have 1), "
+            f"{len(q_bounds) - 1} query spans and {len(k_bounds) - 1} key spans."
+        )
+    sequences = []
+    for q_start, q_end, k_start, k_end in zip(q_bounds, q_bounds[1:], k_bounds, k_bounds[1:]):
+        if q_end == q_start:
+            continue
+        if q_end - q_start > k_end - k_start or q_end > query.shape[-2] or k_end > key.shape[-2]:
+            raise ValueError(
+                f"hf_neural_attn got a packed sequence of queries {q_start}:{q_end} and keys {k_start}:{k_end} over "
+                f"{query.shape[-2]} queries and {key.shape[-2]} keys: a sequence's queries must be the last of its keys."
+            )
+        sequences.append(PackedSequence(slice(q_start, q_end), slice(k_start, k_end)))
+    return sequences
+
+
+def _bounds(cumulative: torch.Tensor | list[int]) -> list[int]:
+    return cumulative.tolist() if isinstance(cumulative, torch.Tensor) else list(cumulative)
+
+
+def sequence_mask(
+    sequence: PackedSequence, *, is_causal: bool, sliding_window: int | None, device
+) -> torch.Tensor | None:
+    """The boolean mask (1, 1, q_len, kv_len), True = attend, of one sequence of a causal packed call: causal with its
+    queries at the end of its keys, and within ``sliding_window`` positions of each query where the layer has a
+    window. None where ``is_causal`` alone says it (as many keys as queries, or one query, and no window), so the
+    paths build the causal part block by block as they do for any causal call; None for a call that is not causal
+    (each sequence sees all its keys)."""
+    q_len, kv_len = sequence.q_len, sequence.kv_len
+    if not is_causal or (not sliding_window and (q_len == 1 or q_len == kv_len)):
+        return None
+    allowed = causal_allowed(0, q_len, kv_len, q_len, device)
+    if sliding_window:
+        # transformers' sliding window: a query sees the keys fewer than ``sliding_window`` positions back.
+        rows = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+        allowed &= torch.arange(kv_len, device=device)[None, :] > rows - sliding_window
+    return allowed[None, None]
