@@ -47,6 +47,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("package", ("hf_neural_attn",)),
+    ("commands", ("hf_neural_attn.serve",)),
 ]
 
 # What the recipes may import from the library: docs/api.md's public modules.
