@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import perturb_scorers
+from helpers import TINY_DECODER, perturb_scorers
 from recipes_helpers import word_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -43,18 +43,10 @@ def checkpoint(tmp_path_factory):
     tokenizer = word_tokenizer(pad=False)
     tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=1,
-        eos_token_id=1,
-        initializer_range=0.3,  # a tiny model at Llama's 0.02 answers every prompt with its end token
-    )
+    # TINY_DECODER's sizes over the tokenizer's words. At Llama's init scale (0.02) the tiny model answers every
+    # prompt with its end token.
+    sizes = {**TINY_DECODER, "vocab_size": len(tokenizer), "bos_token_id": 1, "eos_token_id": 1}
+    config = LlamaConfig(**sizes, initializer_range=0.3)
     model = LlamaForCausalLM(config).eval()
     base = {prompt: complete(model, tokenizer, prompt) for prompt in PROMPTS}
     hf_neural_attn.patch_model(model, "qana", h=4)
