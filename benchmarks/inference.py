@@ -1,15 +1,26 @@
-"""Inference cost of patched models against the unpatched one: the prompt's prefill, and decoding with the KV cache.
+"""Inference cost of patched models against the unpatched one: the prompt's prefill, and decoding with the KV cache,
+eager and compiled.
 
-    python benchmarks/inference.py                     # Llama 4 x 256 (4 query heads, 2 kv heads), prompt 1024
+    python benchmarks/inference.py                          # Llama 4 x 256 (4 query heads, 2 kv heads), prompt 1024
     python benchmarks/inference.py --prompt 512 2048 --decode_steps 64
+    python benchmarks/inference.py --preset smollm-135m     # SmolLM-135M's shape: 30 x 576, 9 query heads on 3
+    python benchmarks/inference.py --compiled               # adds compiled decoding (static cache, torch.compile)
 
-A Llama built from its config (the issue's pinned shape), patched as a user writes it, ``patch_model(model, scorer,
-h=4)``, in eval mode under ``torch.no_grad``. One round runs, for each configuration in turn, the prefill of a
-``--prompt``-token prompt (``model(ids, use_cache=True)``, what ``generate`` runs first) and then ``--decode_steps``
-greedy steps of one token on that KV cache; every configuration lives in the one process, so a machine whose speed
-drifts slows them all alike (interleaved). Reports the median over ``--rounds`` of the prefill time and of the time
-per decoded token, both as ratios to the unpatched model (transformers' SDPA), and what the patch adds per layer
-and token. Writes a markdown table and the numbers as JSON.
+A Llama built from its config (``--preset``: the 4 x 256 shape, or SmolLM-135M's, random weights), patched as a user
+writes it, ``patch_model(model, scorer, h=4)``, in eval mode under ``torch.no_grad``. One round runs, for each
+configuration in turn, the prefill of a ``--prompt``-token prompt (``model(ids, use_cache=True)``, what ``generate``
+runs first) and then ``--decode_steps`` greedy steps of one token on that KV cache; every configuration lives in the
+one process, so a machine whose speed drifts slows them all alike (interleaved).
+
+``--compiled`` adds a compiled row per configuration, each model compiled the same way, as ``generate`` compiles
+decoding: a static cache and the forward under ``torch.compile(fullgraph=True)`` (a ``CompileConfig``; on a CPU
+``generate`` compiles only when told to, which the script does). Its decode time per token is
+``(generate(n + 1 tokens) - generate(1 token)) / n``, the prefill (eager in both) cancelling out; it includes
+``generate``'s own per-token work, as a user's decoding does. Compilation happens in a warm-up before the rounds.
+
+Reports the median over ``--rounds`` of the prefill time and of the time per decoded token, both as ratios to the
+unpatched model (transformers' SDPA) of the same mode, and what the patch adds per layer and token. Writes a
+markdown table and the numbers as JSON.
 """
 
 from __future__ import annotations
@@ -23,6 +34,23 @@ import statistics
 import time
 from pathlib import Path
 
+# Model shapes (LlamaConfig fields). "llama-4x256": the shape the eager targets were first set on; "smollm-135m":
+# HuggingFaceTB/SmolLM-135M's config (its weights are not needed for timing, and the Hub is not reachable here).
+PRESETS = {
+    "llama-4x256": {
+        "description": "Llama {layers} layers x 256 wide, 4 query heads on 2 kv heads",
+        "config": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "vocab_size": 1000},
+        "prompt": [1024],
+    },
+    "smollm-135m": {
+        "description": "SmolLM-135M's shape: Llama {layers} layers x 576 wide, 9 query heads on 3 kv heads, vocab 49152",
+        "config": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                   "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True, "rope_theta": 10000.0},
+        "prompt": [512],
+    },
+}  # fmt: skip
+
 
 def build(args, scorer: str):
     import torch
@@ -31,23 +59,42 @@ def build(args, scorer: str):
     import hf_neural_attn
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=args.layers, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=max(args.prompt) + args.decode_steps + 8,
-    )  # fmt: skip
+    shape = {**PRESETS[args.preset]["config"], "num_hidden_layers": args.layers}
+    config = LlamaConfig(**shape, max_position_embeddings=max(args.prompt) + args.decode_steps + 8)
     model = LlamaForCausalLM(config).eval()
     if scorer != "none":
         hf_neural_attn.patch_model(model, scorer, h=args.h)
     return model
 
 
+def compiled_generation(decode_steps: int, max_cache_len: int):
+    """What ``generate`` needs to decode compiled: greedy, a static cache of ``max_cache_len`` and a
+    ``CompileConfig(fullgraph=True)`` that also compiles on a CPU. Returns the configs for 1 and ``decode_steps + 1``
+    new tokens."""
+    from transformers import CompileConfig, GenerationConfig
+
+    compile_config = CompileConfig(fullgraph=True, dynamic=False)
+    compile_config._compile_all_devices = True  # generate compiles on accelerators only unless told (a CPU here)
+
+    def config(new_tokens: int) -> GenerationConfig:
+        return GenerationConfig(
+            max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
+            compile_config=compile_config, pad_token_id=0, eos_token_id=None,
+        )  # fmt: skip
+
+    return config(1), config(decode_steps + 1)
+
+
 def measure(args, prompt: int) -> dict[str, dict[str, float]]:
-    """Per configuration: the median prefill seconds and seconds per decoded token."""
+    """Per configuration: the median prefill seconds and seconds per decoded token (eager, and compiled as
+    ``<name> compiled`` with ``--compiled``)."""
     import torch
 
     models = {scorer: build(args, scorer) for scorer in ["none", *args.scorers]}
-    ids = torch.randint(0, 1000, (1, prompt), generator=torch.Generator().manual_seed(1))
-    samples = {name: {"prefill_s": [], "decode_s": []} for name in models}
+    ids = torch.randint(0, models["none"].config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(1))
+    names = list(models) + ([f"{name} compiled" for name in models] if args.compiled else [])
+    samples = {name: {"prefill_s": [], "decode_s": []} for name in names}
+    prefill_only, full = compiled_generation(args.decode_steps, prompt + args.decode_steps + 1)
 
     # transformers 5.24 renamed the KV cache argument and output field from past_key_values to cache; the old name
     # still works there but warns on every call.
@@ -64,12 +111,22 @@ def measure(args, prompt: int) -> dict[str, dict[str, float]]:
             cache, token = out[cache_name], out.logits[:, -1:].argmax(-1)
         return prefill, (time.perf_counter() - started) / args.decode_steps
 
+    def compiled(model) -> tuple[float, float]:
+        started = time.perf_counter()
+        model.generate(ids, generation_config=prefill_only)
+        prefill = time.perf_counter() - started
+        started = time.perf_counter()
+        model.generate(ids, generation_config=full)
+        return prefill, (time.perf_counter() - started - prefill) / args.decode_steps
+
+    runs = [(name, model, one) for name, model in models.items()]
+    runs += [(f"{name} compiled", model, compiled) for name, model in models.items()] if args.compiled else []
     with torch.no_grad():
-        for model in models.values():
-            one(model)  # warm-up
+        for _, model, run in runs:
+            run(model)  # warm-up (and compilation)
         for _ in range(args.rounds):
-            for name, model in models.items():
-                prefill, decode = one(model)
+            for name, model, run in runs:
+                prefill, decode = run(model)
                 samples[name]["prefill_s"].append(prefill)
                 samples[name]["decode_s"].append(decode)
     return {name: {key: statistics.median(values) for key, values in by.items()} for name, by in samples.items()}
@@ -84,39 +141,50 @@ def report(results: dict, args) -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    shape = PRESETS[args.preset]["description"].format(layers=args.layers)
+    compiled = (
+        " Compiled rows: generate with a static cache and torch.compile(fullgraph=True), prefill eager; ratios to the "
+        "compiled unpatched model."
+        if args.compiled
+        else ""
+    )
     lines = [
         (
-            f"Llama {args.layers} layers x 256 wide, 4 query heads on 2 kv heads, eval mode, every layer patched with "
-            f"h={args.h} (Neural Attention with its default options), fp32, batch 1; median of {args.rounds} "
-            f"interleaved rounds, {args.decode_steps} decoded tokens each; machine: {cpu}, {os.cpu_count()} cores, "
-            f"{torch.get_num_threads()} threads, torch {torch.__version__} (CPU)."
+            f"{shape}, eval mode, every layer patched with h={args.h} (Neural Attention with its default options), "
+            f"fp32, batch 1; median of {args.rounds} interleaved rounds, {args.decode_steps} decoded tokens each; "
+            f"machine: {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__} "
+            f"(CPU).{compiled}"
         ),
         "",
         "| prompt | scorer | prefill ms | x unpatched | decode ms/token | x unpatched | added per layer and token |",
         "|---|---|---|---|---|---|---|",
     ]
     for prompt, by_scorer in results.items():
-        base = by_scorer["none"]
         for name, times in by_scorer.items():
+            base = by_scorer["none compiled" if name.endswith(" compiled") else "none"]
             added = (times["decode_s"] - base["decode_s"]) / args.layers * 1e6
             lines.append(
                 f"| {prompt} | {name} | {times['prefill_s'] * 1e3:.1f} | {times['prefill_s'] / base['prefill_s']:.2f} "
                 f"| {times['decode_s'] * 1e3:.2f} | {times['decode_s'] / base['decode_s']:.2f} | "
-                f"{'' if name == 'none' else f'{added:.0f} µs'} |"
+                f"{'' if name.startswith('none') else f'{added:.0f} µs'} |"
             )
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompt", type=int, nargs="+", default=[1024])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama-4x256", help="the model's shape")
+    parser.add_argument("--prompt", type=int, nargs="+", help="prompt lengths (default: the preset's)")
     parser.add_argument("--decode_steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, help="layers (default: the preset's)")
+    parser.add_argument("--compiled", action="store_true", help="add compiled decoding rows (static cache)")
     parser.add_argument("--h", type=int, default=4)
     parser.add_argument("--scorers", nargs="+", default=["qana", "neural"], choices=["qana", "neural"])
     parser.add_argument("--output_dir", default="benchmarks/results")
     args = parser.parse_args()
+    args.prompt = args.prompt or PRESETS[args.preset]["prompt"]
+    args.layers = args.layers or PRESETS[args.preset]["config"]["num_hidden_layers"]
     results = {}
     for prompt in args.prompt:
         results[prompt] = measure(args, prompt)
@@ -124,8 +192,9 @@ def main() -> None:
     table = report(results, args)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "inference.json").write_text(json.dumps({"setup": vars(args), "results": results}, indent=2))
-    (out / "inference.md").write_text(table)
+    stem = "inference" if args.preset == "llama-4x256" else f"inference_{args.preset}"
+    (out / f"{stem}.json").write_text(json.dumps({"setup": vars(args), "results": results}, indent=2))
+    (out / f"{stem}.md").write_text(table)
     print("\n" + table)
 
 

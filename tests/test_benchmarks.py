@@ -48,14 +48,28 @@ def test_train_step_benchmark_on_a_padded_encoder_batch(tmp_path):
     assert "| 24 | zero | qana | default -> reference |" in table
 
 
-def test_inference_benchmark_reports_prefill_and_decode(tmp_path):
+def test_inference_benchmark_reports_prefill_and_decode_eager_and_compiled(tmp_path):
     flags = ["--prompt", "16", "--decode_steps", "2", "--rounds", "1", "--layers", "1", "--scorers", "qana"]
-    run_benchmark("inference.py", *flags, tmp_path=tmp_path)
+    run_benchmark("inference.py", *flags, "--compiled", tmp_path=tmp_path)
     results = json.loads((tmp_path / "inference.json").read_text())["results"]["16"]
-    assert set(results) == {"none", "qana"}
+    assert set(results) == {"none", "qana", "none compiled", "qana compiled"}
     assert all(times["prefill_s"] > 0 and times["decode_s"] > 0 for times in results.values())
     table = (tmp_path / "inference.md").read_text()
     assert "| 16 | none |" in table and "| 16 | qana |" in table and "µs |" in table
+    # Each mode's ratios are to the unpatched model of that mode.
+    assert "| 16 | none compiled |" in table and "torch.compile(fullgraph=True)" in table
+    assert table.count("| 1.00 |") >= 4
+
+
+def test_inference_benchmark_at_smollm_135m_shape(tmp_path):
+    flags = ["--preset", "smollm-135m", "--layers", "1", "--prompt", "8", "--decode_steps", "1", "--rounds", "1"]
+    run_benchmark("inference.py", *flags, "--scorers", "neural", tmp_path=tmp_path)
+    results = json.loads((tmp_path / "inference_smollm-135m.json").read_text())
+    assert results["setup"]["preset"] == "smollm-135m" and set(results["results"]["8"]) == {"none", "neural"}
+    assert (
+        "SmolLM-135M's shape: Llama 1 layers x 576 wide, 9 query heads on 3"
+        in (tmp_path / "inference_smollm-135m.md").read_text()
+    )
 
 
 def test_train_step_benchmark_on_a_left_padded_decoder_batch_over_an_eager_base(tmp_path):
