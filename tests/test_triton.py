@@ -4,6 +4,9 @@ The kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``) on tiny sha
 (8 x 4 in backward), so sequence lengths are not tile multiples, causal tiles get skipped, and
 grouped-query heads share a key tile. Speed and bf16 need a GPU and are not checked here (the interpreter's bf16 ``tl.dot`` is broken).
 
+The kernels run as torch operators (``ops/triton/custom_ops.py``): opcheck checks them, and a compiled patched model
+keeps them in its graph, without graph breaks.
+
 Tolerances: fp32 outputs and gradients within ``atol=1e-5, rtol=1e-5`` of the reference path (the two
 sum the same terms in different orders; gradients of the larger parameters reach ~10, where fp32
 rounding alone is ~1e-6).
@@ -18,12 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import IMPLS, PORTABLE_IMPLS, geometry, model_inputs, perturb_scorers, randomise, tiny_gpt2, tiny_llama
+from torch.utils._pytree import tree_map_only
 
 import hf_neural_attn
 from hf_neural_attn import ops
 from hf_neural_attn.ops import resolve_impl, scored_attention
 from hf_neural_attn.ops import triton as ops_triton
-from hf_neural_attn.ops.triton import fused
+from hf_neural_attn.ops.triton import fused, launch
 from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -44,9 +48,9 @@ def interpreter(monkeypatch):
     variable been set before Python started (running ``TRITON_INTERPRET=1 pytest`` needs no routing).
     """
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(fused, "BLOCK_SIZES", (4, 4))
+    monkeypatch.setattr(launch, "BLOCK_SIZES", (4, 4))
     # Backward tiles differ from forward ones, as on a GPU: row statistics must not depend on the tiling.
-    monkeypatch.setattr(fused, "BACKWARD_BLOCK_SIZES", (8, 4))
+    monkeypatch.setattr(launch, "BACKWARD_BLOCK_SIZES", (8, 4))
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
@@ -220,6 +224,112 @@ def test_patched_llama_matches_reference(interpreter, triton_calls, scorer_name)
     torch.testing.assert_close(logits, ref_logits, **TOLERANCE)
     for name, ref_grad in ref_grads.items():
         torch.testing.assert_close(grads[name], ref_grad, **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# --- the kernels as torch operators -----------------------------------------------------------------------
+
+# torch.library.opcheck's checks that run under the interpreter. Not test_aot_dispatch_dynamic: AOTAutograd runs a
+# triton_op's body on fake tensors, where on a GPU wrap_triton traces each launch into the graph; under the
+# interpreter wrap_triton hands back the interpreted kernel itself, which reads the tensors' memory and fails.
+OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "name,options", [("qana", {"h": 3}), ("neural", {"h": 3, "proj_dim": 2}), ("neural", {"h": 2, "mode": "replace"})]
+)
+def test_kernels_are_torch_operators(interpreter, name, options):
+    """fused_attention's output is that of torch.ops.hf_neural_attn.fused_attention_forward, and both operators
+    pass opcheck: schema, autograd registration, and fake implementations whose outputs have the real ones' shapes,
+    dtypes and strides (QANA, the pair MLP with a gate and in its replace form, which has none)."""
+    scorer = make_scorer(name, 2, 1, **options)
+    hidden, query, key, value, mask, _ = attention_case(2, 1, 5, 5, "causal")
+    inputs = scorer.fused_inputs(query, key, scorer.query_extras(hidden, None) if name == "qana" else None)
+    output = fused.fused_attention(inputs, query, key, value, mask, scaling=D**-0.5, is_causal=True)
+    arguments = fused.operator_arguments(inputs, query, key, value, mask, scaling=D**-0.5, is_causal=True)
+    # Leaf tensors (opcheck copies its arguments), requiring a gradient where the call's tensors do.
+    arguments = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), arguments)
+    forward = torch.ops.hf_neural_attn.fused_attention_forward
+    out, row_max, row_sum = forward(*arguments)
+    torch.testing.assert_close(out, output, rtol=0, atol=0)
+    torch.library.opcheck(forward, arguments, test_utils=OPCHECKS)
+    grad_out = torch.linspace(-1, 1, out.numel()).view_as(out)
+    backward_arguments = tree_map_only(torch.Tensor, torch.Tensor.detach, (grad_out, out, row_max, row_sum, *arguments))
+    torch.library.opcheck(torch.ops.hf_neural_attn.fused_attention_backward, backward_arguments, test_utils=OPCHECKS)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied before and after the test, so that it compiles what the test gives it."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@needs_triton
+def test_compiled_patched_llama_holds_the_operator_and_matches_reference(interpreter, fresh_dynamo):
+    """torch.compile's Dynamo keeps the forward operator in its graph, once per layer, with no graph break (it does
+    not trace the launch code), and the compiled model gives the reference path's logits and gradients through the
+    operators' autograd. Dynamo's graph runs on the eager backend: inductor's kernels need a GPU."""
+    models = {impl: tiny_llama() for impl in ("reference", "triton")}
+    inputs = model_inputs("llama", seq=6)
+    for impl, model in models.items():
+        hf_neural_attn.patch_model(model, "qana", impl=impl)
+        perturb_scorers(model)
+        model.train()
+    explanation = torch._dynamo.explain(models["triton"])(**inputs)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    operators = [
+        node.target for graph in explanation.graphs for node in graph.graph.nodes if node.op == "call_function"
+    ]
+    forward = torch.ops.hf_neural_attn.fused_attention_forward.default
+    assert operators.count(forward) == 2
+    compiled = torch.compile(models["triton"], backend="eager", fullgraph=True)
+    results = {}
+    for impl, model in (("reference", models["reference"]), ("triton", compiled)):
+        out = model(**inputs, labels=inputs["input_ids"])
+        out.loss.backward()
+        results[impl] = out.logits.detach(), {n: p.grad for n, p in models[impl].named_parameters()}
+    (ref_logits, ref_grads), (logits, grads) = results["reference"], results["triton"]
+    torch.testing.assert_close(logits, ref_logits, **TOLERANCE)
+    for name, ref_grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref_grad, **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
+
+
+FIRST_CALL_SCRIPT = """
+import sys
+import torch
+from hf_neural_attn.ops.terms import FusedInputs
+from hf_neural_attn.ops.triton import fused
+
+def attend(query, key, value, P, R, w, gate):
+    inputs = FusedInputs("neural", (P, R, w, gate), "gelu", 2)
+    return fused.fused_attention(inputs, query, key, value, None, scaling=0.5, is_causal=True)
+
+shapes = ((1, 2, 3, 4), (1, 1, 3, 4), (1, 1, 3, 4), (1, 2, 3, 2), (1, 1, 3, 2), (2,), (2,))
+generator = torch.Generator().manual_seed(0)
+tensors = [torch.randn(*shape, generator=generator) for shape in shapes]
+assert "hf_neural_attn.ops.triton.custom_ops" not in sys.modules
+explanation = torch._dynamo.explain(attend)(*tensors)
+assert "hf_neural_attn.ops.triton.custom_ops" in sys.modules
+print(explanation.graph_break_count)
+print(*[node.target for graph in explanation.graphs for node in graph.graph.nodes if node.op == "call_function"])
+"""
+
+
+@needs_triton
+def test_first_compiled_call_defines_the_operators_without_graph_break():
+    """The operators are defined when :mod:`.custom_ops` is first imported, by the first call of fused_attention; in
+    a compiled function Dynamo runs that import instead of tracing it, so even that first call compiles whole. (A
+    fresh interpreter with ``TRITON_INTERPRET=1`` from the start: in this one the operators may exist already.)"""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    finished = subprocess.run(
+        [sys.executable, "-c", FIRST_CALL_SCRIPT], check=False, capture_output=True, text=True, timeout=300, env=env
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    graph_breaks, operators = finished.stdout.strip().splitlines()[-2:]
+    assert graph_breaks == "0"
+    assert "hf_neural_attn.fused_attention_forward.default" in operators.split()
 
 
 # --- choosing the path ----------------------------------------------------------------------------------

@@ -6,8 +6,12 @@ This package imports without triton. Layout (after flash-linear-attention's ``fl
   :func:`kernel_unsupported_reason` for one call's term and shapes) and :func:`triton_attention`, what the dispatcher in
   :mod:`hf_neural_attn.ops` calls. It takes a :class:`~hf_neural_attn.ops.terms.FusedInputs` (plain tensors and a
   few static values), never a scorer.
-* ``fused.py``: the torch side; the limits, the ``torch.autograd.Function`` and the kernel launches (imports the
-  kernels only when one runs).
+* ``fused.py``: the torch side; the limits and :func:`fused_attention` (imports ``custom_ops.py`` on the first
+  call).
+* ``custom_ops.py``: the kernels as torch operators (``torch.library.triton_op``: ``torch.ops.hf_neural_attn``'s
+  ``fused_attention_forward``, with its autograd, and ``fused_attention_backward``), which torch.compile keeps in
+  its graphs; importing it imports triton.
+* ``launch.py``: the kernels' launch arguments (tile sizes, pointers, strides, constexprs) from the operators'.
 * ``common.py``: the forward and the two backward kernels, and :func:`common.tile_scores`, the one place
   they compute a tile's scores.
 * ``qana.py``, ``neural.py``: the score terms the kernels fuse (query network; pair MLP), their loads,

@@ -1,9 +1,10 @@
 """The fused attention kernels every scoring term shares (FlashAttention style), and their one tile-score
 helper.
 
-Importing this module needs ``triton``; :mod:`.fused` imports it only when a kernel is about to run, so
-the package imports without triton. Set ``TRITON_INTERPRET=1`` *before* this module is imported to run
-the kernels on CPU tensors through Triton's interpreter (the tests do).
+Importing this module needs ``triton``; :mod:`.custom_ops`, the torch operators that launch the kernels, imports
+it, and :mod:`.fused` imports that on its first call, so the package imports without triton. Set
+``TRITON_INTERPRET=1`` *before* this module is imported to run the kernels on CPU tensors through Triton's
+interpreter (the tests do).
 
 Three kernels per call, each a grid of (block index, batch * heads) programs:
 

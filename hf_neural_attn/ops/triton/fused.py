@@ -1,8 +1,10 @@
-"""The torch side of the fused kernels: what they accept, one ``torch.autograd.Function``, the launches.
+"""The torch side of the fused kernels: what they accept, and :func:`fused_attention`, which runs them.
 
-This module imports without triton; it imports the kernels of :mod:`.common` only when one is about to
-run. It sees tensors and a few static values (:class:`~hf_neural_attn.ops.terms.FusedInputs`, whose module doc
-lists each term's tensors), never a scorer.
+:func:`fused_attention` calls the torch operator ``torch.ops.hf_neural_attn.fused_attention_forward``, whose
+autograd formula calls ``fused_attention_backward`` (both in :mod:`.custom_ops`, which launches the kernels). This
+module imports without triton; it imports :mod:`.custom_ops`, and with it triton and the kernels of :mod:`.common`,
+on the first call. It sees tensors and a few static values (:class:`~hf_neural_attn.ops.terms.FusedInputs`, whose
+module doc lists each term's tensors), never a scorer.
 
 Backward returns the gradients of the term's tensors; torch autograd carries them back to whatever produced
 them. For the ``"neural"`` term, R comes from the keys *before* they are repeated for grouped-query attention:
@@ -17,13 +19,10 @@ either path.
 
 from __future__ import annotations
 
-import contextlib
-import math
-from dataclasses import dataclass
-
 import torch
 
 from ..terms import TERMS, FusedInputs
+from .launch import NEURAL_REPLACE, NEURAL_RESIDUAL, QANA
 
 SUPPORTED_ACTIVATIONS = ("gelu", "relu", "silu", "tanh", "sigmoid")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -31,15 +30,6 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # tile no longer fits and the chunked path is the better choice.
 MAX_HIDDEN = 16
 MAX_HEAD_DIM = 256
-
-# Tile sizes (BLOCK_M queries, BLOCK_N keys) of the forward kernel and of the two backward kernels; None
-# picks them by device (see _block_sizes). Tests set small ones so that short sequences span several tiles
-# under the interpreter. Any tiling gives the same result: the kernels mask every position themselves.
-BLOCK_SIZES: tuple[int, int] | None = None
-BACKWARD_BLOCK_SIZES: tuple[int, int] | None = None
-
-# The kernels' KIND codes (see :mod:`.common`).
-QANA, NEURAL_RESIDUAL, NEURAL_REPLACE = 0, 1, 2
 
 
 def mlp_unsupported_reason(activation: str, hidden: int) -> str | None:
@@ -107,6 +97,29 @@ def fused_attention(
         output (batch, heads, q_len, head_dim). The caller has checked the call with
         :func:`inputs_unsupported_reason` and :func:`mlp_unsupported_reason`.
     """
+    # Imported here, not at the top: it imports triton and defines the operators (once, on the first call).
+    from .custom_ops import fused_attention_forward
+
+    out, _, _ = fused_attention_forward(
+        *operator_arguments(inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal)
+    )
+    return out
+
+
+def operator_arguments(
+    inputs: FusedInputs,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    scaling: float,
+    is_causal: bool,
+) -> tuple:
+    """The arguments of ``torch.ops.hf_neural_attn.fused_attention_forward`` (:mod:`.custom_ops`) for a call of
+    :func:`fused_attention`: query, key, value, mask, the term's tensors as one list (read back by
+    :func:`.launch.term_tensors`), then the kernels' ``KIND`` code, activation, scaling, is_causal and hidden width.
+    Keys, values and the term's tensors that multiply them are cast to the query's dtype."""
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads % kv_heads != 0 or value.shape[1] != kv_heads:
         raise ValueError(
@@ -120,164 +133,10 @@ def fused_attention(
     if inputs.term == "qana":
         U, V, b, c, gate = inputs.tensors
         kind = QANA
-        tensors = (U.to(dtype), V, b, c, gate)
+        term = [U.to(dtype), V, b, c, gate]
     else:
         P, R, w, gate = inputs.tensors
         kind = NEURAL_RESIDUAL if gate is not None else NEURAL_REPLACE
-        tensors = (P.to(dtype), R.to(dtype), w, gate)
-    meta = _Meta(kind, inputs.activation, float(inputs.term_scaling(scaling)), bool(is_causal), inputs.hidden)
-    return _FusedAttention.apply(meta, attention_mask, query, key, value, *tensors)
-
-
-@dataclass(frozen=True)
-class _Meta:
-    kind: int  # QANA, NEURAL_RESIDUAL or NEURAL_REPLACE
-    activation: str
-    scaling: float
-    is_causal: bool
-    hidden: int
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _block_sizes(hid_pad: int, device: torch.device, backward: bool) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for the forward kernel or the two backward kernels.
-
-    Not tuned by timing (no GPU has run these kernels yet). Chosen, for bf16 and head_dim 64 on sm_90, as
-    the candidates ptxas compiled with the fewest register spills: a tile keeps BLOCK_M x h x BLOCK_N fp32
-    hidden activations and their derivatives in registers, so wider h gets smaller tiles. At h = 4 that is
-    no spill in the QANA forward and 100-260 bytes per thread in the backward kernels; at h = 8 the
-    backward kernels still spill about 1.5 KB.
-    """
-    override = BACKWARD_BLOCK_SIZES if backward else BLOCK_SIZES
-    if override is not None:
-        return (*override, 4)
-    if device.type != "cuda":
-        return 16, 16, 4  # the interpreter: one numpy op per tile op, so fewer, larger tiles are faster
-    if not backward:
-        return (64, 64, 8) if hid_pad <= 2 else (64, 32, 4) if hid_pad <= 4 else (64, 32, 8)
-    return (64, 32, 8) if hid_pad <= 4 else (32, 32, 4)
-
-
-def _strides(tensor: torch.Tensor | None, count: int) -> tuple[int, ...]:
-    return tuple(tensor.stride()[:count]) if tensor is not None else (0,) * count
-
-
-def _launch_args(meta: _Meta, mask, q, k, v, tensors, backward: bool):
-    """Pointer and stride arguments shared by the three kernels, in their order, plus the constexprs."""
-    batch, heads, q_len, head_dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
-    if meta.kind == QANA:
-        U, QV, QB, QC, gate = tensors
-        P = R = None
-        w = QV  # any tensor: the query-network kernels never read w
-    else:
-        P, R, w, gate = tensors
-        U = QV = QB = QC = None
-    if mask is not None:
-        mask = mask.expand(batch, heads, q_len, kv_len)  # broadcast dimensions get stride 0, no copy
-    dummy = q
-    pointers = [q, k, v, mask, U, QV, QB, QC, P, R, w, gate]
-    pointers = [dummy if t is None else t for t in pointers]
-    # One tuple per tensor: sq, sk, sv, sm, su, sx, sb, sc, sp, sr in the kernels.
-    strides = (
-        _strides(q, 4), _strides(k, 4), _strides(v, 4), _strides(mask, 4), _strides(U, 5),
-        _strides(QV, 4), _strides(QB, 4), _strides(QC, 3), _strides(P, 4), _strides(R, 4),
-    )  # fmt: skip
-    sizes = (heads, heads // kv_heads, q_len, kv_len, head_dim, meta.hidden, meta.scaling)
-    interpreting = q.device.type != "cuda"
-    hid_pad = _next_power_of_2(meta.hidden)
-    block_m, block_n, num_warps = _block_sizes(hid_pad, q.device, backward)
-    block_d = _next_power_of_2(head_dim) if interpreting else max(16, _next_power_of_2(head_dim))
-    fp32_products = q.dtype == torch.float32 and (interpreting or not torch.backends.cuda.matmul.allow_tf32)
-    from .utils import ACTIVATION_CODES
-
-    constexprs = {
-        "KIND": meta.kind,
-        "ACT": ACTIVATION_CODES[meta.activation],
-        "HAS_MASK": mask is not None,
-        "IS_CAUSAL": meta.is_causal,
-        "BLOCK_M": block_m,
-        "BLOCK_N": block_n,
-        "BLOCK_D": block_d,
-        "HID_PAD": hid_pad,
-        "PRECISION": "ieee" if fp32_products else "tf32",
-    }
-    return pointers, strides, sizes, constexprs, num_warps
-
-
-class _FusedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, meta: _Meta, mask, q, k, v, *tensors):
-        from .common import forward_kernel
-
-        pointers, strides, sizes, constexprs, num_warps = _launch_args(meta, mask, q, k, v, tensors, False)
-        batch, heads, q_len, head_dim = q.shape
-        out = torch.empty(batch, heads, q_len, head_dim, dtype=v.dtype, device=q.device)
-        row_max = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
-        row_sum = torch.empty_like(row_max)
-        grid = (math.ceil(q_len / constexprs["BLOCK_M"]), batch * heads)
-        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-            forward_kernel[grid](
-                *pointers, out, row_max, row_sum, *strides, *sizes, **constexprs, num_warps=num_warps, num_stages=2
-            )
-        ctx.meta = meta
-        ctx.save_for_backward(mask, q, k, v, out, row_max, row_sum, *tensors)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        from .common import backward_key_kernel, backward_query_kernel
-
-        meta: _Meta = ctx.meta
-        mask, q, k, v, out, row_max, row_sum, *tensors = ctx.saved_tensors
-        pointers, strides, sizes, constexprs, num_warps = _launch_args(meta, mask, q, k, v, tensors, True)
-        batch, heads, q_len, head_dim = q.shape
-        kv_heads, kv_len = k.shape[1], k.shape[2]
-        hidden, device = meta.hidden, q.device
-        grad_out = grad_out.contiguous()
-        # rowsum(P * dP) = dO . O per query row (FlashAttention's "delta"), in fp32.
-        delta = (grad_out.float() * out.float()).sum(-1).contiguous()
-        stats = (grad_out, delta, row_max, row_sum)
-
-        block_m, block_n = constexprs["BLOCK_M"], constexprs["BLOCK_N"]
-        query_blocks = math.ceil(q_len / block_m)
-        dq = torch.empty(batch, heads, q_len, head_dim, dtype=q.dtype, device=device)
-        dk = torch.empty(batch, kv_heads, kv_len, head_dim, dtype=k.dtype, device=device)
-        dv = torch.empty(batch, kv_heads, kv_len, head_dim, dtype=v.dtype, device=device)
-        dgate_partial = torch.zeros(batch * heads * query_blocks, dtype=torch.float32, device=device)
-        dw_partial = torch.zeros(
-            batch * heads * query_blocks, constexprs["HID_PAD"], dtype=torch.float32, device=device
-        )
-        if meta.kind == QANA:
-            U, QV, QB, QC, gate = tensors
-            dU = torch.empty(batch, heads, hidden, q_len, head_dim, dtype=U.dtype, device=device)
-            dQV = torch.empty(batch, heads, q_len, hidden, dtype=QV.dtype, device=device)
-            dQB = torch.empty(batch, heads, q_len, hidden, dtype=QB.dtype, device=device)
-            dQC = torch.empty(batch, heads, q_len, 1, dtype=QC.dtype, device=device)
-            dP = dR = q  # unused by the query-network kernels
-        else:
-            P, R, w, gate = tensors
-            dP = torch.empty(batch, heads, q_len, hidden, dtype=P.dtype, device=device)
-            dR = torch.empty(batch, kv_heads, kv_len, hidden, dtype=R.dtype, device=device)
-            dU = dQV = dQB = dQC = q  # unused by the pair-MLP kernels
-
-        launch = dict(**constexprs, num_warps=num_warps, num_stages=2)
-        with torch.cuda.device(device) if q.is_cuda else contextlib.nullcontext():
-            backward_query_kernel[(query_blocks, batch * heads)](
-                *pointers, *stats, dq, dU, dQV, dQB, dQC, dP, dgate_partial, dw_partial, *strides, *sizes, **launch
-            )
-            backward_key_kernel[(math.ceil(kv_len / block_n), batch * kv_heads)](
-                *pointers, *stats, dk, dv, dR, *strides, *sizes, **launch
-            )
-        # Per-program partial sums, reduced here in a fixed order: deterministic, unlike atomics.
-        dgate = None if gate is None else dgate_partial.view(batch, heads, query_blocks).sum((0, 2)).to(gate.dtype)
-        if meta.kind == QANA:
-            grads = (dU, dQV, dQB, dQC, dgate)
-        else:
-            dw = dw_partial[:, :hidden].sum(0).to(w.dtype)
-            grads = (dP, dR, dw, dgate)
-        dq = None if meta.kind == NEURAL_REPLACE else dq
-        return None, None, dq, dk, dv, *grads
+        term = [P.to(dtype), R.to(dtype), w, *([] if gate is None else [gate])]
+    scaling = float(inputs.term_scaling(scaling))
+    return query, key, value, attention_mask, term, kind, inputs.activation, scaling, bool(is_causal), inputs.hidden

@@ -1,0 +1,188 @@
+"""The fused kernels as torch operators, made with ``torch.library.triton_op``.
+
+* ``torch.ops.hf_neural_attn.fused_attention_forward(query, key, value, attention_mask, term, kind, activation,
+  scaling, is_causal, hidden) -> (out, row_max, row_sum)``: the forward kernel.
+* ``torch.ops.hf_neural_attn.fused_attention_backward(grad_out, out, row_max, row_sum, query, key, value,
+  attention_mask, term, kind, activation, scaling, is_causal, hidden) -> (dq, dk, dv, dterm)``: the two backward
+  kernels.
+
+``term`` is the score term's tensors, as :func:`.launch.term_tensors` reads them (QANA's U, V, b, c, gate; the pair
+MLP's P, R, w and its gate when it has one), ``dterm`` their gradients in the same order; ``kind`` is the kernels'
+``KIND`` code (:data:`.launch.QANA`, ``NEURAL_RESIDUAL``, ``NEURAL_REPLACE``) and the other arguments are the
+kernels' static values. The forward operator's autograd formula calls the backward one, so torch.compile sees
+both as operators in its graphs: Dynamo does not trace the launch code, and inductor gets the kernels themselves
+(``wrap_triton``) when AOTAutograd decomposes the operators.
+
+Importing this module imports triton and defines the operators; :func:`.fused.fused_attention` imports it on its
+first call, so the package imports without triton. Under torch.compile that first import runs rather than being
+traced (Dynamo executes imports), so a compiled model defines the operators without a graph break.
+"""
+
+import contextlib
+
+import torch
+import triton
+from torch.library import triton_op, wrap_triton
+
+from .common import backward_key_kernel, backward_query_kernel, forward_kernel
+from .launch import NEURAL_REPLACE, QANA, launch_args, term_tensors
+
+
+def _on_device(tensor: torch.Tensor):
+    """The launches' device context: Triton launches on the current CUDA device, made the tensors' one here."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
+@triton_op("hf_neural_attn::fused_attention_forward", mutates_args=())
+def fused_attention_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    term: list[torch.Tensor],
+    kind: int,
+    activation: str,
+    scaling: float,
+    is_causal: bool,
+    hidden: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """softmax(scores + mask) @ v, and each query row's score maximum and softmax normaliser, which the backward
+    kernels rebuild the probabilities from.
+
+    Args:
+        query: (batch, heads, q_len, head_dim); key, value: (batch, kv_heads, kv_len, head_dim), all of one dtype.
+        attention_mask: additive float mask broadcastable to (batch, heads, q_len, kv_len), or None.
+
+    Returns:
+        out (batch, heads, q_len, head_dim) in the values' dtype; row_max, row_sum (batch, heads, q_len), fp32.
+    """
+    pointers, strides, sizes, constexprs, num_warps = launch_args(
+        query, key, value, attention_mask, term, kind, activation, scaling, is_causal, hidden, backward=False
+    )
+    batch, heads, q_len, head_dim = query.shape
+    out = torch.empty(batch, heads, q_len, head_dim, dtype=value.dtype, device=query.device)
+    row_max = torch.empty(batch, heads, q_len, dtype=torch.float32, device=query.device)
+    row_sum = torch.empty_like(row_max)
+    grid = (triton.cdiv(q_len, constexprs["BLOCK_M"]), batch * heads)
+    with _on_device(query):
+        wrap_triton(forward_kernel)[grid](
+            *pointers, out, row_max, row_sum, *strides, *sizes, **constexprs, num_warps=num_warps, num_stages=2
+        )
+    return out, row_max, row_sum
+
+
+# triton_op registers the operator's own body as its fake: on fake tensors it would run the launch code, and under
+# Triton's CPU interpreter wrap_triton hands back the interpreted kernel itself, which reads the tensors' memory.
+# These fakes give the outputs' shapes, dtypes and (contiguous) layouts without launching anything.
+@fused_attention_forward.register_fake
+def _fused_attention_forward_fake(
+    query, key, value, attention_mask, term, kind, activation, scaling, is_causal, hidden
+):
+    batch, heads, q_len, head_dim = query.shape
+    out = query.new_empty(batch, heads, q_len, head_dim, dtype=value.dtype)
+    row_max = query.new_empty(batch, heads, q_len, dtype=torch.float32)
+    return out, row_max, torch.empty_like(row_max)
+
+
+@triton_op("hf_neural_attn::fused_attention_backward", mutates_args=())
+def fused_attention_backward(
+    grad_out: torch.Tensor,
+    out: torch.Tensor,
+    row_max: torch.Tensor,
+    row_sum: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    term: list[torch.Tensor],
+    kind: int,
+    activation: str,
+    scaling: float,
+    is_causal: bool,
+    hidden: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The gradients of query, key, value and the term's tensors, from that of ``out`` and what the forward
+    operator returned (the other arguments are the forward's).
+
+    Returns:
+        dq, dk, dv, each shaped and typed like its tensor (dq is zero for the replace form, whose scores do not read
+        the queries), and dterm, the gradients of ``term``'s tensors in its order.
+    """
+    pointers, strides, sizes, constexprs, num_warps = launch_args(
+        query, key, value, attention_mask, term, kind, activation, scaling, is_causal, hidden, backward=True
+    )
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    device = query.device
+    grad_out = grad_out.contiguous()
+    # rowsum(P * dP) = dO . O per query row (FlashAttention's "delta"), in fp32.
+    delta = (grad_out.float() * out.float()).sum(-1).contiguous()
+    stats = (grad_out, delta, row_max, row_sum)
+
+    block_m, block_n = constexprs["BLOCK_M"], constexprs["BLOCK_N"]
+    query_blocks = triton.cdiv(q_len, block_m)
+    # The replace form's kernels write no dq: zeros, so that the operator returns no uninitialised memory.
+    new_dq = torch.zeros if kind == NEURAL_REPLACE else torch.empty
+    dq = new_dq(batch, heads, q_len, head_dim, dtype=query.dtype, device=device)
+    dk = torch.empty(batch, kv_heads, kv_len, head_dim, dtype=key.dtype, device=device)
+    dv = torch.empty(batch, kv_heads, kv_len, head_dim, dtype=value.dtype, device=device)
+    dgate_partial = torch.zeros(batch * heads * query_blocks, dtype=torch.float32, device=device)
+    dw_partial = torch.zeros(batch * heads * query_blocks, constexprs["HID_PAD"], dtype=torch.float32, device=device)
+    U, QV, QB, QC, P, R, w, gate = term_tensors(kind, term)
+    if kind == QANA:
+        dU = torch.empty(batch, heads, hidden, q_len, head_dim, dtype=U.dtype, device=device)
+        dQV = torch.empty(batch, heads, q_len, hidden, dtype=QV.dtype, device=device)
+        dQB = torch.empty(batch, heads, q_len, hidden, dtype=QB.dtype, device=device)
+        dQC = torch.empty(batch, heads, q_len, 1, dtype=QC.dtype, device=device)
+        dP = dR = query  # unused by the query-network kernels
+    else:
+        dP = torch.empty(batch, heads, q_len, hidden, dtype=P.dtype, device=device)
+        dR = torch.empty(batch, kv_heads, kv_len, hidden, dtype=R.dtype, device=device)
+        dU = dQV = dQB = dQC = query  # unused by the pair-MLP kernels
+
+    launch = dict(**constexprs, num_warps=num_warps, num_stages=2)
+    with _on_device(query):
+        wrap_triton(backward_query_kernel)[(query_blocks, batch * heads)](
+            *pointers, *stats, dq, dU, dQV, dQB, dQC, dP, dgate_partial, dw_partial, *strides, *sizes, **launch
+        )
+        wrap_triton(backward_key_kernel)[(triton.cdiv(kv_len, block_n), batch * kv_heads)](
+            *pointers, *stats, dk, dv, dR, *strides, *sizes, **launch
+        )
+    # Per-program partial sums, reduced here in a fixed order: deterministic, unlike atomics.
+    dgate = [] if gate is None else [dgate_partial.view(batch, heads, query_blocks).sum((0, 2)).to(gate.dtype)]
+    if kind == QANA:
+        dterm = [dU, dQV, dQB, dQC, *dgate]
+    else:
+        dterm = [dP, dR, dw_partial[:, :hidden].sum(0).to(w.dtype), *dgate]
+    return dq, dk, dv, dterm
+
+
+@fused_attention_backward.register_fake
+def _fused_attention_backward_fake(
+    grad_out, out, row_max, row_sum, query, key, value, attention_mask, term, kind, activation, scaling, is_causal,
+    hidden,
+):  # fmt: skip
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (query, key, value))
+    return dq, dk, dv, [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in term]
+
+
+def _save_for_backward(ctx, inputs, output):
+    query, key, value, attention_mask, term, *static = inputs
+    out, row_max, row_sum = output
+    ctx.mark_non_differentiable(row_max, row_sum)
+    ctx.save_for_backward(query, key, value, attention_mask, out, row_max, row_sum, *term)
+    ctx.static = static  # kind, activation, scaling, is_causal, hidden
+
+
+def _backward(ctx, grad_out, _grad_row_max, _grad_row_sum):
+    query, key, value, attention_mask, out, row_max, row_sum, *term = ctx.saved_tensors
+    kind = ctx.static[0]
+    dq, dk, dv, dterm = fused_attention_backward(
+        grad_out, out, row_max, row_sum, query, key, value, attention_mask, term, *ctx.static
+    )
+    # The replace form's scores do not read the queries. The mask gets no gradient: the dispatcher refuses a mask
+    # that requires one (.fused.inputs_unsupported_reason).
+    return None if kind == NEURAL_REPLACE else dq, dk, dv, None, dterm, None, None, None, None, None
+
+
+fused_attention_forward.register_autograd(_backward, setup_context=_save_for_backward)

@@ -1,0 +1,96 @@
+"""The kernels' launch arguments, from the torch operators' arguments (:mod:`.custom_ops`): the tile sizes, the
+pointers and strides in the kernels' order, their sizes and constexprs.
+
+This module imports without triton (the activation codes of :mod:`.utils` are read when a launch is prepared).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Tile sizes (BLOCK_M queries, BLOCK_N keys) of the forward kernel and of the two backward kernels; None
+# picks them by device (see _block_sizes). Tests set small ones so that short sequences span several tiles
+# under the interpreter. Any tiling gives the same result: the kernels mask every position themselves.
+BLOCK_SIZES: tuple[int, int] | None = None
+BACKWARD_BLOCK_SIZES: tuple[int, int] | None = None
+
+# The kernels' KIND codes (see :mod:`.common`).
+QANA, NEURAL_RESIDUAL, NEURAL_REPLACE = 0, 1, 2
+
+
+def term_tensors(kind: int, term: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    """The operators' ``term`` list as the kernels' eight term pointers (U, V, b, c, P, R, w, gate), None where
+    the term has no such tensor: ``term`` is QANA's [U, V, b, c, gate], or the pair MLP's [P, R, w] followed by
+    its gate when it has one (not the replace form)."""
+    if kind == QANA:
+        U, V, b, c, gate = term
+        return U, V, b, c, None, None, None, gate
+    P, R, w, *gate = term
+    return None, None, None, None, P, R, w, (gate[0] if gate else None)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _block_sizes(hid_pad: int, device: torch.device, backward: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for the forward kernel or the two backward kernels.
+
+    Not tuned by timing (no GPU has run these kernels yet). Chosen, for bf16 and head_dim 64 on sm_90, as
+    the candidates ptxas compiled with the fewest register spills: a tile keeps BLOCK_M x h x BLOCK_N fp32
+    hidden activations and their derivatives in registers, so wider h gets smaller tiles. At h = 4 that is
+    no spill in the QANA forward and 100-260 bytes per thread in the backward kernels; at h = 8 the
+    backward kernels still spill about 1.5 KB.
+    """
+    override = BACKWARD_BLOCK_SIZES if backward else BLOCK_SIZES
+    if override is not None:
+        return (*override, 4)
+    if device.type != "cuda":
+        return 16, 16, 4  # the interpreter: one numpy op per tile op, so fewer, larger tiles are faster
+    if not backward:
+        return (64, 64, 8) if hid_pad <= 2 else (64, 32, 4) if hid_pad <= 4 else (64, 32, 8)
+    return (64, 32, 8) if hid_pad <= 4 else (32, 32, 4)
+
+
+def _strides(tensor: torch.Tensor | None, count: int) -> tuple[int, ...]:
+    return tuple(tensor.stride()[:count]) if tensor is not None else (0,) * count
+
+
+def launch_args(q, k, v, mask, term, kind, activation, scaling, is_causal, hidden, *, backward: bool):
+    """The arguments the three kernels share, from the operators' own: pointers and strides, in the kernels'
+    order, sizes, constexprs, and the launch's number of warps."""
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    U, QV, QB, QC, P, R, w, gate = term_tensors(kind, term)
+    if w is None:
+        w = QV  # any tensor of at least h numbers: the kernels load w, and the query-network term never uses it
+    if mask is not None:
+        mask = mask.expand(batch, heads, q_len, kv_len)  # broadcast dimensions get stride 0, no copy
+    dummy = q
+    pointers = [q, k, v, mask, U, QV, QB, QC, P, R, w, gate]
+    pointers = [dummy if t is None else t for t in pointers]
+    # One tuple per tensor: sq, sk, sv, sm, su, sx, sb, sc, sp, sr in the kernels.
+    strides = (
+        _strides(q, 4), _strides(k, 4), _strides(v, 4), _strides(mask, 4), _strides(U, 5),
+        _strides(QV, 4), _strides(QB, 4), _strides(QC, 3), _strides(P, 4), _strides(R, 4),
+    )  # fmt: skip
+    sizes = (heads, heads // kv_heads, q_len, kv_len, head_dim, hidden, scaling)
+    interpreting = q.device.type != "cuda"
+    hid_pad = _next_power_of_2(hidden)
+    block_m, block_n, num_warps = _block_sizes(hid_pad, q.device, backward)
+    block_d = _next_power_of_2(head_dim) if interpreting else max(16, _next_power_of_2(head_dim))
+    fp32_products = q.dtype == torch.float32 and (interpreting or not torch.backends.cuda.matmul.allow_tf32)
+    from .utils import ACTIVATION_CODES
+
+    constexprs = {
+        "KIND": kind,
+        "ACT": ACTIVATION_CODES[activation],
+        "HAS_MASK": mask is not None,
+        "IS_CAUSAL": is_causal,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_D": block_d,
+        "HID_PAD": hid_pad,
+        "PRECISION": "ieee" if fp32_products else "tf32",
+    }
+    return pointers, strides, sizes, constexprs, num_warps
