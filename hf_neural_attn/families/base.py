@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .._import_hooks import after_import
+from .._import_hooks import constant_when_compiled
 from ..scorers import AttentionGeometry
 
 
@@ -108,20 +108,8 @@ def forward_parameters(module_class: type[nn.Module]) -> tuple[str, ...]:
         return ()
 
 
-def _forward_parameters_as_constants(_dynamo) -> None:
-    """Inside a torch.compile'd model the signature lookup is a constant of the class: without this, Dynamo traces
-    ``inspect.signature`` through the cache on every compile and warns that it ignores the cache wrapper."""
-    global forward_parameters
-    cached = forward_parameters
-
-    def constant_forward_parameters(module_class: type[nn.Module]) -> tuple[str, ...]:
-        return cached(module_class)
-
-    forward_parameters = _dynamo.assume_constant_result(constant_forward_parameters)
-
-
-# torch._dynamo is a second's import: applied once something imports it, which torch.compile does before tracing.
-after_import("torch._dynamo", _forward_parameters_as_constants)
+# Inside a torch.compile'd model the signature lookup is a constant of the class.
+constant_when_compiled(__name__, "forward_parameters")
 
 
 def rotation(module: nn.Module, cos: torch.Tensor, sin: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
