@@ -21,7 +21,7 @@ from .families import FAMILIES, ModelFamily
 from .families.base import offloaded_weights_loaded
 from .ops import scored_attention, zero_rows_without_keys
 from .ops.masks import as_additive_mask
-from .ops.packed import PACKING_KWARGS, packed_sequences, sequence_mask
+from .ops.packed import PACKING_KWARGS, packed_sequences, sequence_block, sequence_mask
 from .patched_config import is_patched_config
 from .record import ATTN_IMPLEMENTATION, EXTRAS_KWARG, FALLBACK_ATTR, SCORER_ATTR
 from .scorers import Scorer
@@ -47,19 +47,14 @@ def hf_neural_attention_forward(
     query: (batch, heads, q_len, head_dim); key, value: (batch, kv_heads, kv_len, head_dim).
     Returns (batch, q_len, heads, head_dim) output and the attention probabilities.
 
-    A packed call (continuous batching: ``cu_seq_lens_q`` / ``cu_seq_lens_k``, batch 1, no mask) runs one sequence
-    at a time, each against its own keys (:mod:`hf_neural_attn.ops.packed`), scored or not.
+    A packed call (continuous batching, or a packed training batch: ``cu_seq_lens_q`` / ``cu_seq_lens_k``, batch 1)
+    runs one sequence at a time, each against its own keys (:mod:`hf_neural_attn.ops.packed`), scored or not.
     """
     extras = kwargs.pop(EXTRAS_KWARG, None)
     is_causal = kwargs.get("is_causal", getattr(module, "is_causal", False))
     sequences = packed_sequences(query, key, kwargs)
     if sequences is None:
         return _attention(module, query, key, value, attention_mask, scaling, dropout, extras, is_causal, kwargs)
-    if attention_mask is not None:
-        raise ValueError(
-            "hf_neural_attn got a packed call (cu_seq_lens_q / cu_seq_lens_k) with an attention mask as well: "
-            "each packed sequence is masked by its own lengths, so the call must carry no mask."
-        )
     sliding_window = kwargs.get("sliding_window")
     call_kwargs = {name: value for name, value in kwargs.items() if name not in PACKING_KWARGS}
     eager_base = getattr(module, SCORER_ATTR, None) is None and _unscored_implementation(module) == "eager"
@@ -67,9 +62,14 @@ def hf_neural_attention_forward(
     for sequence in sequences:
         sequence_query = query[:, :, sequence.queries]
         sequence_key, sequence_value = key[:, :, sequence.keys], value[:, :, sequence.keys]
-        mask = sequence_mask(sequence, is_causal=is_causal, sliding_window=sliding_window, device=query.device)
-        if eager_base:  # eager adds its mask to the logits, and builds no causal mask of its own
-            mask = _additive_mask(mask, sequence_query, sequence_key, is_causal)
+        if attention_mask is not None:
+            # A mask over the whole packed row (a packed training batch whose model built one, causal over the row):
+            # its block on this sequence's queries and keys, in the form the model's implementation gave it.
+            mask = sequence_block(attention_mask, sequence)
+        else:  # continuous batching builds none: each sequence's own, causal from the end of its keys
+            mask = sequence_mask(sequence, is_causal=is_causal, sliding_window=sliding_window, device=query.device)
+            if eager_base:  # eager adds its mask to the logits, and builds no causal mask of its own
+                mask = _additive_mask(mask, sequence_query, sequence_key, is_causal)
         sequence_extras = (
             extras.query_block(sequence.queries.start, sequence.queries.stop) if extras is not None else None
         )

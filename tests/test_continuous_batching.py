@@ -219,6 +219,34 @@ def test_an_older_transformers_is_refused_before_anything_is_generated():
     assert model.config._attn_implementation == "hf_neural_attn"
 
 
+@pytest.mark.parametrize("base", ["sdpa", "eager"])
+@pytest.mark.parametrize("scorer", ["qana", "neural"])
+def test_a_packed_training_batch_trains_each_sequence_alone(scorer, base):
+    """DataCollatorWithFlattening's batches (one row, cu_seq_lens_q/k): each sequence attends to itself only, with
+    or without the causal mask an eager base builds over the row; logits and gradients as when run one by one.
+    (The unpatched model over eager or SDPA ignores the lengths and lets later sequences see earlier ones.)"""
+    from transformers import DataCollatorWithFlattening
+
+    model = patched(lambda: tiny_llama(attn_implementation=base), scorer)
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": p} for p in PROMPTS])
+    batch.pop("labels")
+
+    def logits_and_gradients(run):
+        model.zero_grad()
+        logits = run()
+        logits.pow(2).mean().backward()
+        return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    packed, packed_grads = logits_and_gradients(lambda: model(**batch).logits[0])
+    alone, alone_grads = logits_and_gradients(
+        lambda: torch.cat([model(torch.tensor([prompt])).logits[0] for prompt in PROMPTS])
+    )
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+    assert packed_grads.keys() == alone_grads.keys()
+    for name, grad in alone_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=0, atol=1e-5, msg=name)
+
+
 def test_packed_calls_the_paths_cannot_split_are_refused():
     """Keys left in the paged cache for flash's kv-cache kernel (a block table) are not something to score."""
     from hf_neural_attn.ops.packed import packed_sequences

@@ -114,3 +114,10 @@ def sequence_mask(
         rows = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
         allowed &= torch.arange(kv_len, device=device)[None, :] > rows - sliding_window
     return allowed[None, None]
+
+
+def sequence_block(attention_mask: torch.Tensor, sequence: PackedSequence) -> torch.Tensor:
+    """The block of a mask over the whole packed row, (batch or 1, heads or 1, total_q or 1, total_kv), on one
+    sequence's queries and keys; a broadcast query axis stays broadcast."""
+    queries = sequence.queries if attention_mask.shape[-2] > 1 else slice(None)
+    return attention_mask[..., queries, sequence.keys]
