@@ -44,7 +44,8 @@ PRESETS = {
         "prompt": [1024],
     },
     "smollm-135m": {
-        "description": "SmolLM-135M's shape: Llama {layers} layers x 576 wide, 9 query heads on 3 kv heads, vocab 49152",
+        "description": "SmolLM-135M's shape: Llama {layers} layers x 576 wide, 9 query heads on 3 kv heads, "
+                       "vocab 49152",
         "config": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
                    "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True, "rope_theta": 10000.0},
         "prompt": [512],

@@ -29,9 +29,10 @@ _WRAPPED_ATTR = "_hf_neural_attn_wrapped"
 def continuous_batching_unsupported_reason() -> str | None:
     """Why this transformers cannot serve patched models by continuous batching, or None when it can.
 
-    The scorers need each request's keys. From transformers 5.19 (read from the code, not the version) the layers give the paged cache their keyword arguments
-    (``cache.update(..., kwargs=)``) and it returns the keys read back with the new ones; before, the paged
-    implementations wrote and read the cache themselves, inside the attention function of each name.
+    The scorers need each request's keys. From transformers 5.19 (read from the code, not the version) the layers
+    give the paged cache their keyword arguments (``cache.update(..., kwargs=)``) and it returns the keys read back
+    with the new ones; before, the paged implementations wrote and read the cache themselves, inside the attention
+    function of each name.
     """
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
 

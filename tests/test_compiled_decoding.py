@@ -48,7 +48,8 @@ for scorer in ("qana", "neural"):
     torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)
 
     expected = model.generate(ids, generation_config=generation())
-    served = model.generate(ids, generation_config=generation(cache_implementation="static", compile_config=compile_config))
+    compiled_generation = generation(cache_implementation="static", compile_config=compile_config)
+    served = model.generate(ids, generation_config=compiled_generation)
     assert getattr(model, "_compiled_call", None) is not None, "generate did not compile the forward"
     assert served.sequences.tolist() == expected.sequences.tolist(), (served.sequences, expected.sequences)
     for step, (ours, theirs) in enumerate(zip(served.scores, expected.scores, strict=True)):

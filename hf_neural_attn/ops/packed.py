@@ -3,9 +3,11 @@
 Continuous batching (``generate_batch``, ``transformers serve --continuous-batching``) runs every request of a step
 in one forward of batch 1: the new tokens of all requests one after the other, no attention mask, and per request
 the span of its queries (``cu_seq_lens_q``, cumulative lengths) and of its keys (``cu_seq_lens_k``: what its paged
-cache read back, then its new tokens). A request's queries are the last of its keys. Flash attention takes that form
-natively; the scorers take it one sequence at a time (:func:`packed_sequences`), each against its own keys only,
-causally, so memory stays linear in the tokens and no request sees another.
+cache read back, then its new tokens). A request's queries are the last of its keys. Packed training batches
+(``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``) come the same way, with as many keys as queries, and
+over an eager base with a causal mask over the whole row. Flash attention takes that form natively; the scorers take
+it one sequence at a time (:func:`packed_sequences`), each against its own keys only, causally, so memory stays
+linear in the tokens and no sequence sees another.
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ def packed_sequences(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> li
         if q_end - q_start > k_end - k_start or q_end > query.shape[-2] or k_end > key.shape[-2]:
             raise ValueError(
                 f"hf_neural_attn got a packed sequence of queries {q_start}:{q_end} and keys {k_start}:{k_end} over "
-                f"{query.shape[-2]} queries and {key.shape[-2]} keys: a sequence's queries must be the last of its keys."
+                f"{query.shape[-2]} queries and {key.shape[-2]} keys: a sequence's queries must be the last of its "
+                "keys."
             )
         sequences.append(PackedSequence(slice(q_start, q_end), slice(k_start, k_end)))
     return sequences
