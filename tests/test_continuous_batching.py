@@ -123,6 +123,16 @@ def test_prompts_prefilled_in_chunks():
 
 
 @needs_packed_keys
+def test_prompts_sharing_a_prefix_share_its_cache_blocks():
+    """With blocks of 4 tokens, the full blocks of a common 10-token prefix are shared between requests (the
+    manager's default): each request still reads its own keys back."""
+    model = patched(tiny_llama, "qana")
+    common = [5, 9, 12, 3, 7, 8, 2, 30, 31, 40]
+    prompts = [[*common, 41, 42], [*common, 11], [*common, 50, 51, 52]]
+    assert_served_alone(model, batched(model, prompts, block_size=4, allow_block_sharing=True), prompts)
+
+
+@needs_packed_keys
 def test_requests_join_and_leave_a_running_manager():
     """Requests of different budgets added while the manager generates (whatever the batches they fall into)."""
     model = patched(tiny_llama, "qana")
