@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .._import_hooks import after_import
+from .._import_hooks import after_import, constant_when_compiled
 from .blockwise import blockwise_attention, blockwise_unsupported_reason
 from .chunked import chunked_attention
 from .dropout import DEFAULT_SOURCE as DEFAULT_DROPOUT_SOURCE
@@ -214,6 +214,9 @@ def _run_block_loops_eagerly(_dynamo) -> None:
 # torch.compiler.disable imports torch._dynamo, a second's import: applied once something imports it, which
 # torch.compile does before it traces anything.
 after_import("torch._dynamo", _run_block_loops_eagerly)
+# Whether triton imports, asked on every call that may take the kernels: a constant inside a torch.compile'd model.
+# (Set up here: ops/triton imports nothing above the ops folder, which loads on its own.)
+constant_when_compiled(f"{__name__}.triton", "triton_available")
 
 
 def scored_attention(

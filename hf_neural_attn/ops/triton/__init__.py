@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from ..._import_hooks import constant_when_compiled
 from ..terms import FusedInputs
 from .fused import (
     MAX_HEAD_DIM,
@@ -65,10 +64,6 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-# Asked on every call of a patched model that may take the kernels: a constant inside a torch.compile'd model.
-constant_when_compiled(__name__, "triton_available")
 
 
 def triton_interpreting() -> bool:
