@@ -124,8 +124,9 @@ def test_prompts_prefilled_in_chunks():
 
 @needs_packed_keys
 def test_prompts_sharing_a_prefix_share_its_cache_blocks():
-    """With blocks of 4 tokens, the full blocks of a common 10-token prefix are shared between requests (the
-    manager's default): each request still reads its own keys back."""
+    """Block sharing on (the manager's default) with blocks of 4 tokens, so the full blocks of a common 10-token
+    prefix may be shared between requests (not checked here: transformers decides): each request still gets its own
+    tokens."""
     model = patched(tiny_llama, "qana")
     common = [5, 9, 12, 3, 7, 8, 2, 30, 31, 40]
     prompts = [[*common, 41, 42], [*common, 11], [*common, 50, 51, 52]]
