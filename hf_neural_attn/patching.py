@@ -36,6 +36,12 @@ from ._version import __version__
 from ._warnings import warn_user
 from .families import FAMILIES, ModelFamily, find_attention
 from .families.base import offloaded_weights_loaded
+from .families.zero3 import (
+    partition_like,
+    partitioned_weights_gathered,
+    register_scorer_parameters,
+    unregister_scorer_parameters,
+)
 from .ops import check_impl
 from .ops.dropout import check_probability
 from .patched_config import make_patched, make_unpatched
@@ -116,17 +122,20 @@ def patch_model(
     check_impl(getattr(config, "impl", "reference"))
     # Build every new module before touching the model, so a failure here changes nothing. Offloaded weights
     # are loaded while their module is read (as accelerate loads them for a call); the scorers are created on the
-    # module's execution device and stay there, outside the offloading.
+    # module's execution device and stay there, outside the offloading. Weights DeepSpeed ZeRO-3 partitioned are
+    # gathered the same way, and the new modules are partitioned like them once built (see families/zero3.py).
     new_scorers, narrow_projections, resolved = {}, {}, {}
     key_dim = getattr(config, "key_dim", None)
     for index in selected:
-        with offloaded_weights_loaded(attention_modules[index]):
-            scorer_type.check_module(config, attention_modules[index])
-            geometry = family.geometry(attention_modules[index])
+        module = attention_modules[index]
+        with offloaded_weights_loaded(module), partitioned_weights_gathered(module.parameters()):
+            scorer_type.check_module(config, module)
+            geometry = family.geometry(module)
             resolved[index] = config.resolved(geometry)
             new_scorers[index] = scorer_type(resolved[index], geometry)
             if key_dim is not None:
-                narrow_projections[index] = family.narrow_key_projections(attention_modules[index], key_dim)
+                narrow_projections[index] = family.narrow_key_projections(module, key_dim)
+        partition_like(module, [new_scorers[index], *narrow_projections.get(index, {}).values()])
     # Options the model decides ("auto") are recorded as what was computed, so that a saved record does not depend
     # on the loading version's rule; where the layers differ (SmolLM3's layers without RoPE), "auto" stays.
     if all(options == resolved[selected[0]] for options in resolved.values()):
@@ -158,6 +167,7 @@ def patch_model(
     for index, scorer_module in new_scorers.items():
         module = attention_modules[index]
         module.add_module(SCORER_ATTR, scorer_module)
+        register_scorer_parameters(model, module, scorer_module)
         if index in narrow_projections:
             family.use_narrow_keys(module, key_dim, narrow_projections[index])
             for projection in narrow_projections[index].values():
@@ -199,6 +209,7 @@ def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
     config_readers = [module for module in model.modules() if hasattr(module, FALLBACK_ATTR)]
     for module in config_readers:
         if hasattr(module, SCORER_ATTR):
+            unregister_scorer_parameters(model, module, getattr(module, SCORER_ATTR))
             delattr(module, SCORER_ATTR)
         _remove_query_extras_hooks(module)
         delattr(module, FALLBACK_ATTR)

@@ -17,6 +17,7 @@ import torch
 from .._version import __version__
 from .._warnings import warn_user
 from ..families import find_attention
+from ..families.zero3 import full_shape, partitioned_weights_gathered
 from ..patching import patch_model
 from ..record import BASE_LOAD_ATTR, PEFT_WRAPPER_PARTS, RECORD_KEY, SCORER_ATTR, PatchRecord, scorer_parameters
 from ..scorers import ScorerConfig
@@ -106,16 +107,17 @@ def fill_scorer_weights(
     if problems:
         raise ValueError(f"{describe} does not fit the recorded patch: " + "; ".join(problems) + f". {hint}")
     mismatched = [
-        f"{name}: saved {tuple(tensors[name].shape)}, patch builds {tuple(parameter.shape)}"
+        f"{name}: saved {tuple(tensors[name].shape)}, patch builds {tuple(full_shape(parameter))}"
         for name, parameter in expected.items()
-        if tensors[name].shape != parameter.shape
+        if tensors[name].shape != full_shape(parameter)
     ]
     if mismatched:
         raise ValueError(
             f"{describe} does not fit the recorded patch: {len(mismatched)} scorer tensor(s) have other shapes, "
             f"e.g. {mismatched[:2]}. {hint}"
         )
-    with torch.no_grad():
+    # Under DeepSpeed ZeRO-3 the parameters are gathered for the copy, and rank 0's copy is what they keep.
+    with torch.no_grad(), partitioned_weights_gathered(expected.values(), modifier_rank=0):
         for name, parameter in expected.items():
             parameter.copy_(tensors[name])
 
