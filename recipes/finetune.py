@@ -106,17 +106,26 @@ def setup_logging(accelerator) -> None:
 
 def make_accelerator(args: argparse.Namespace):
     from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import InitProcessGroupKwargs
 
     accelerator_present = (
         torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available()
     )
+    # Without any accelerator, processes started by `accelerate launch --multi_gpu` train on CPU over gloo.
+    cpu = args.cpu or not accelerator_present
     kwargs: dict[str, Any] = {}
     if args.with_tracking:
         kwargs.update(log_with=args.report_to, project_dir=args.output_dir)
+    deepspeed_launch = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed_launch and not accelerator_present and not args.cpu:
+        # accelerate runs DeepSpeed only with cpu=False; on a machine without an accelerator it then lets DeepSpeed
+        # join the processes (gloo, DeepSpeed's CPU accelerator) but keeps no backend of its own, and counts one
+        # process on every rank: each rank would see the whole dataset. Naming the backend makes it one job.
+        cpu = False
+        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
     return Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-        # Without any accelerator, processes started by `accelerate launch --multi_gpu` train on CPU over gloo.
-        cpu=args.cpu or not accelerator_present,
+        cpu=cpu,
         # The shuffling order of each epoch is a function of (seed, epoch): the same on every process and
         # after a resume.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
@@ -326,6 +335,10 @@ def setup(args: argparse.Namespace) -> TrainingRun:
             f"({report.describe_patch(bundle.patch)}) has none: only qana, and neural/additive in mode residual, "
             "have gates. Drop --gate_schedule or use a gated scorer."
         )
+    if args.gradient_checkpointing:
+        # Non-reentrant: torch's recommended form (docs/recipes.md says how it fares under DeepSpeed ZeRO-3).
+        bundle.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        bundle.model.config.use_cache = False
     data = task.prepare(args, raw, preprocessor, bundle.model.config, labels, accelerator)
     parameters = modeling.count_parameters(bundle.model)
     logger.info(
@@ -361,6 +374,14 @@ def setup(args: argparse.Namespace) -> TrainingRun:
         num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
         num_training_steps=max_train_steps * accelerator.num_processes,
     )
+    deepspeed_plugin = accelerator.state.deepspeed_plugin
+    if deepspeed_plugin is not None and deepspeed_plugin.deepspeed_config.get("train_micro_batch_size_per_gpu") in (
+        None,
+        "auto",
+    ):
+        # accelerate reads DeepSpeed's micro-batch size from dataloaders prepared in the same call; these were
+        # prepared above (the scheduler needs their length).
+        deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
     model, optimizer, scheduler = accelerator.prepare(bundle.model, optimizer, scheduler)
     # Before a checkpoint is loaded: a fixed gate keeps the value the model was built (or loaded) with.
     gates = gate_schedule(args, accelerator, model, optimizer)

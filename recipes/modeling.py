@@ -324,7 +324,12 @@ def build_model(args: argparse.Namespace, config, preprocessor, labels: dict[str
 
     if args.scorer != "none":
         try:
-            hf_neural_attn.patch_model(model, args.scorer, layers=args.layers, **scorer_options(args))
+            # The scorers' init depends on the seed only, not on what building the base drew before (a new head,
+            # resized embeddings, DeepSpeed ZeRO-3's partitioned construction, which draws every weight before
+            # loading it): a run under ZeRO-3 starts from the scorers of the same run under DDP.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(args.seed)
+                hf_neural_attn.patch_model(model, args.scorer, layers=args.layers, **scorer_options(args))
         except (TypeError, ValueError) as error:
             raise RecipeError(f"Cannot patch {type(model).__name__} with --scorer {args.scorer}: {error}") from error
     if hf_neural_attn.is_patched(model):
@@ -393,7 +398,10 @@ def _checkpoint_keys(path: str) -> set[str]:
 
 
 def count_parameters(model) -> dict[str, int]:
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    added = sum(p.numel() for p in hf_neural_attn.scorer_parameters(model).values())
+    def numel(parameter) -> int:  # DeepSpeed ZeRO-3 leaves each process an empty placeholder of the whole tensor
+        return getattr(parameter, "ds_numel", parameter.numel())
+
+    total = sum(numel(p) for p in model.parameters())
+    trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
+    added = sum(numel(p) for p in hf_neural_attn.scorer_parameters(model).values())
     return {"total": total, "trainable": trainable, "added_by_patch": added}
