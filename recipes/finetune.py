@@ -337,7 +337,12 @@ def setup(args: argparse.Namespace) -> TrainingRun:
         )
     if args.gradient_checkpointing:
         # Non-reentrant: torch's recommended form (docs/recipes.md says how it fares under DeepSpeed ZeRO-3).
-        bundle.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5.23 renamed gradient_checkpointing_enable (now deprecated) to activation_checkpointing_enable.
+        non_reentrant = {"use_reentrant": False}
+        if hasattr(bundle.model, "activation_checkpointing_enable"):
+            bundle.model.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
+        else:
+            bundle.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
         bundle.model.config.use_cache = False
     data = task.prepare(args, raw, preprocessor, bundle.model.config, labels, accelerator)
     parameters = modeling.count_parameters(bundle.model)

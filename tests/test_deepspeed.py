@@ -67,8 +67,8 @@ def optimizer_for(parameters):
 
 def prepare_for_training(model, checkpointing: bool) -> None:
     model.config.use_cache = False
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:  # transformers 5.23 renamed gradient_checkpointing_enable
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
 
 
@@ -77,7 +77,7 @@ def _zero3_worker(rank: int, init_file: str, base: str, out: str, case: dict) ->
     torch.set_num_threads(1)
     import deepspeed
     import torch.distributed as dist
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -121,15 +121,23 @@ def _zero3_worker(rank: int, init_file: str, base: str, out: str, case: dict) ->
     engine.module.config.use_cache = True
     results["generated"] = engine.module.generate(prompt[:1, :6], max_new_tokens=5, do_sample=False).tolist()
 
-    # Reloaded under ZeRO-3: partitioned again, the scorers holding the trained tensors.
-    reloaded = hf_neural_attn.from_pretrained(f"{out}/trained")
-    reloaded_scorers = hf_neural_attn.scorer_parameters(reloaded)
-    results["reloaded_partitioned"] = all(p.numel() == 0 for p in reloaded_scorers.values())
-    with deepspeed.zero.GatheredParameters(list(reloaded_scorers.values())):  # collective: every rank enters
-        if rank == 0:  # the consolidated state dict is rank 0's only
-            results["reloaded_equal"] = all(
-                torch.equal(parameter, state[name]) for name, parameter in reloaded_scorers.items()
-            )
+    # Reloaded under ZeRO-3, by the library and by an Auto class: partitioned again, holding the trained tensors.
+    for loader in ("hf_neural_attn", "auto"):
+        if loader == "auto":
+            reloaded = AutoModelForCausalLM.from_pretrained(f"{out}/trained")
+        else:
+            reloaded = hf_neural_attn.from_pretrained(f"{out}/trained")
+        reloaded_scorers = hf_neural_attn.scorer_parameters(reloaded)
+        results[f"{loader}_partitioned"] = all(p.numel() == 0 for p in reloaded_scorers.values())
+        with deepspeed.zero.GatheredParameters(list(reloaded_scorers.values())):  # collective: every rank enters
+            if rank == 0:  # the consolidated state dict is rank 0's only
+                results[f"{loader}_equal"] = all(
+                    torch.equal(parameter, state[name]) for name, parameter in reloaded_scorers.items()
+                )
+    # unpatch_model takes the scorers out again: the partitioned base gives the base model's logits.
+    hf_neural_attn.unpatch_model(reloaded)
+    with deepspeed.zero.GatheredParameters(list(reloaded.parameters())):
+        results["unpatched_logits"] = reloaded(prompt).logits.tolist()
     if rank == 0:
         Path(f"{out}/results.json").write_text(json.dumps(results))
     dist.barrier()
@@ -194,7 +202,15 @@ def test_zero3_patch_train_save_reload_generate(name, tmp_path):
         base_state = base.state_dict()
         assert all(torch.equal(saved_state[n], base_state[n]) for n in base_state)
     # Reloaded under ZeRO-3: partitioned, holding the saved tensors; generate gathers the scorers.
-    assert results["reloaded_partitioned"] and results["reloaded_equal"]
+    for loader in ("hf_neural_attn", "auto"):
+        assert results[f"{loader}_partitioned"] and results[f"{loader}_equal"], loader
+    if not case["only_new"]:  # the trained base, unpatched
+        unpatched = hf_neural_attn.unpatch_model(hf_neural_attn.from_pretrained(tmp_path / "trained"))
+        with torch.no_grad():
+            expected_logits = unpatched(batches()[0]).logits
+    else:
+        expected_logits = base_logits
+    torch.testing.assert_close(torch.tensor(results["unpatched_logits"]), expected_logits, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         expected = saved.generate(batches()[0][:1, :6], max_new_tokens=5, do_sample=False)
     assert results["generated"] == expected.tolist()

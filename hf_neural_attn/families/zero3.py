@@ -34,9 +34,10 @@ def is_partitioned(parameter: torch.Tensor) -> bool:
     return hasattr(parameter, "ds_id")
 
 
-def _deepspeed():
-    # Present whenever a partitioned parameter is: only deepspeed.zero.Init makes them.
-    return sys.modules["deepspeed"]
+def _zero():
+    """DeepSpeed's ZeRO-3 module (``Init``, ``GatheredParameters``, the external-parameter registry). Loaded whenever
+    a partitioned parameter exists: only it makes them."""
+    return sys.modules["deepspeed.runtime.zero.partition_parameters"]
 
 
 def full_shape(parameter: torch.Tensor) -> torch.Size:
@@ -58,7 +59,7 @@ def partitioned_weights_gathered(
     if not partitioned:
         yield
         return
-    with _deepspeed().zero.GatheredParameters(partitioned, modifier_rank=modifier_rank):
+    with _zero().GatheredParameters(partitioned, modifier_rank=modifier_rank):
         yield
 
 
@@ -71,7 +72,7 @@ def partition_like(reference: nn.Module, new_modules: Iterable[nn.Module]) -> No
         return
     from transformers.integrations.deepspeed import deepspeed_config
 
-    zero = _deepspeed().zero
+    zero = _zero()
     for module in new_modules:
         # ``module=`` converts a module built outside the Init context as if built inside it; the config (the
         # run's HfDeepSpeedConfig, when there is one) places the shards (offload_param) as the base's were.
@@ -97,7 +98,7 @@ def register_scorer_parameters(model: nn.Module, attention_module: nn.Module, sc
     if parameters:
         caller = _caller(model, attention_module)
         for parameter in parameters:
-            _deepspeed().zero.register_external_parameter(caller, parameter)
+            _zero().register_external_parameter(caller, parameter)
 
 
 def unregister_scorer_parameters(model: nn.Module, attention_module: nn.Module, scorer: nn.Module) -> None:
@@ -106,4 +107,4 @@ def unregister_scorer_parameters(model: nn.Module, attention_module: nn.Module, 
     if parameters:
         caller = _caller(model, attention_module)
         for parameter in parameters:
-            _deepspeed().zero.unregister_external_parameter(caller, parameter)
+            _zero().unregister_external_parameter(caller, parameter)
