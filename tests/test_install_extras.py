@@ -23,6 +23,7 @@ EXTRAS = [
     "lm_eval",
     "triton",
     "sentence_transformers",
+    "deepspeed",
 ]
 
 
