@@ -108,7 +108,10 @@ def full_checkpoint_card(
     snippet = ["import hf_neural_attn"]
     if auto_class:
         snippet.append(f"from transformers import {auto_class}")
-    snippet += ["", f'model = hf_neural_attn.from_pretrained("{where}")  # the patched model, its scorer weights loaded']
+    snippet += [
+        "",
+        f'model = hf_neural_attn.from_pretrained("{where}")  # the patched model, its scorer weights loaded',
+    ]
     if auto_class:
         snippet += [
             "# or, with hf_neural_attn imported, transformers' own Auto class:",

@@ -36,9 +36,9 @@ from ._version import __version__
 from ._warnings import warn_user
 from .families import FAMILIES, ModelFamily, find_attention
 from .families.base import offloaded_weights_loaded
+from .model_cards import checkpoint_tags
 from .ops import check_impl
 from .ops.dropout import check_probability
-from .model_cards import checkpoint_tags
 from .patched_config import make_patched, make_unpatched
 from .record import (
     ADDED_MODULE_ATTR,

@@ -373,7 +373,9 @@ def _handler_for(hub: HubServer) -> type[BaseHTTPRequestHandler]:
             body = self._read_body()
             hub.requests.append(f"{self.command} {split.path}")
             try:
-                status, headers, payload = hub.handle(self.command, split.path, parse_qs(split.query), self.headers, body)
+                status, headers, payload = hub.handle(
+                    self.command, split.path, parse_qs(split.query), self.headers, body
+                )
             except HubError as error:
                 status, payload = error.status, json.dumps({"error": error.message, **error.fields}).encode()
                 headers = {"Content-Type": "application/json", "X-Error-Message": error.message, **error.headers}

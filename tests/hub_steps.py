@@ -31,6 +31,9 @@ ADAPTER = f"{USER}/tiny-qana-adapter"
 LOCAL_BASE_ADAPTER = f"{USER}/tiny-local-base-adapter"
 PRIVATE = f"{USER}/tiny-qana-private"
 PRIVATE_NO_TOKEN = f"{USER}/tiny-qana-pushed-without-token"
+RECIPE_BASE = f"{USER}/tiny-gpt2-base"
+RECIPE_RUN = f"{USER}/tiny-qana-run"
+RECIPE_BASELINE = f"{USER}/tiny-baseline-run"
 OWN_CARD_TEXT = "# A card written by its owner\n\nKept as it is.\n"
 
 # (repo, family, scorer, options, max_shard_size) of the full checkpoints pushed by model.push_to_hub
@@ -94,7 +97,8 @@ def full_checkpoints() -> dict:
             "library_difference": max_difference(model, by_library, family),
             "auto_class_difference": max_difference(model, by_auto_class, family),
             "classes": [type(by_library).__name__, type(by_auto_class).__name__],
-            "records_equal": by_library.config.hf_neural_attn == by_auto_class.config.hf_neural_attn
+            "records_equal": by_library.config.hf_neural_attn
+            == by_auto_class.config.hf_neural_attn
             == model.config.hf_neural_attn,
         }
     return results
@@ -131,11 +135,10 @@ def own_card() -> dict:
 def adapters(local_base: str) -> dict:
     """push_adapter_to_hub of a model whose base came from the Hub, loaded back by repo id; and the warning for an
     adapter whose base is a local folder."""
+    from helpers import perturb_scorers, tiny_model
     from transformers import LlamaForCausalLM
 
     import hf_neural_attn
-
-    from helpers import perturb_scorers, tiny_model
 
     tiny_model("llama").push_to_hub(BASE, token=TOKEN)
     model = LlamaForCausalLM.from_pretrained(BASE).eval()  # its name_or_path is the base's repo id
@@ -181,7 +184,9 @@ def private_repos(cache: str) -> dict:
 
 def files_under(folder: Path) -> list[str]:
     """The files under ``folder``, relative to it; none when it does not exist."""
-    return sorted(str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file()) if folder.exists() else []
+    return (
+        sorted(str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file()) if folder.exists() else []
+    )
 
 
 def without_the_library() -> dict:
@@ -198,6 +203,39 @@ def without_the_library() -> dict:
     }
 
 
+def recipe_push(folder: str) -> dict:
+    """The recipe with --push_to_hub, fine-tuning a base model it downloads from the Hub (patched, and a baseline
+    run); the pushed patched run loaded back by repo id."""
+    from huggingface_hub import HfApi
+    from recipes_helpers import clm_flags, in_process_runs, save_tiny_gpt2, tiny_recipe_assets
+
+    import hf_neural_attn
+
+    root = Path(folder)
+    assets = tiny_recipe_assets(root / "assets")
+    api = HfApi(token=TOKEN)
+    api.create_repo(RECIPE_BASE)
+    api.upload_folder(repo_id=RECIPE_BASE, folder_path=save_tiny_gpt2(root / "base"))
+    outputs = {}
+    for repo, scorer in ((RECIPE_RUN, "qana"), (RECIPE_BASELINE, "none")):
+        outputs[repo] = root / repo.split("/")[1]
+        flags = clm_flags(assets, "--model_name_or_path", RECIPE_BASE, "--scorer", scorer, "--checkpointing_steps", "2")
+        flags += ["--push_to_hub", "--hub_model_id", repo, "--hub_token", TOKEN, "--attention_map_layer", "none"]
+        with in_process_runs():
+            from recipes_helpers import finetune_in_process
+
+            finetune_in_process(outputs[repo], *flags)
+    from transformers import GPT2LMHeadModel
+
+    local = GPT2LMHeadModel.from_pretrained(outputs[RECIPE_RUN]).eval()  # the run's own folder, patched
+    by_repo_id = hf_neural_attn.from_pretrained(RECIPE_RUN)
+    return {
+        "local_files": sorted(path.name for path in outputs[RECIPE_RUN].iterdir()),
+        "patched": hf_neural_attn.is_patched(by_repo_id),
+        "difference": max_difference(local, by_repo_id, "gpt2"),
+    }
+
+
 # ------------------------------------------------------------------------------------------------ running
 
 
@@ -207,7 +245,6 @@ class _NotInstalled(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name == "hf_neural_attn" or name.startswith("hf_neural_attn."):
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
 
 
 def block_the_library() -> None:
@@ -223,6 +260,7 @@ STEPS = {
     "adapters": adapters,
     "private_repos": private_repos,
     "without_the_library": without_the_library,
+    "recipe_push": recipe_push,
 }
 
 

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from huggingface_hub import ModelCard
 from hub_server import TOKEN
 from hub_steps import (
     ADAPTER,
@@ -26,9 +25,15 @@ from hub_steps import (
     PRIVATE,
     PRIVATE_NO_TOKEN,
     QANA_LLAMA,
+    RECIPE_BASE,
+    RECIPE_BASELINE,
+    RECIPE_RUN,
     REVISIONS,
     SHARDED,
 )
+from huggingface_hub import ModelCard
+
+from recipes import report
 
 pytestmark = pytest.mark.hub
 
@@ -84,8 +89,11 @@ def test_push_to_hub_then_load_by_repo_id_with_the_library_and_the_auto_class(hu
         result = results[repo]
         assert result["library_difference"] <= SAME_LOGITS and result["auto_class_difference"] <= SAME_LOGITS, result
         assert result["records_equal"], result
-        assert result["classes"][0] == result["classes"][1] == ("GPT2LMHeadModel" if family == "gpt2" else
-                                                                 "LlamaForCausalLM")
+        assert (
+            result["classes"][0]
+            == result["classes"][1]
+            == ("GPT2LMHeadModel" if family == "gpt2" else "LlamaForCausalLM")
+        )
         assert {"config.json", "hf_neural_attn_loader.py", "README.md"} <= set(result["files"])
         weights = [name for name in result["files"] if name.endswith(".safetensors")]
         if shard_size:  # max_shard_size went through push_to_hub: shards and their index, loaded as one model
@@ -137,9 +145,14 @@ def test_a_private_repo_without_a_token_is_a_clear_error_and_leaves_nothing_half
 
 def test_without_the_library_the_auto_classes_refuse_by_name(hub_server, library_session, tmp_path):
     succeeded(library_session["full_checkpoints"])  # the repo loaded here was pushed there
-    result = run_steps(hub_server, tmp_path, "without_the_library", prelude="import hub_steps; hub_steps.block_the_library(); ")
+    result = run_steps(
+        hub_server, tmp_path, "without_the_library", prelude="import hub_steps; hub_steps.block_the_library(); "
+    )
     result = succeeded(result["without_the_library"])
-    assert result["library_importable"] == {"type": "ModuleNotFoundError", "message": "No module named 'hf_neural_attn'"}
+    assert result["library_importable"] == {
+        "type": "ModuleNotFoundError",
+        "message": "No module named 'hf_neural_attn'",
+    }
     # transformers' generic remote-code refusal: the checkpoint's auto_map names the loader file.
     auto_class = result["auto_class"]
     assert auto_class["type"] == "ValueError", auto_class
@@ -151,6 +164,29 @@ def test_without_the_library_the_auto_classes_refuse_by_name(hub_server, library
     # The plain class builds the model the config asks for, whose attention implementation nothing registered.
     plain = result["plain_class"]
     assert plain["type"] == "ValueError" and 'attn_implementation="hf_neural_attn"' in plain["message"], plain
+
+
+def test_recipe_push_to_hub_uploads_the_run_which_loads_by_repo_id(hub_server, tmp_path):
+    """recipes.finetune --push_to_hub: the token check before training (recipes/hub.py, against this server), the
+    upload of the run folder, its card, and the pushed run loaded back by repo id."""
+    result = succeeded(run_steps(hub_server, tmp_path, f"recipe_push={tmp_path}")["recipe_push"])
+    assert result["patched"] and result["difference"] <= SAME_LOGITS
+    assert "GET /api/whoami-v2" in hub_server.requests  # --hub_token checked before training
+    pushed = set(hub_server.files(RECIPE_RUN))
+    expected = {"README.md", "config.json", "model.safetensors", "all_results.json", report.PLOT_FILE}
+    assert expected | {"tokenizer_config.json", "hf_neural_attn_loader.py"} <= pushed
+    assert "step_2" in result["local_files"] and not [name for name in pushed if name.startswith("step_")]
+    assert TOKEN not in hub_server.download(RECIPE_RUN, "all_results.json").decode(), "the token leaked"
+
+    card = pushed_card(hub_server, RECIPE_RUN)
+    assert card.data.library_name == "transformers" and card.data.base_model == RECIPE_BASE
+    assert card.data.tags[:3] == ["hf-neural-attn", "qana", "custom_code"]
+    assert card.data.pipeline_tag == "text-generation"
+    assert "pip install hf-neural-attn" in card.text and f'hf_neural_attn.from_pretrained("{RECIPE_RUN}")' in card.text
+    # A baseline run is a plain transformers checkpoint: no library tag, nothing of the library to import.
+    baseline = pushed_card(hub_server, RECIPE_BASELINE)
+    assert baseline.data.library_name == "transformers" and baseline.data.base_model == RECIPE_BASE
+    assert "hf-neural-attn" not in baseline.data.tags and "import hf_neural_attn" not in baseline.text
 
 
 # ---------------------------------------------------------------------------------------------- the cards
