@@ -154,7 +154,8 @@ of the `{record.scorer}` attention scorer (options `{json.dumps(dict(record.opti
 {list(record.layers)} of `{base}`{revision} ({architecture}). It holds no base-model weights.""",
         f"""import hf_neural_attn
 
-model = hf_neural_attn.from_pretrained("{repo_id or FOLDER_PLACEHOLDER}")  # loads the base model, patches it, loads these tensors
+# loads the base model, patches it, loads these tensors:
+model = hf_neural_attn.from_pretrained("{repo_id or FOLDER_PLACEHOLDER}")
 """,
     )
 
@@ -240,6 +241,7 @@ def install_push_card(module) -> None:
             if ours is None:
                 return save_template(filepath, *args, **kwargs)
             Path(filepath).write_text(ours, encoding="utf-8")
+            return None
 
         card.save = save
         return card

@@ -21,12 +21,12 @@ from pathlib import Path
 
 from hub_server import ORGS, TOKEN, USER
 
+BASE = f"{USER}/tiny-llama-base"
 QANA_LLAMA = f"{USER}/tiny-qana-llama"
 NEURAL_GPT2 = f"{USER}/tiny-neural-gpt2"
 SHARDED = f"{ORGS[0]}/tiny-qana-llama-sharded"  # an organisation's namespace
 REVISIONS = f"{USER}/tiny-qana-two-commits"
 OWN_CARD = f"{USER}/tiny-qana-own-card"
-BASE = f"{USER}/tiny-llama-base"
 ADAPTER = f"{USER}/tiny-qana-adapter"
 LOCAL_BASE_ADAPTER = f"{USER}/tiny-local-base-adapter"
 PRIVATE = f"{USER}/tiny-qana-private"
@@ -36,11 +36,14 @@ RECIPE_RUN = f"{USER}/tiny-qana-run"
 RECIPE_BASELINE = f"{USER}/tiny-baseline-run"
 OWN_CARD_TEXT = "# A card written by its owner\n\nKept as it is.\n"
 
-# (repo, family, scorer, options, max_shard_size) of the full checkpoints pushed by model.push_to_hub
+SAVED_AND_PUSHED = f"{USER}/tiny-neural-llama-save-pretrained-push"
+
+# (repo, family, scorer, options, max_shard_size, base model) of the full checkpoints pushed by model.push_to_hub;
+# the base model is the name_or_path the model says it was loaded from (None: built from a config).
 FULL_PUSHES = [
-    (QANA_LLAMA, "llama", "qana", {}, None),
-    (NEURAL_GPT2, "gpt2", "neural", {"proj_dim": 2}, None),
-    (SHARDED, "llama", "qana", {"layers": [1]}, "20KB"),
+    (QANA_LLAMA, "llama", "qana", {}, None, BASE),
+    (NEURAL_GPT2, "gpt2", "neural", {"proj_dim": 2}, None, None),
+    (SHARDED, "llama", "qana", {"layers": [1]}, "20KB", None),
 ]
 
 
@@ -86,8 +89,9 @@ def full_checkpoints() -> dict:
     import hf_neural_attn
 
     results = {}
-    for repo, family, scorer, options, shard_size in FULL_PUSHES:
+    for repo, family, scorer, options, shard_size, base_model in FULL_PUSHES:
         model = patched(family, scorer, **options)
+        model.config.name_or_path = base_model or ""  # as from_pretrained(base_model) sets it
         sharding = {"max_shard_size": shard_size} if shard_size else {}
         model.push_to_hub(repo, token=TOKEN, **sharding)
         by_library = hf_neural_attn.from_pretrained(repo)
@@ -102,6 +106,16 @@ def full_checkpoints() -> dict:
             == model.config.hf_neural_attn,
         }
     return results
+
+
+def save_pretrained_push(folder: str) -> dict:
+    """save_pretrained(push_to_hub=True), transformers' other way to push, loaded back by repo id."""
+    import hf_neural_attn
+
+    model = patched("llama", "neural", proj_dim=2)
+    model.config.name_or_path = BASE
+    model.save_pretrained(folder, push_to_hub=True, repo_id=SAVED_AND_PUSHED, token=TOKEN)
+    return {"difference": max_difference(model, hf_neural_attn.from_pretrained(SAVED_AND_PUSHED), "llama")}
 
 
 def revisions() -> dict:
@@ -256,6 +270,7 @@ def block_the_library() -> None:
 STEPS = {
     "full_checkpoints": full_checkpoints,
     "revisions": revisions,
+    "save_pretrained_push": save_pretrained_push,
     "own_card": own_card,
     "adapters": adapters,
     "private_repos": private_repos,

@@ -17,9 +17,9 @@ import pytest
 from hub_server import TOKEN
 from hub_steps import (
     ADAPTER,
+    BASE,
     FULL_PUSHES,
     LOCAL_BASE_ADAPTER,
-    NEURAL_GPT2,
     OWN_CARD,
     OWN_CARD_TEXT,
     PRIVATE,
@@ -29,6 +29,7 @@ from hub_steps import (
     RECIPE_BASELINE,
     RECIPE_RUN,
     REVISIONS,
+    SAVED_AND_PUSHED,
     SHARDED,
 )
 from huggingface_hub import ModelCard
@@ -77,6 +78,7 @@ def library_session(hub_server, tmp_path_factory) -> dict:
         home,
         "full_checkpoints",
         "revisions",
+        f"save_pretrained_push={home / 'saved'}",
         "own_card",
         f"adapters={home / 'local-base'}",
         f"private_repos={home / 'hub'}",
@@ -85,7 +87,7 @@ def library_session(hub_server, tmp_path_factory) -> dict:
 
 def test_push_to_hub_then_load_by_repo_id_with_the_library_and_the_auto_class(hub_server, library_session):
     results = succeeded(library_session["full_checkpoints"])
-    for repo, family, _, _, shard_size in FULL_PUSHES:
+    for repo, family, _, _, shard_size, _ in FULL_PUSHES:
         result = results[repo]
         assert result["library_difference"] <= SAME_LOGITS and result["auto_class_difference"] <= SAME_LOGITS, result
         assert result["records_equal"], result
@@ -120,9 +122,7 @@ def test_adapters_push_and_load_by_repo_id(hub_server, library_session):
     assert result["difference"] <= SAME_LOGITS and result["class"] == "LlamaForCausalLM"
     files = set(hub_server.files(ADAPTER))
     assert files == {".gitattributes", "README.md", "hf_neural_attn_adapter.json", "hf_neural_attn_adapter.safetensors"}
-    assert json.loads(hub_server.download(ADAPTER, "hf_neural_attn_adapter.json"))["base_model_name_or_path"] == (
-        "someone/tiny-llama-base"
-    )
+    assert json.loads(hub_server.download(ADAPTER, "hf_neural_attn_adapter.json"))["base_model_name_or_path"] == BASE
     assert [message for message in result["warnings"] if "local folder" in message and "only this machine" in message]
     assert "hf_neural_attn_adapter.safetensors" in hub_server.files(LOCAL_BASE_ADAPTER)
 
@@ -204,11 +204,18 @@ def assert_full_checkpoint_card(card: ModelCard, scorer: str, pipeline_tag: str,
 
 def test_cards_of_full_checkpoints_pushed_by_push_to_hub(hub_server, library_session):
     succeeded(library_session["full_checkpoints"])
-    for repo, scorer in ((QANA_LLAMA, "qana"), (NEURAL_GPT2, "neural"), (SHARDED, "qana")):
+    for repo, _, scorer, _, _, base_model in FULL_PUSHES:
         card = pushed_card(hub_server, repo)
         assert_full_checkpoint_card(card, scorer, "text-generation", repo, "AutoModelForCausalLM")
-        assert card.data.base_model is None  # built from a config: no base checkpoint to name
+        assert card.data.base_model == base_model  # None for a model built from a config
         assert "automatically generated" not in card.text  # transformers' template gave way
+
+
+def test_save_pretrained_with_push_to_hub_pushes_the_same_card(hub_server, library_session):
+    assert succeeded(library_session["save_pretrained_push"])["difference"] <= SAME_LOGITS
+    card = pushed_card(hub_server, SAVED_AND_PUSHED)
+    assert_full_checkpoint_card(card, "neural", "text-generation", SAVED_AND_PUSHED, "AutoModelForCausalLM")
+    assert card.data.base_model == BASE
 
 
 def test_a_card_already_on_the_repo_is_kept_and_tagged(hub_server, library_session):
@@ -222,7 +229,7 @@ def test_adapter_card_on_the_hub(hub_server, library_session):
     succeeded(library_session["adapters"])
     card = pushed_card(hub_server, ADAPTER)
     assert card.data.library_name == "hf-neural-attn"
-    assert card.data.base_model == "someone/tiny-llama-base" and card.data.base_model_relation == "adapter"
+    assert card.data.base_model == BASE and card.data.base_model_relation == "adapter"
     assert card.data.tags == ["hf-neural-attn", "qana"] and card.data.pipeline_tag == "text-generation"
     assert "pip install hf-neural-attn" in card.text and f'hf_neural_attn.from_pretrained("{ADAPTER}")' in card.text
     # A local base is no Hub id: no base_model the Hub would link to.
