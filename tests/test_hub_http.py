@@ -36,8 +36,6 @@ from huggingface_hub import ModelCard
 
 from recipes import report
 
-pytestmark = pytest.mark.hub
-
 ROOT = Path(__file__).resolve().parents[1]
 SAME_LOGITS = 1e-6  # a checkpoint loads as the model that was pushed
 
@@ -85,6 +83,7 @@ def library_session(hub_server, tmp_path_factory) -> dict:
     )
 
 
+@pytest.mark.hub
 def test_push_to_hub_then_load_by_repo_id_with_the_library_and_the_auto_class(hub_server, library_session):
     results = succeeded(library_session["full_checkpoints"])
     for repo, family, _, _, shard_size, _ in FULL_PUSHES:
@@ -106,6 +105,7 @@ def test_push_to_hub_then_load_by_repo_id_with_the_library_and_the_auto_class(hu
     assert config["hf_neural_attn"]["layers"] == [1] and config["model_type"] == "hf_neural_attn"
 
 
+@pytest.mark.hub
 def test_revision_loads_the_weights_of_an_earlier_commit(hub_server, library_session):
     result = succeeded(library_session["revisions"])
     first, second = result["commits"]
@@ -117,6 +117,7 @@ def test_revision_loads_the_weights_of_an_earlier_commit(hub_server, library_ses
     assert pushed_card(hub_server, REVISIONS, first).content == pushed_card(hub_server, REVISIONS, second).content
 
 
+@pytest.mark.hub
 def test_adapters_push_and_load_by_repo_id(hub_server, library_session):
     result = succeeded(library_session["adapters"])
     assert result["difference"] <= SAME_LOGITS and result["class"] == "LlamaForCausalLM"
@@ -127,6 +128,7 @@ def test_adapters_push_and_load_by_repo_id(hub_server, library_session):
     assert "hf_neural_attn_adapter.safetensors" in hub_server.files(LOCAL_BASE_ADAPTER)
 
 
+@pytest.mark.hub
 def test_a_private_repo_without_a_token_is_a_clear_error_and_leaves_nothing_half_written(hub_server, library_session):
     result = succeeded(library_session["private_repos"])
     for key in ("library_without_token", "auto_class_without_token"):
@@ -143,6 +145,7 @@ def test_a_private_repo_without_a_token_is_a_clear_error_and_leaves_nothing_half
     assert result["with_token"] <= SAME_LOGITS
 
 
+@pytest.mark.hub
 def test_without_the_library_the_auto_classes_refuse_by_name(hub_server, library_session, tmp_path):
     succeeded(library_session["full_checkpoints"])  # the repo loaded here was pushed there
     result = run_steps(
@@ -166,6 +169,7 @@ def test_without_the_library_the_auto_classes_refuse_by_name(hub_server, library
     assert plain["type"] == "ValueError" and 'attn_implementation="hf_neural_attn"' in plain["message"], plain
 
 
+@pytest.mark.hub
 def test_recipe_push_to_hub_uploads_the_run_which_loads_by_repo_id(hub_server, tmp_path):
     """recipes.finetune --push_to_hub: the token check before training (recipes/hub.py, against this server), the
     upload of the run folder, its card, and the pushed run loaded back by repo id."""
@@ -202,6 +206,7 @@ def assert_full_checkpoint_card(card: ModelCard, scorer: str, pipeline_tag: str,
     assert f'{auto_class}.from_pretrained("{where}")' in card.text
 
 
+@pytest.mark.hub
 def test_cards_of_full_checkpoints_pushed_by_push_to_hub(hub_server, library_session):
     succeeded(library_session["full_checkpoints"])
     for repo, _, scorer, _, _, base_model in FULL_PUSHES:
@@ -211,6 +216,7 @@ def test_cards_of_full_checkpoints_pushed_by_push_to_hub(hub_server, library_ses
         assert "automatically generated" not in card.text  # transformers' template gave way
 
 
+@pytest.mark.hub
 def test_save_pretrained_with_push_to_hub_pushes_the_same_card(hub_server, library_session):
     assert succeeded(library_session["save_pretrained_push"])["difference"] <= SAME_LOGITS
     card = pushed_card(hub_server, SAVED_AND_PUSHED)
@@ -218,6 +224,7 @@ def test_save_pretrained_with_push_to_hub_pushes_the_same_card(hub_server, libra
     assert card.data.base_model == BASE
 
 
+@pytest.mark.hub
 def test_a_card_already_on_the_repo_is_kept_and_tagged(hub_server, library_session):
     succeeded(library_session["own_card"])
     card = pushed_card(hub_server, OWN_CARD)
@@ -225,6 +232,7 @@ def test_a_card_already_on_the_repo_is_kept_and_tagged(hub_server, library_sessi
     assert card.data.tags == ["hf-neural-attn", "qana", "custom_code"]  # patch_model's model_tags
 
 
+@pytest.mark.hub
 def test_adapter_card_on_the_hub(hub_server, library_session):
     succeeded(library_session["adapters"])
     card = pushed_card(hub_server, ADAPTER)
@@ -285,6 +293,7 @@ def test_patch_model_tags_the_model_for_transformers_card_writers_and_unpatch_re
     assert plain.model_tags is None  # as before the patch: transformers' class default
 
 
+@pytest.mark.hub
 def test_the_server_token_is_the_one_the_clients_send(hub_server):
     """The server's own contract, which the tests above rely on: 401 without the token, the user with it."""
     import urllib.error
