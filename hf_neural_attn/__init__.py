@@ -72,14 +72,22 @@ def _on_patched_class(patched_class, base_class) -> None:
     auto.register_patched_config(patched_class, base_class)
 
 
-def _on_modeling_utils(_module) -> None:
+def _on_modeling_utils(modeling_utils) -> None:
     """transformers' modeling stack is imported: a model class's own from_pretrained loads patched checkpoints
-    patched, and its save_pretrained refuses a patched model PEFT still wraps. (This may run in the middle of another
-    import of the library's, which imported transformers: plain_classes imports nothing of the library's at its top
-    but the record's names and the loading files' keywords.)"""
+    patched, its save_pretrained refuses a patched model PEFT still wraps, and its push_to_hub writes the library's
+    card for a patched checkpoint where transformers would write its generic one. (This may run in the middle of
+    another import of the library's, which imported transformers: plain_classes and model_cards import nothing of the
+    library's at their top but the record's names and the loading files' keywords.)"""
+    from transformers.utils import hub
+
+    from . import model_cards
     from .loading import plain_classes
 
     plain_classes.install()
+    # push_to_hub calls transformers.utils.hub's function, save_pretrained(push_to_hub=True) the name modeling_utils
+    # imported from it: both are wrapped.
+    model_cards.install_push_card(hub)
+    model_cards.install_push_card(modeling_utils)
 
 
 def _on_continuous_batching(continuous_api) -> None:
@@ -95,7 +103,8 @@ patched_config.register_checkpoint_config()
 # 2. each patched config class, as it is made: the attention function, the Auto model classes, preprocessors;
 patched_config.on_patched_class(_on_patched_class)
 # 3. once transformers' modeling stack is imported (now, or whenever something imports it): transformers' own
-#    from_pretrained and save_pretrained know patched checkpoints and models (hf_neural_attn.loading.plain_classes).
+#    from_pretrained and save_pretrained know patched checkpoints and models (hf_neural_attn.loading.plain_classes),
+#    and push_to_hub's card of a patched checkpoint is the library's (hf_neural_attn.model_cards).
 _import_hooks.after_import("transformers.modeling_utils", _on_modeling_utils)
 # 4. once transformers' continuous batching is imported: its manager keeps a patched model's scorers
 #    (hf_neural_attn.continuous_batching).

@@ -11,7 +11,8 @@ class is switched to a subclass of its own config class (``LlamaConfig`` -> ``Ll
   (``model.set_attn_implementation("eager")``, ``config._attn_implementation = "sdpa"``) changes the *base*
   implementation underneath (:attr:`_PatchedConfigMixin.base_attn_implementation`), and the scorers keep running;
 * ``save_pretrained`` writes ``model_type: "hf_neural_attn"`` (the base type is kept in the record) and
-  ``attn_implementation: "hf_neural_attn"``, plus a two-line loader file listed in ``auto_map``. With the
+  ``attn_implementation: "hf_neural_attn"``, plus a two-line loader file listed in ``auto_map`` and, when the folder
+  has none, a model card (:mod:`hf_neural_attn.model_cards`). With the
   library imported, transformers' Auto classes load such a checkpoint patched (:mod:`hf_neural_attn.loading.auto`);
   without it every transformers entry point refuses instead of returning the unpatched base model.
 """
@@ -28,6 +29,7 @@ from typing import Any
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from .model_cards import write_full_checkpoint_card
 from .record import ATTN_IMPLEMENTATION, PATCHED_MODEL_TYPE, RECORD_KEY, known_implementations
 
 LOADER_MODULE = "hf_neural_attn_loader"  # the loader file written beside config.json (without ".py")
@@ -117,6 +119,8 @@ class _PatchedConfigMixin:
             os.makedirs(save_directory, exist_ok=True)
             with open(os.path.join(save_directory, f"{LOADER_MODULE}.py"), "w") as handle:
                 handle.write(_LOADER_SOURCE)
+            # The Hub's metadata of a patched checkpoint (hf_neural_attn.model_cards), unless the folder has a card.
+            write_full_checkpoint_card(self, save_directory)
         super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
 
     def __reduce_ex__(self, protocol):

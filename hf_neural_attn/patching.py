@@ -42,6 +42,7 @@ from .families.zero3 import (
     register_scorer_parameters,
     unregister_scorer_parameters,
 )
+from .model_cards import checkpoint_tags
 from .ops import check_impl
 from .ops.dropout import check_probability
 from .patched_config import make_patched, make_unpatched
@@ -177,6 +178,8 @@ def patch_model(
     for config_object in _configs(model, config_readers):
         make_patched(config_object)
     setattr(model.config, RECORD_KEY, record.to_dict())
+    # transformers' own card writers (push_to_hub's, the Trainer's) add a model's model_tags to the cards they write.
+    model.add_model_tags(checkpoint_tags(record.scorer))
     return model
 
 
@@ -206,6 +209,7 @@ def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
             f"This model was patched with key_dim={key_dim}, which replaced its query and key projections by narrower "
             "ones: there is no original model to go back to. Reload the original checkpoint instead."
         )
+    _remove_model_tags(model, checkpoint_tags(patch_record(model).scorer))
     config_readers = [module for module in model.modules() if hasattr(module, FALLBACK_ATTR)]
     for module in config_readers:
         if hasattr(module, SCORER_ATTR):
@@ -218,6 +222,16 @@ def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
     for config_object in _configs(model, config_readers):
         make_unpatched(config_object)
     return model
+
+
+def _remove_model_tags(model: PreTrainedModel, tags: list[str]) -> None:
+    """Take the patch's tags out of ``model.model_tags`` again (and the list itself when nothing else is left, so the
+    model reads transformers' class default, None, as before the patch)."""
+    remaining = [tag for tag in model.model_tags or [] if tag not in tags]
+    if remaining:
+        model.model_tags = remaining
+    elif "model_tags" in vars(model):
+        del model.model_tags
 
 
 def _scorer_config(scorer: str | ScorerConfig, h: int | None, options: dict[str, Any]) -> ScorerConfig:

@@ -19,6 +19,7 @@ RESULTS_FILE = "all_results.json"
 HISTORY_FILE = "training_history.json"
 PLOT_FILE = "training_curves.png"
 CARD_FILE = "README.md"
+LIBRARY_NAME = "hf-neural-attn"  # the library's name on the Hub: its PyPI distribution's
 # Folders and files of a run that are not part of the model repository.
 HUB_IGNORE_PATTERNS = ["step_*", "epoch_*", ".*", "runs/*", "finetune/*", "*.partial/*"]
 
@@ -234,12 +235,14 @@ def model_card(results: dict[str, Any], output_dir: str | os.PathLike) -> str:
                 metric_value=float(results[name]),
             )
         )
-    tags = ["hf-neural-attn", kind] + ([patch.scorer, "nonlinear-attention"] if patch else ["baseline"])
+    # A patched run is a full patched checkpoint: transformers' Auto classes load it (with the library imported, or
+    # trust_remote_code=True through its loader file), so library_name says transformers, as for any remote-code
+    # checkpoint, and the tags name the library, the scorer and custom_code (docs/api.md). A baseline is plain.
+    tags = [LIBRARY_NAME, patch.scorer, "custom_code", kind, "nonlinear-attention"] if patch else [kind, "baseline"]
     card_data = ModelCardData(
         base_model=results.get("base_model"),
         datasets=[data["dataset_name"]] if data["hub_dataset"] else None,
-        # A patched checkpoint loads through hf_neural_attn (its config records the patch); a baseline is plain.
-        library_name="hf-neural-attn" if patch else "transformers",
+        library_name="transformers",
         metrics=index_metrics,
         model_name=Path(output_dir).resolve().name if not settings.get("hub_model_id") else settings["hub_model_id"],
         pipeline_tag=results["pipeline_tag"],
@@ -252,7 +255,7 @@ def model_card(results: dict[str, Any], output_dir: str | os.PathLike) -> str:
     if patch:
         imports = f"import hf_neural_attn\nfrom transformers import {processor_class}"
         model_line = f'model = hf_neural_attn.from_pretrained("{repo}")  # {results["model_class"]}, patch re-applied'
-        install = "```bash\npip install hf-neural-attn\n```\n\n"
+        install = f"```bash\npip install {LIBRARY_NAME}\n```\n\n"
     else:
         imports = f"from transformers import {processor_class}, {results['model_class']}"
         model_line = f'model = {results["model_class"]}.from_pretrained("{repo}")  # baseline: no patch'

@@ -15,3 +15,15 @@ def family(request) -> str:
 @pytest.fixture(params=SCORER_NAMES)
 def scorer_name(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="module")
+def hub_server():
+    """A Hub-compatible server on 127.0.0.1 (tests/hub_server.py), one per test module; a request it does not know
+    fails the module's last test at teardown."""
+    from hub_server import HubServer
+
+    server = HubServer().start()
+    yield server
+    server.stop()
+    assert not server.unknown_requests, f"Hub endpoints tests/hub_server.py does not answer: {server.unknown_requests}"

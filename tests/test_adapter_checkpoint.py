@@ -1,15 +1,12 @@
 """Adapter-only checkpoints: save_adapter / push_adapter_to_hub write the scorer tensors, the patch record and the
 base model's id; hf_neural_attn.from_pretrained(adapter) loads the base model, patches it and fills the tensors.
 
-Everything runs offline: base models are saved to local folders, and the Hub is a local cache folder laid out the
-way huggingface_hub lays out downloads, read through the ordinary (offline) Hub code path. Damaged adapters:
+Everything runs offline: base models are saved to local folders. Pushing adapters to the Hub and loading them by
+repo id: tests/test_hub_http.py (a Hub-compatible server on 127.0.0.1). Damaged adapters:
 tests/test_damaged_checkpoints.py."""
 
 import json
-import shutil
 from pathlib import Path
-from types import SimpleNamespace
-from typing import ClassVar
 
 import pytest
 import torch
@@ -103,7 +100,9 @@ def test_weights_the_base_checkpoint_lacks_are_named(tmp_path):
     perturb_scorers(model)
     hf_neural_attn.save_adapter(model, tmp_path / "adapter")
     config = LlamaConfig.from_pretrained(base, num_labels=3)
-    with pytest.warns(UserWarning, match=r"lacks 1 weight.*transformers' load report.*not in the adapter.*Save the full"):
+    with pytest.warns(
+        UserWarning, match=r"lacks 1 weight.*transformers' load report.*not in the adapter.*Save the full"
+    ):
         loaded = hf_neural_attn.from_pretrained(tmp_path / "adapter", config=config)
     assert not hasattr(config, "hf_neural_attn") and config._attn_implementation is None  # caller's config as it was
     saved = hf_neural_attn.scorer_parameters(model)
@@ -181,79 +180,3 @@ def test_base_override_is_refused_for_a_full_checkpoint(tmp_path):
     model.save_pretrained(tmp_path / "full")
     with pytest.raises(ValueError, match="not an adapter-only checkpoint"):
         hf_neural_attn.from_pretrained(tmp_path / "full", base_model_name_or_path=tmp_path / "full")
-
-
-# ------------------------------------------------------------------------------------------------ the Hub
-
-
-def put_in_hub_cache(cache: Path, repo_id: str, files_from: Path, commit: str) -> None:
-    """Lay ``files_from`` out as huggingface_hub's cache keeps a downloaded repo (snapshot + refs/main)."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    shutil.copytree(files_from, repo / "snapshots" / commit)
-    (repo / "refs").mkdir(parents=True, exist_ok=True)
-    (repo / "refs" / "main").write_text(commit)
-
-
-class RecordingHfApi:
-    """Stands in for huggingface_hub.HfApi: records the calls, and 'uploads' into the local Hub cache."""
-
-    calls: ClassVar[list] = []  # each test sets its own list and cache folder (monkeypatch)
-    cache: ClassVar[Path]
-
-    def __init__(self, token=None):
-        self.calls.append(("init", token))
-
-    def create_repo(self, repo_id, **kwargs):
-        self.calls.append(("create_repo", repo_id, kwargs))
-        return SimpleNamespace(repo_id=repo_id)
-
-    def upload_folder(self, repo_id, folder_path, **kwargs):
-        files = sorted(path.name for path in Path(folder_path).iterdir())
-        self.calls.append(("upload_folder", repo_id, files, kwargs))
-        put_in_hub_cache(self.cache, repo_id, Path(folder_path), commit="b" * 40)
-        return SimpleNamespace(commit_url=f"local://{repo_id}")
-
-
-def test_push_and_load_an_adapter_repo_through_the_hub_cache(tmp_path, monkeypatch):
-    import huggingface_hub
-
-    cache = tmp_path / "hub-cache"
-    put_in_hub_cache(cache, "someone/tiny-base", save_base(tmp_path / "base"), commit="a" * 40)
-    # The base model comes from the Hub (here: its cache), so the adapter records its Hub id.
-    model = type(tiny_llama()).from_pretrained("someone/tiny-base", cache_dir=cache).eval()
-    hf_neural_attn.patch_model(model, "qana", layers=[0])
-    perturb_scorers(model)
-
-    monkeypatch.setattr(RecordingHfApi, "calls", [])
-    monkeypatch.setattr(RecordingHfApi, "cache", cache, raising=False)
-    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingHfApi)
-    hf_neural_attn.push_adapter_to_hub(model, "someone/tiny-qana-adapter", token="hf_test", private=True)
-
-    init, create, upload = RecordingHfApi.calls
-    assert init == ("init", "hf_test")
-    assert create[:2] == ("create_repo", "someone/tiny-qana-adapter") and create[2]["private"] is True
-    assert upload[:3] == ("upload_folder", "someone/tiny-qana-adapter", sorted(ADAPTER_FILES))
-    pushed = cache / "models--someone--tiny-qana-adapter" / "snapshots" / ("b" * 40)
-    metadata = json.loads((pushed / ADAPTER_CONFIG_NAME).read_text())
-    assert metadata["base_model_name_or_path"] == "someone/tiny-base"
-    card = (pushed / "README.md").read_text()
-    assert "base_model: someone/tiny-base" in card and "base_model_relation: adapter" in card
-    assert "library_name: hf_neural_attn" in card
-    assert 'hf_neural_attn.from_pretrained("someone/tiny-qana-adapter")' in card
-
-    # Loading by repo id: the adapter and its base model both resolve through the Hub cache.
-    loaded = hf_neural_attn.from_pretrained("someone/tiny-qana-adapter", cache_dir=cache)
-    inputs = model_inputs("llama")
-    torch.testing.assert_close(logits(loaded, inputs), logits(model, inputs), rtol=0, atol=1e-6)
-
-
-def test_pushing_an_adapter_of_a_local_base_warns(tmp_path, monkeypatch):
-    import huggingface_hub
-
-    model = load_patched(save_base(tmp_path / "base"))
-    monkeypatch.setattr(RecordingHfApi, "calls", [])
-    monkeypatch.setattr(RecordingHfApi, "cache", tmp_path / "hub-cache", raising=False)
-    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingHfApi)
-    with pytest.warns(UserWarning, match="local folder .* only this machine"):
-        hf_neural_attn.push_adapter_to_hub(model, "someone/local-base-adapter")
-    assert [call[0] for call in RecordingHfApi.calls] == ["init", "create_repo", "upload_folder"]

@@ -33,7 +33,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("math", ("hf_neural_attn.scorers", "hf_neural_attn.scorers.*")),
     ("model plumbing", ("hf_neural_attn.families", "hf_neural_attn.families.*")),
     ("record", ("hf_neural_attn.record",)),
-    ("config", ("hf_neural_attn.patched_config",)),
+    ("config", ("hf_neural_attn.model_cards", "hf_neural_attn.patched_config")),
     ("attention", ("hf_neural_attn.attention",)),
     ("patching", ("hf_neural_attn.patching",)),
     ("loading", ("hf_neural_attn.loading", "hf_neural_attn.loading.*")),

@@ -1,15 +1,12 @@
 """Contract 6 (checkpoints save, reload and push like any HF model) and the checkpoint half of 7. Damaged
-checkpoints: tests/test_damaged_checkpoints.py."""
+checkpoints: tests/test_damaged_checkpoints.py; push_to_hub and loading by repo id: tests/test_hub_http.py."""
 
 import json
-import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import logits, model_inputs, perturb_scorers, save_checkpoint, tiny_gpt2, tiny_llama
-from huggingface_hub import ModelCard, ModelCardData
 from safetensors.torch import load_file
 
 import hf_neural_attn
@@ -100,50 +97,6 @@ def test_from_pretrained_leaves_a_passed_config_untouched(tmp_path):
         loaded = hf_neural_attn.from_pretrained(folder, config=config)
         torch.testing.assert_close(logits(loaded, inputs), logits(model, inputs), rtol=0, atol=1e-6)
     assert config.hf_neural_attn == model.config.hf_neural_attn
-
-
-class FakeHub:
-    """Stands in for huggingface_hub.HfApi: keeps what push_to_hub commits in a local folder."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        self.commits = []
-
-    def create_repo(self, repo_id, **kwargs):
-        return SimpleNamespace(repo_id=repo_id)
-
-    def create_commit(self, repo_id, operations, **kwargs):
-        self.commits.append(repo_id)
-        for operation in operations:
-            target = self.folder / operation.path_in_repo
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(operation.path_or_fileobj, target)
-        return SimpleNamespace(commit_url=f"local://{repo_id}")
-
-
-def test_push_to_hub_uploads_what_save_pretrained_writes(tmp_path, monkeypatch):
-    from transformers.utils import hub
-
-    fake = FakeHub(tmp_path / "hub-repo")
-    monkeypatch.setattr(hub, "hf_api", lambda: fake)
-    # The card template is fetched from the Hub when the repo has none; build it locally instead.
-    monkeypatch.setattr(
-        hub,
-        "create_and_tag_model_card",
-        lambda repo_id, tags=None, token=None: ModelCard.from_template(ModelCardData(library_name="transformers")),
-    )
-    model = tiny_gpt2()
-    hf_neural_attn.patch_model(model, "neural", proj_dim=2)
-    perturb_scorers(model)
-    model.push_to_hub("someone/tiny-neural-gpt2")
-
-    assert fake.commits == ["someone/tiny-neural-gpt2"]
-    pushed = {path.name for path in fake.folder.iterdir()}
-    assert {"model.safetensors", "config.json"} <= pushed
-    assert not {name for name in pushed if Path(name).suffix in PICKLE_SUFFIXES}
-    inputs = model_inputs("gpt2")
-    loaded = hf_neural_attn.from_pretrained(fake.folder)
-    torch.testing.assert_close(logits(loaded, inputs), logits(model, inputs), rtol=0, atol=1e-6)
 
 
 def test_unpatched_checkpoint_is_refused_with_a_hint(tmp_path):

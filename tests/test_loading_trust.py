@@ -164,7 +164,7 @@ def test_adapter_card_metadata_and_usage(tmp_path):
 
     _, adapter = save_checkpoint(tmp_path, "adapter", "gpt2", "neural")
     card = ModelCard.load(adapter / "README.md")
-    assert card.data.library_name == "hf_neural_attn"
-    assert "hf_neural_attn" in card.data.tags and "neural" in card.data.tags
+    assert card.data.library_name == "hf-neural-attn"
+    assert card.data.tags == ["hf-neural-attn", "neural"]
     assert "import hf_neural_attn" in card.text and "hf_neural_attn.from_pretrained(" in card.text
     assert ADAPTER_WEIGHTS_NAME in {p.name for p in adapter.iterdir()}

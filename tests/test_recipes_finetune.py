@@ -80,7 +80,7 @@ def test_clm_run_leaves_a_loadable_checkpoint_results_card_and_plot(assets, tmp_
     assert evaluation.metric_value == pytest.approx(results["perplexity"])
     assert "hf-neural-attn" in card.data.tags and "qana" in card.data.tags
     assert "hf_neural_attn.from_pretrained" in card.text and "| h | 4 |" in card.text
-    assert card.data.library_name == "hf-neural-attn" and "pip install hf-neural-attn" in card.text
+    assert card.data.library_name == "transformers" and "pip install hf-neural-attn" in card.text
     with Image.open(out / report.PLOT_FILE) as plot:
         assert plot.format == "PNG" and plot.size[0] > 300
     assert list(out.glob("finetune/events.out.tfevents.*")), "TensorBoard tracking wrote no event file"

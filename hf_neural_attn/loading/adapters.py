@@ -36,6 +36,7 @@ from transformers.utils import cached_file
 
 from .._version import __version__
 from .._warnings import warn_user
+from ..model_cards import CARD_NAME, adapter_card
 from ..patched_config import base_config
 from ..record import (
     PatchRecord,
@@ -53,7 +54,6 @@ ADAPTER_CONFIG_NAME = "hf_neural_attn_adapter.json"
 ADAPTER_WEIGHTS_NAME = "hf_neural_attn_adapter.safetensors"
 ADAPTER_FORMAT_KEY = "hf_neural_attn_adapter"  # its value is the format version
 ADAPTER_FORMAT_VERSION = 1
-CARD_NAME = "README.md"
 
 # hf_kwargs that locate the adapter itself; every other keyword goes to the base model's from_pretrained
 # (the file-locating ones among them, such as token and cache_dir, to both).
@@ -96,7 +96,7 @@ def save_adapter(
             "longer know which of the two to load. Save the adapter to a folder of its own."
         )
     folder.mkdir(parents=True, exist_ok=True)
-    card = None if (folder / CARD_NAME).exists() else _model_card(metadata, repo_id=None)
+    card = None if (folder / CARD_NAME).exists() else adapter_card(metadata, repo_id=None)
     # Each file is written beside its final name and renamed into place, so a failed write leaves no half file.
     _write_atomically(folder / ADAPTER_WEIGHTS_NAME, lambda path: save_file(tensors, path, metadata={"format": "pt"}))
     _write_atomically(folder / ADAPTER_CONFIG_NAME, lambda path: Path(path).write_text(json.dumps(metadata, indent=2)))
@@ -140,7 +140,7 @@ def push_adapter_to_hub(
                 "model's Hub id (others can also override it at load time)."
             )
         # The card in the repo shows the repo's own id in its loading example.
-        (Path(folder) / CARD_NAME).write_text(_model_card(metadata, repo_id=repo_id))
+        (Path(folder) / CARD_NAME).write_text(adapter_card(metadata, repo_id=repo_id))
         api = HfApi(token=token)
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
         return api.upload_folder(
@@ -427,37 +427,3 @@ def _write_atomically(path: Path, write) -> None:
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
-
-
-def _model_card(metadata: dict[str, Any], repo_id: str | None) -> str:
-    from huggingface_hub import ModelCard, ModelCardData
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    base, record = metadata["base_model_name_or_path"], PatchRecord.from_dict(metadata["patch"])
-    card_data = ModelCardData(library_name="hf_neural_attn", tags=["hf_neural_attn", record.scorer])
-    try:
-        if not os.path.isabs(base):
-            validate_repo_id(base)
-            card_data.base_model = base  # the Hub links the adapter to its base model
-            card_data.base_model_relation = "adapter"  # ... as an adapter, not a fine-tune of it
-    except HFValidationError:
-        pass
-    where = repo_id or "path/to/this/folder"
-    revision = f" at revision `{metadata['base_model_revision']}`" if metadata["base_model_revision"] else ""
-    content = f"""---
-{card_data.to_yaml()}
----
-
-# hf_neural_attn adapter: `{record.scorer}` on `{base}`
-
-An adapter-only checkpoint of `hf_neural_attn`: the {metadata["num_parameters"]:,} parameters
-of the `{record.scorer}` attention scorer (options `{json.dumps(dict(record.options))}`) on attention layers
-{list(record.layers)} of `{base}`{revision} ({metadata["architectures"][0]}). It holds no base-model weights.
-
-```python
-import hf_neural_attn
-
-model = hf_neural_attn.from_pretrained("{where}")  # loads the base model, patches it, loads these tensors
-```
-"""
-    return str(ModelCard(content))
