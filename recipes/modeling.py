@@ -16,6 +16,7 @@ import copy
 import logging
 import os
 import warnings
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -326,9 +327,10 @@ def build_model(args: argparse.Namespace, config, preprocessor, labels: dict[str
         try:
             # The scorers' init depends on the seed only, not on what building the base drew before (a new head,
             # resized embeddings, DeepSpeed ZeRO-3's partitioned construction, which draws every weight before
-            # loading it): a run under ZeRO-3 starts from the scorers of the same run under DDP.
+            # loading it): a run under ZeRO-3 starts from the scorers of the same run under DDP. A stream of its
+            # own, so that the scorers do not repeat the draws of a model built from scratch with --seed.
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(args.seed)
+                torch.manual_seed(zlib.crc32(f"{args.seed}:scorers".encode()))
                 hf_neural_attn.patch_model(model, args.scorer, layers=args.layers, **scorer_options(args))
         except (TypeError, ValueError) as error:
             raise RecipeError(f"Cannot patch {type(model).__name__} with --scorer {args.scorer}: {error}") from error
