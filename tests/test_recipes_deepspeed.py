@@ -9,7 +9,9 @@ ZeRO-3, frozen and unfrozen base, gradient checkpointing) are in tests/test_deep
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -39,7 +41,9 @@ def launcher(config: str, *overrides: str) -> list[str]:
 
 
 def check(process) -> None:
-    assert process.returncode == 0, f"exit code {process.returncode}\n{process.stdout[-3000:]}\n{process.stderr[-6000:]}"
+    assert process.returncode == 0, (
+        f"exit code {process.returncode}\n{process.stdout[-3000:]}\n{process.stderr[-6000:]}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +59,48 @@ def workspace(tmp_path_factory):
 def scorer_tensors(folder: Path) -> dict[str, torch.Tensor]:
     model = hf_neural_attn.from_pretrained(folder)
     return {name: parameter.detach() for name, parameter in hf_neural_attn.scorer_parameters(model).items()}
+
+
+# Run by `accelerate launch` on every rank: the recipe's own Accelerator, and what each rank sees of a dataset.
+RANK_REPORT = """
+import json, sys
+from torch.utils.data import DataLoader
+from recipes.args import parse_args
+from recipes.finetune import make_accelerator
+
+accelerator = make_accelerator(parse_args(["--task", "clm", "--output_dir", sys.argv[1]]))
+loader = accelerator.prepare(DataLoader(list(range(16)), batch_size=2))
+seen = [int(item) for batch in loader for item in batch]
+report = {"num_processes": accelerator.num_processes, "process_index": accelerator.process_index,
+          "distributed_type": str(accelerator.distributed_type), "seen": seen}
+with open(f"{sys.argv[1]}/rank_{accelerator.process_index}.json", "w") as handle:
+    json.dump(report, handle)
+"""
+
+
+def test_zero3_launch_is_one_job_on_both_ranks(workspace, tmp_path):
+    """accelerate alone, on a machine without an accelerator, reports 1 process on each rank of a DeepSpeed launch
+    (so each rank would read the whole dataset); the recipe's Accelerator makes the 2 processes one job."""
+    script = tmp_path / "rank_report.py"
+    script.write_text(RANK_REPORT)
+    env = {**workspace["env"], "PYTHONPATH": str(ROOT)}
+    process = subprocess.run(
+        [*launcher("deepspeed_zero3.yaml"), str(script), str(tmp_path)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    check(process)
+    reports = [json.loads((tmp_path / f"rank_{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, report in enumerate(reports):
+        assert report["num_processes"] == 2 and report["process_index"] == rank, report
+        assert report["distributed_type"] == "DistributedType.DEEPSPEED", report
+    # The data is split: each rank its own half, together every example once.
+    assert not set(reports[0]["seen"]) & set(reports[1]["seen"])
+    assert sorted(reports[0]["seen"] + reports[1]["seen"]) == list(range(16))
 
 
 def test_zero3_is_one_job_matches_ddp_resumes_and_saves_a_patched_checkpoint(workspace, tmp_path):
