@@ -33,6 +33,15 @@ def _on_device(tensor: torch.Tensor):
     return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
 
 
+def _forward_outputs(query: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward operator's outputs, uninitialised: out (batch, heads, q_len, head_dim) in the values' dtype,
+    row_max and row_sum (batch, heads, q_len) in fp32, contiguous, on the query's device."""
+    batch, heads, q_len, head_dim = query.shape
+    out = query.new_empty(batch, heads, q_len, head_dim, dtype=value.dtype)
+    row_max = query.new_empty(batch, heads, q_len, dtype=torch.float32)
+    return out, row_max, torch.empty_like(row_max)
+
+
 @triton_op("hf_neural_attn::fused_attention_forward", mutates_args=())
 def fused_attention_forward(
     query: torch.Tensor,
@@ -59,10 +68,8 @@ def fused_attention_forward(
     pointers, strides, sizes, constexprs, num_warps = launch_args(
         query, key, value, attention_mask, term, kind, activation, scaling, is_causal, hidden, backward=False
     )
-    batch, heads, q_len, head_dim = query.shape
-    out = torch.empty(batch, heads, q_len, head_dim, dtype=value.dtype, device=query.device)
-    row_max = torch.empty(batch, heads, q_len, dtype=torch.float32, device=query.device)
-    row_sum = torch.empty_like(row_max)
+    out, row_max, row_sum = _forward_outputs(query, value)
+    batch, heads, q_len, _ = query.shape
     grid = (triton.cdiv(q_len, constexprs["BLOCK_M"]), batch * heads)
     with _on_device(query):
         wrap_triton(forward_kernel)[grid](
@@ -78,10 +85,7 @@ def fused_attention_forward(
 def _fused_attention_forward_fake(
     query, key, value, attention_mask, term, kind, activation, scaling, is_causal, hidden
 ):
-    batch, heads, q_len, head_dim = query.shape
-    out = query.new_empty(batch, heads, q_len, head_dim, dtype=value.dtype)
-    row_max = query.new_empty(batch, heads, q_len, dtype=torch.float32)
-    return out, row_max, torch.empty_like(row_max)
+    return _forward_outputs(query, value)
 
 
 @triton_op("hf_neural_attn::fused_attention_backward", mutates_args=())
