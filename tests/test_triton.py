@@ -299,11 +299,11 @@ def test_compiled_patched_llama_holds_the_operator_and_matches_reference(interpr
 FIRST_CALL_SCRIPT = """
 import sys
 import torch
-from hf_neural_attn.ops.terms import FusedInputs
+from hf_neural_attn.ops.terms import PAIR_MLP, FusedInputs
 from hf_neural_attn.ops.triton import fused
 
 def attend(query, key, value, P, R, w, gate):
-    inputs = FusedInputs("neural", (P, R, w, gate), "gelu", 2)
+    inputs = FusedInputs(PAIR_MLP, (P, R, w, gate), "gelu", 2)
     return fused.fused_attention(inputs, query, key, value, None, scaling=0.5, is_causal=True)
 
 shapes = ((1, 2, 3, 4), (1, 1, 3, 4), (1, 1, 3, 4), (1, 2, 3, 2), (1, 1, 3, 2), (2,), (2,))

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from ..ops.grouped import group_heads, grouped_matmul
-from ..ops.terms import FusedInputs
+from ..ops.terms import PAIR_MLP, QUERY_NETWORK, FusedInputs
 from .base import ACTIVATIONS, AttentionGeometry, MLPScorerConfig, Scorer, attention_head_dim, option
 
 MODES = ("residual", "replace")
@@ -337,7 +337,10 @@ class NeuralAttentionScorer(Scorer):
         if self.config.depth != 1:
             return f"the fused Neural Attention term has one hidden layer, this scorer has depth={self.config.depth}"
         if self.pair_weight is not None and self.gate is None:
-            return "relative-input Neural Attention in replace mode has no fused form (the fused QANA term is gated)"
+            return (
+                "relative-input Neural Attention in replace mode has no fused form (the fused query-network term is "
+                "gated)"
+            )
         return None
 
     def fused_inputs(self, query, key, extras):
@@ -346,15 +349,16 @@ class NeuralAttentionScorer(Scorer):
         replace mode). ``key`` is not repeated for grouped-query attention, so R costs kv_heads, not heads,
         projections."""
         if self.pair_weight is not None:
-            # Relative input: QANA's fused term with U = M q~, V = w and b the same for every query, c = 0.
+            # Relative input: the query-network term (QANA's) with U = M q~, V = w and b the same for every query,
+            # c = 0.
             units = self.relative_units(query)
             batch, heads, q_len, h = *query.shape[:3], self.config.h
             per_query = (batch, heads, q_len, h)
             V = self.output.weight[0].expand(per_query).contiguous()
             b = self.pair_bias.expand(per_query).contiguous()
             c = query.new_zeros(batch, heads, q_len, 1)
-            return FusedInputs("qana", (units, V, b, c, self.gate), self.config.activation, h)
+            return FusedInputs(QUERY_NETWORK, (units, V, b, c, self.gate), self.config.activation, h)
         if self.query_down is not None:
             query, key = self.query_down(query), self.key_down(key)
         tensors = (self.pair_query(query), self.pair_key(key), self.output.weight[0], self.gate)
-        return FusedInputs("neural", tensors, self.config.activation, self.config.h, self.config.scale_mlp)
+        return FusedInputs(PAIR_MLP, tensors, self.config.activation, self.config.h, self.config.scale_mlp)

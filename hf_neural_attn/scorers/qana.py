@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from ..ops.grouped import group_heads, grouped_matmul
-from ..ops.terms import FusedInputs
+from ..ops.terms import QUERY_NETWORK, FusedInputs
 from .base import ACTIVATIONS, AttentionGeometry, MLPScorerConfig, Scorer, attention_head_dim, option
 
 ROPE_MODES = ("rowwise", "none")
@@ -270,4 +270,4 @@ class QanaScorer(Scorer):
         if extras is None:
             raise ValueError("QANA needs its query slices (extras): call scorer.query_extras first.")
         U, V, b, c, _ = extras  # no basis: fused_unsupported_reason() refuses u_rank
-        return FusedInputs("qana", (U, V, b, c, self.gate), self.config.activation, U.shape[2])
+        return FusedInputs(QUERY_NETWORK, (U, V, b, c, self.gate), self.config.activation, U.shape[2])

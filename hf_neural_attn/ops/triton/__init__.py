@@ -14,8 +14,9 @@ This package imports without triton. Layout (after flash-linear-attention's ``fl
 * ``launch.py``: the kernels' launch arguments (tile sizes, pointers, strides, constexprs) from the operators'.
 * ``common.py``: the forward and the two backward kernels, and :func:`common.tile_scores`, the one place
   they compute a tile's scores.
-* ``qana.py``, ``neural.py``: the score terms the kernels fuse (query network; pair MLP), their loads,
-  gradients and stores.
+* ``query_network.py``, ``pair_mlp.py``: the score terms the kernels fuse, one file each, named as
+  :data:`hf_neural_attn.ops.terms.TERMS` names them: their loads, gradients and stores. :data:`.fused.TERM_OPERANDS`
+  turns a term's tensors into the kernels' operands.
 * ``utils.py``: leaf Triton helpers (activations, tile loads, masking, softmax backward).
 """
 

@@ -22,9 +22,9 @@ Three kernels per call, each a grid of (block index, batch * heads) programs:
 All three get a tile's scores from :func:`tile_scores`, s_ij in fp32 whatever the input dtype
 (tensor-core products accumulate in fp32), by the score term ``KIND``:
 
-* ``KIND == 0`` (:mod:`.qana`): ``scaling * q_i.k_j + gate * (sum_l V_il act(U_il.k_j + b_il) + c_i)``.
-* ``KIND == 1`` (:mod:`.neural`, residual): ``scaling * q_i.k_j + gate * sum_m w_m act(P_im + R_jm)``.
-* ``KIND == 2`` (:mod:`.neural`, replace): ``scaling * sum_m w_m act(P_im + R_jm)``; an unscaled replace form
+* ``KIND == 0`` (:mod:`.query_network`): ``scaling * q_i.k_j + gate * (sum_l V_il act(U_il.k_j + b_il) + c_i)``.
+* ``KIND == 1`` (:mod:`.pair_mlp`, residual): ``scaling * q_i.k_j + gate * sum_m w_m act(P_im + R_jm)``.
+* ``KIND == 2`` (:mod:`.pair_mlp`, replace): ``scaling * sum_m w_m act(P_im + R_jm)``; an unscaled replace form
   (``FusedInputs.replace_scaled`` False) is launched with ``scaling = 1``.
 
 then ``max(s + mask, finfo(float32).min)`` with the additive mask (as the reference clamps), ``-inf`` after
@@ -43,7 +43,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import neural, qana
+from . import pair_mlp, query_network
 from .utils import load_key_tile, load_row_stats, load_rows, mask_scores, softmax_backward
 
 
@@ -54,7 +54,7 @@ def load_query_side(
 ):  # fmt: skip
     """Everything indexed by the queries of one block, as one tuple ``(q, u, qv, qb, qc, pq)``: q
     (BLOCK_M, BLOCK_D) in the input dtype, and either the query-network slices u, qv, qb, qc (see
-    :func:`.qana.load_query_side`) or the pair-MLP's P (BLOCK_M, HID_PAD) in fp32 (the other entries are
+    :func:`.query_network.load_query_side`) or the pair-MLP's P (BLOCK_M, HID_PAD) in fp32 (the other entries are
     placeholders). Padded rows, columns and units load as 0."""
     q = tl.load(
         Q + off_z * sq[0] + off_h * sq[1] + offs_m[:, None] * sq[2] + offs_d[None, :] * sq[3],
@@ -62,7 +62,7 @@ def load_query_side(
         other=0.0,
     )
     if KIND == 0:
-        u, qv, qb, qc = qana.load_query_side(
+        u, qv, qb, qc = query_network.load_query_side(
             U, QV, QB, QC, off_z, off_h, offs_m, offs_d, offs_l, row_ok, d_ok, l_ok, su, sx, sb, sc,
             BLOCK_M, BLOCK_D, HID_PAD,
         )  # fmt: skip
@@ -155,9 +155,9 @@ def tile_scores(
     loaded; ``k``, ``rk``: what :func:`load_key_side` loaded."""
     q, u, qv, qb, qc, pq = qs
     if KIND == 0:
-        mlp, act, dact = qana.mlp_term(u, qv, qb, qc, k, ACT, BLOCK_M, BLOCK_N, HID_PAD, PRECISION)
+        mlp, act, dact = query_network.mlp_term(u, qv, qb, qc, k, ACT, BLOCK_M, BLOCK_N, HID_PAD, PRECISION)
     else:
-        mlp, act, dact = neural.mlp_term(pq, rk, wo, ACT)
+        mlp, act, dact = pair_mlp.mlp_term(pq, rk, wo, ACT)
     if KIND == 2:
         s = mlp * scaling
     else:
@@ -264,11 +264,11 @@ def backward_query_kernel(
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
             dgate += tl.sum(ds * mlp, 1)
         if KIND == 0:
-            du, dqv, dhid, ds_rows = qana.accumulate_query_grads(
+            du, dqv, dhid, ds_rows = query_network.accumulate_query_grads(
                 du, dqv, dhid, ds_rows, ds, act, dact, qv, gate, k, BLOCK_M, BLOCK_N, HID_PAD, PRECISION
             )
         else:
-            dwo, dhid = neural.accumulate_query_grads(dwo, dhid, ds, act, dact, wo, gate, scaling, KIND)
+            dwo, dhid = pair_mlp.accumulate_query_grads(dwo, dhid, ds, act, dact, wo, gate, scaling, KIND)
 
     qd_ok = row_ok[:, None] & d_ok[None, :]
     if KIND != 2:
@@ -281,7 +281,7 @@ def backward_query_kernel(
     if KIND != 2:
         tl.store(DGATE_PARTIAL + partial, tl.sum(dgate, 0))
     if KIND == 0:
-        qana.store_query_grads(
+        query_network.store_query_grads(
             DU, DQV, DQB, DQC, du, dqv, dhid, ds_rows, gate,
             pid_bh, base, offs_m, offs_d, offs_l, row_ok, d_ok, hid_ptrs, hid_ok, M, D, HID,
             BLOCK_M, BLOCK_D, HID_PAD,
@@ -340,9 +340,9 @@ def backward_key_kernel(
             if KIND != 2:
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION) * scaling
             if KIND == 0:
-                dk = qana.accumulate_key_grad(dk, ds, dact, qv, gate, u, BLOCK_M, BLOCK_N, HID_PAD, PRECISION)
+                dk = query_network.accumulate_key_grad(dk, ds, dact, qv, gate, u, BLOCK_M, BLOCK_N, HID_PAD, PRECISION)
             else:
-                drk = neural.accumulate_key_grad(drk, ds, dact, wo, gate, scaling, KIND)
+                drk = pair_mlp.accumulate_key_grad(drk, ds, dact, wo, gate, scaling, KIND)
 
     out_base = pid_bhk.to(tl.int64) * N
     kv_ok = col_ok[:, None] & d_ok[None, :]

@@ -6,10 +6,10 @@
   attention_mask, term, kind, activation, scaling, is_causal, hidden) -> (dq, dk, dv, dterm)``: the two backward
   kernels.
 
-``term`` is the score term's tensors, as :func:`.launch.term_tensors` reads them (QANA's U, V, b, c, gate; the pair
-MLP's P, R, w and its gate when it has one), ``dterm`` their gradients in the same order; ``kind`` is the kernels'
-``KIND`` code (:data:`.launch.QANA`, ``NEURAL_RESIDUAL``, ``NEURAL_REPLACE``) and the other arguments are the
-kernels' static values. The forward operator's autograd formula calls the backward one, so torch.compile sees
+``term`` is the score term's tensors, as :func:`.launch.term_tensors` reads them (the query network's U, V, b, c,
+gate; the pair MLP's P, R, w and its gate when it has one), ``dterm`` their gradients in the same order; ``kind`` is
+the kernels' ``KIND`` code (:data:`.launch.KIND_QUERY_NETWORK`, ``KIND_PAIR_MLP_RESIDUAL``,
+``KIND_PAIR_MLP_REPLACE``) and the other arguments are the kernels' static values. The forward operator's autograd formula calls the backward one, so torch.compile sees
 both as operators in its graphs: Dynamo does not trace the launch code, and inductor gets the kernels themselves
 (``wrap_triton``) when AOTAutograd decomposes the operators.
 
@@ -25,7 +25,7 @@ import triton
 from torch.library import triton_op, wrap_triton
 
 from .common import backward_key_kernel, backward_query_kernel, forward_kernel
-from .launch import NEURAL_REPLACE, QANA, launch_args, term_tensors
+from .launch import KIND_PAIR_MLP_REPLACE, KIND_QUERY_NETWORK, launch_args, term_tensors
 
 
 def _on_device(tensor: torch.Tensor):
@@ -126,14 +126,14 @@ def fused_attention_backward(
     block_m, block_n = constexprs["BLOCK_M"], constexprs["BLOCK_N"]
     query_blocks = triton.cdiv(q_len, block_m)
     # The replace form's kernels write no dq: zeros, so that the operator returns no uninitialised memory.
-    new_dq = torch.zeros if kind == NEURAL_REPLACE else torch.empty
+    new_dq = torch.zeros if kind == KIND_PAIR_MLP_REPLACE else torch.empty
     dq = new_dq(batch, heads, q_len, head_dim, dtype=query.dtype, device=device)
     dk = torch.empty(batch, kv_heads, kv_len, head_dim, dtype=key.dtype, device=device)
     dv = torch.empty(batch, kv_heads, kv_len, head_dim, dtype=value.dtype, device=device)
     dgate_partial = torch.zeros(batch * heads * query_blocks, dtype=torch.float32, device=device)
     dw_partial = torch.zeros(batch * heads * query_blocks, constexprs["HID_PAD"], dtype=torch.float32, device=device)
     U, QV, QB, QC, P, R, w, gate = term_tensors(kind, term)
-    if kind == QANA:
+    if kind == KIND_QUERY_NETWORK:
         dU = torch.empty(batch, heads, hidden, q_len, head_dim, dtype=U.dtype, device=device)
         dQV = torch.empty(batch, heads, q_len, hidden, dtype=QV.dtype, device=device)
         dQB = torch.empty(batch, heads, q_len, hidden, dtype=QB.dtype, device=device)
@@ -154,7 +154,7 @@ def fused_attention_backward(
         )
     # Per-program partial sums, reduced here in a fixed order: deterministic, unlike atomics.
     dgate = [] if gate is None else [dgate_partial.view(batch, heads, query_blocks).sum((0, 2)).to(gate.dtype)]
-    if kind == QANA:
+    if kind == KIND_QUERY_NETWORK:
         dterm = [dU, dQV, dQB, dQC, *dgate]
     else:
         dterm = [dP, dR, dw_partial[:, :hidden].sum(0).to(w.dtype), *dgate]
@@ -186,7 +186,7 @@ def _backward(ctx, grad_out, _grad_row_max, _grad_row_sum):
     )
     # The replace form's scores do not read the queries. The mask gets no gradient: the dispatcher refuses a mask
     # that requires one (.fused.inputs_unsupported_reason).
-    return None if kind == NEURAL_REPLACE else dq, dk, dv, None, dterm, None, None, None, None, None
+    return None if kind == KIND_PAIR_MLP_REPLACE else dq, dk, dv, None, dterm, None, None, None, None, None
 
 
 fused_attention_forward.register_autograd(_backward, setup_context=_save_for_backward)

@@ -7,7 +7,7 @@ on the first call. It sees tensors and a few static values (:class:`~hf_neural_a
 module doc lists each term's tensors), never a scorer.
 
 Backward returns the gradients of the term's tensors; torch autograd carries them back to whatever produced
-them. For the ``"neural"`` term, R comes from the keys *before* they are repeated for grouped-query attention:
+them. For the pair-MLP term, R comes from the keys *before* they are repeated for grouped-query attention:
 head ``i`` reads key/value head ``i // groups``, nothing is repeated.
 
 Numerics: scores, softmax statistics and every accumulation are fp32 whatever the input dtype. In fp32,
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ..terms import TERMS, FusedInputs
-from .launch import NEURAL_REPLACE, NEURAL_RESIDUAL, QANA
+from ..terms import PAIR_MLP, QUERY_NETWORK, FusedInputs
+from .launch import KIND_PAIR_MLP_REPLACE, KIND_PAIR_MLP_RESIDUAL, KIND_QUERY_NETWORK
 
 SUPPORTED_ACTIVATIONS = ("gelu", "relu", "silu", "tanh", "sigmoid")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -106,6 +106,23 @@ def fused_attention(
     return out
 
 
+def _query_network_operands(tensors: tuple, dtype: torch.dtype) -> tuple[int, list[torch.Tensor]]:
+    U, V, b, c, gate = tensors
+    return KIND_QUERY_NETWORK, [U.to(dtype), V, b, c, gate]
+
+
+def _pair_mlp_operands(tensors: tuple, dtype: torch.dtype) -> tuple[int, list[torch.Tensor]]:
+    P, R, w, gate = tensors
+    kind = KIND_PAIR_MLP_RESIDUAL if gate is not None else KIND_PAIR_MLP_REPLACE
+    return kind, [P.to(dtype), R.to(dtype), w, *([] if gate is None else [gate])]
+
+
+# Each fused term's operands, by its name in hf_neural_attn.ops.terms.TERMS: (its tensors, the query's dtype) ->
+# the kernels' KIND code and the operators' ``term`` list (the tensors that multiply the keys cast to that dtype;
+# read back by .launch.term_tensors).
+TERM_OPERANDS = {QUERY_NETWORK: _query_network_operands, PAIR_MLP: _pair_mlp_operands}
+
+
 def operator_arguments(
     inputs: FusedInputs,
     query: torch.Tensor,
@@ -125,18 +142,9 @@ def operator_arguments(
         raise ValueError(
             f"query heads ({heads}) must be a multiple of the key/value heads ({kv_heads}, {value.shape[1]})."
         )
-    if inputs.term not in TERMS:
-        raise ValueError(f"the fused kernels have no score term {inputs.term!r} (they have {list(TERMS)})")
     dtype = query.dtype
     # Under autocast everything arrives in the autocast dtype already; otherwise align on the query's.
     key, value = key.to(dtype), value.to(dtype)
-    if inputs.term == "qana":
-        U, V, b, c, gate = inputs.tensors
-        kind = QANA
-        term = [U.to(dtype), V, b, c, gate]
-    else:
-        P, R, w, gate = inputs.tensors
-        kind = NEURAL_RESIDUAL if gate is not None else NEURAL_REPLACE
-        term = [P.to(dtype), R.to(dtype), w, *([] if gate is None else [gate])]
+    kind, term = TERM_OPERANDS[inputs.term](inputs.tensors, dtype)
     scaling = float(inputs.term_scaling(scaling))
     return query, key, value, attention_mask, term, kind, inputs.activation, scaling, bool(is_causal), inputs.hidden

@@ -14,15 +14,15 @@ import torch
 BLOCK_SIZES: tuple[int, int] | None = None
 BACKWARD_BLOCK_SIZES: tuple[int, int] | None = None
 
-# The kernels' KIND codes (see :mod:`.common`).
-QANA, NEURAL_RESIDUAL, NEURAL_REPLACE = 0, 1, 2
+# The kernels' KIND codes (see :mod:`.common`): the query-network term, the pair MLP with a gate, its replace form.
+KIND_QUERY_NETWORK, KIND_PAIR_MLP_RESIDUAL, KIND_PAIR_MLP_REPLACE = 0, 1, 2
 
 
 def term_tensors(kind: int, term: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
     """The operators' ``term`` list as the kernels' eight term pointers (U, V, b, c, P, R, w, gate), None where
-    the term has no such tensor: ``term`` is QANA's [U, V, b, c, gate], or the pair MLP's [P, R, w] followed by
+    the term has no such tensor: ``term`` is the query network's [U, V, b, c, gate], or the pair MLP's [P, R, w] followed by
     its gate when it has one (not the replace form)."""
-    if kind == QANA:
+    if kind == KIND_QUERY_NETWORK:
         U, V, b, c, gate = term
         return U, V, b, c, None, None, None, gate
     P, R, w, *gate = term
@@ -39,7 +39,7 @@ def _block_sizes(hid_pad: int, device: torch.device, backward: bool) -> tuple[in
     Not tuned by timing (no GPU has run these kernels yet). Chosen, for bf16 and head_dim 64 on sm_90, as
     the candidates ptxas compiled with the fewest register spills: a tile keeps BLOCK_M x h x BLOCK_N fp32
     hidden activations and their derivatives in registers, so wider h gets smaller tiles. At h = 4 that is
-    no spill in the QANA forward and 100-260 bytes per thread in the backward kernels; at h = 8 the
+    no spill in the query-network forward and 100-260 bytes per thread in the backward kernels; at h = 8 the
     backward kernels still spill about 1.5 KB.
     """
     override = BACKWARD_BLOCK_SIZES if backward else BLOCK_SIZES

@@ -1,4 +1,5 @@
-"""The query-network score term of the fused kernels (``KIND == 0``; the QANA scorer hands it its inputs).
+"""The query-network score term of the fused kernels (``KIND == 0``; QANA and the relative form of
+Neural Attention hand it their inputs).
 
 Per query i the kernel reads U_i (h, D), V_i (h,), b_i (h,), c_i and computes, for key j,
 
