@@ -7,8 +7,8 @@
 Times forward + backward of one causal attention call of a patched GPT-2 (or Llama) layer (QANA, and Neural
 Attention with its default options) in training mode with attention dropout ``--dropout`` (0 by default), on each
 path, interleaved so that drifts in machine speed hit both alike, and prints the median per path, their ratio and
-the score-tensor size ``batch x heads x n x n x h`` that ``impl="auto"`` compares with the scorer's
-``ops.reference_max_scores``. The crossover sets that threshold (docs/benchmarks.md).
+the score-tensor size ``batch x heads x n x n x h`` that ``impl="auto"`` compares with each scorer's
+``reference_max_scores``. The crossover sets that threshold (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import hf_neural_attn
-from hf_neural_attn.ops import reference_max_scores, scored_attention
+from hf_neural_attn.ops import scored_attention
 
 
 def patched_scorer(family: str, scorer_name: str, n: int, heads: int, head_dim: int, h: int):
@@ -107,7 +107,7 @@ def main(argv=None) -> None:
                     samples.append(time.perf_counter() - started)
             reference, chunked = (statistics.median(times[impl]) * 1000 for impl in ("reference", "chunked"))
             size = args.batch * args.heads * n * n * args.h
-            marker = " (auto: reference)" if size <= reference_max_scores(scorer) else ""
+            marker = " (auto: reference)" if size <= scorer.reference_max_scores else ""
             print(
                 f"| {scorer_name} | {n} | {size:,}{marker} | {reference:.1f} | {chunked:.1f} | {chunked / reference:.2f} |"
             )

@@ -36,7 +36,7 @@ import hf_neural_attn
 from hf_neural_attn.loading.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 from hf_neural_attn.ops import IMPL_OPTIONS, scored_attention
 from hf_neural_attn.record import RECORD_KEY
-from hf_neural_attn.scorers import AttentionGeometry
+from hf_neural_attn.scorers import SCORERS, AttentionGeometry
 
 VOCAB = 64
 
@@ -363,6 +363,13 @@ IMPLS = IMPL_OPTIONS  # every public impl choice
 PORTABLE_IMPLS = tuple(impl for impl in IMPLS if impl != "triton")
 # The portable choices that name one path; the first is "reference", the oracle the others are compared with.
 PATH_IMPLS = tuple(impl for impl in PORTABLE_IMPLS if impl != "auto")
+
+
+def always_blockwise(monkeypatch) -> None:
+    """``impl="auto"`` materialises no score tensor while ``monkeypatch`` lasts: every scorer's threshold
+    (``Scorer.reference_max_scores``) is 0, so each call of a softmax scorer runs the blockwise (or chunked) path."""
+    for scorer_class in SCORERS.values():
+        monkeypatch.setattr(scorer_class, "reference_max_scores", 0)
 
 
 # --- Checkpoints -------------------------------------------------------------------------------------------------

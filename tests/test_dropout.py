@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import (
     HIDDEN,
+    always_blockwise,
     assert_same_outputs_and_grads,
     geometry,
     logits,
@@ -221,7 +222,7 @@ def test_eval_mode_and_p_zero_drop_nothing():
 @pytest.fixture
 def dropout_gpt2(monkeypatch):
     """A patched GPT-2 with attention dropout only, in train mode, and auto choosing blockwise for every call."""
-    monkeypatch.setattr(ops, "reference_max_scores", lambda scorer: 0)
+    always_blockwise(monkeypatch)
     model = tiny_gpt2(attn_pdrop=0.3)
     hf_neural_attn.patch_model(model, "qana", h=2)
     perturb_scorers(model)
@@ -249,7 +250,7 @@ def test_gradient_checkpointing_recomputes_the_same_masks(dropout_gpt2):
 
 def test_auto_chooses_the_same_path_with_dropout_as_without():
     scorer = make_scorer("qana", 4, 4)  # h = 3
-    largest = int((ops.reference_max_scores(scorer) / (4 * 3)) ** 0.5)
+    largest = int((scorer.reference_max_scores / (4 * 3)) ** 0.5)
     shapes = [(1, largest, largest), (1, largest + 1, largest + 1), (2, largest, largest), (1, 1, 8192), (8, 128, 128)]
     for batch, q_len, kv_len in shapes:
         chosen = {

@@ -21,6 +21,7 @@ from helpers import (
     HIDDEN,
     PATH_IMPLS,
     PORTABLE_IMPLS,
+    always_blockwise,
     assert_same_outputs_and_grads,
     geometry,
     logits,
@@ -232,7 +233,7 @@ def resolve_path(scorer, impl, q_len=8, kv_len=8, **flags):
 
 
 def test_auto_rule_by_shape():
-    """impl="auto" materialises scores up to REFERENCE_MAX_SCORES numbers (batch x heads x q x kv x h), then
+    """impl="auto" materialises scores up to the scorer's reference_max_scores numbers (batch x heads x q x kv x h), then
     goes blockwise; on CUDA too while the Triton kernels are not switched on."""
     scorer = make_scorer("qana", "gelu", 4, 4)  # h = 3
 
@@ -242,7 +243,7 @@ def test_auto_rule_by_shape():
             is_causal=True, batch=batch, heads=4, **flags,
         )  # fmt: skip
 
-    largest = int((ops.reference_max_scores(scorer) / (4 * 3)) ** 0.5)  # the longest square call kept whole, batch 1
+    largest = int((scorer.reference_max_scores / (4 * 3)) ** 0.5)  # the longest square call kept whole, batch 1
     assert path(1, largest, largest) == "reference"
     assert path(1, largest + 1, largest + 1) == "blockwise"  # QANA has a fused form: "chunked" runs it blockwise
     assert path(2, largest, largest) == "blockwise"  # the batch counts: the score tensor doubles
@@ -256,7 +257,7 @@ def test_auto_threshold_is_per_scorer():
     (docs/benchmarks.md, "The auto rule"): a call between the two thresholds runs blockwise for QANA and on the
     reference path for Neural Attention; each scorer's own threshold is where its choice switches."""
     qana, neural = make_scorer("qana", "gelu", 4, 4), make_scorer("neural-residual", "gelu", 4, 4)  # h = 3, 4
-    assert ops.reference_max_scores(qana) < ops.reference_max_scores(neural)
+    assert qana.reference_max_scores < neural.reference_max_scores
 
     def path(scorer, q_len):
         return ops.resolve_impl(
@@ -264,8 +265,8 @@ def test_auto_threshold_is_per_scorer():
             is_causal=True, batch=1, heads=4,
         )  # fmt: skip
 
-    between = int((ops.reference_max_scores(neural) / (4 * 4)) ** 0.5)  # Neural's longest square call kept whole
-    assert 4 * between * between * 3 > ops.reference_max_scores(qana)  # ... which QANA (h = 3) computes blockwise
+    between = int((neural.reference_max_scores / (4 * 4)) ** 0.5)  # Neural's longest square call kept whole
+    assert 4 * between * between * 3 > qana.reference_max_scores  # ... which QANA (h = 3) computes blockwise
     assert path(qana, between) == "blockwise" and path(neural, between) == "reference"
     assert path(neural, between + 1) == "blockwise"
 
@@ -289,6 +290,6 @@ def test_patch_model_defaults_to_auto_and_auto_follows_the_call(monkeypatch):
     short = logits(model, inputs)
     assert taken and set(taken) == {"reference"}
     taken.clear()
-    monkeypatch.setattr(ops, "reference_max_scores", lambda scorer: 0)
+    always_blockwise(monkeypatch)
     torch.testing.assert_close(logits(model, inputs), short, atol=1e-5, rtol=0)
     assert taken and set(taken) == {"blockwise"}

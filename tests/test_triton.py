@@ -20,7 +20,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import IMPLS, PORTABLE_IMPLS, geometry, model_inputs, perturb_scorers, randomise, tiny_gpt2, tiny_llama
+from helpers import (
+    IMPLS,
+    PORTABLE_IMPLS,
+    always_blockwise,
+    geometry,
+    model_inputs,
+    perturb_scorers,
+    randomise,
+    tiny_gpt2,
+    tiny_llama,
+)
 from torch.utils._pytree import tree_map_only
 
 import hf_neural_attn
@@ -379,7 +389,7 @@ def test_auto_runs_the_chunked_path_above_the_threshold(monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setitem(ops.PATHS, "blockwise", spy)
-    monkeypatch.setattr(ops, "reference_max_scores", lambda scorer: 0)
+    always_blockwise(monkeypatch)
     scorer = make_scorer("neural", 2, 1, impl="auto")
     _, query, key, value, mask, _ = attention_case(2, 1, 5, 5, "causal")
     output, probs = scored_attention(scorer, query, key, value, mask, scaling=D**-0.5, is_causal=True)

@@ -45,22 +45,6 @@ IMPL_OPTIONS = ("auto", "reference", "chunked", "triton")
 # under Triton's CPU interpreter only). Until then CUDA gets the same rule as the CPU. The GPU work flips this.
 TRITON_IN_AUTO = False
 
-# impl="auto" materialises the scores (the reference path) while batch * heads * q_len * kv_len * h is at most
-# this many numbers, and computes them a block of queries at a time above. Where the two paths cross depends on the
-# scorer: QANA's blockwise form overtakes early, while Neural Attention's reference form (a broadcast sum of its two
-# halves, or on RoPE models one product of its units) stays the faster one up to larger calls. Each value sits
-# between the sizes where benchmarks/auto_threshold.py found the reference path faster and where it found the
-# blockwise one faster, with dropout on and off, batch 1 and 8, GPT-2 and Llama (docs/benchmarks.md, "The auto
-# rule"). Scorers not listed (the generic chunked path) keep REFERENCE_MAX_SCORES, measured before the split.
-REFERENCE_MAX_SCORES = 3 * 2**19
-REFERENCE_MAX_SCORES_BY_SCORER = {"qana": 2**19, "neural": 2**21}
-
-
-def reference_max_scores(scorer) -> int:
-    """The largest score tensor (numbers) that ``impl="auto"`` materialises for ``scorer``."""
-    return REFERENCE_MAX_SCORES_BY_SCORER.get(scorer.name, REFERENCE_MAX_SCORES)
-
-
 def check_impl(impl: str, device: torch.device | str | None = None) -> None:
     """Raise ``ValueError`` when the ``impl`` choice cannot run on this machine (``device`` None: on any of its
     devices), naming what is missing. Only ``"triton"`` can fail here. For ``patch_model``, so that a bad choice
@@ -96,8 +80,8 @@ def resolve_impl(
       triton, ``ValueError`` naming the reason otherwise: attention dropout among them), never a silent fallback.
     * ``"auto"`` (the default): with :data:`TRITON_IN_AUTO` set, the kernels for CUDA tensors they support.
       Otherwise ``"reference"`` while the call's score tensor, ``batch * heads * q_len * kv_len`` numbers times
-      the scorer's hidden width h, is at most :func:`reference_max_scores` (materialising it is then the faster
-      choice), else as ``"chunked"``. Dropout does not change the rule: every path applies it.
+      the scorer's hidden width h, is at most the scorer's ``reference_max_scores`` (materialising it is then the
+      faster choice; where the paths cross depends on the scorer, which measured it), else as ``"chunked"``. Dropout does not change the rule: every path applies it.
     * ``"chunked"``: ``"blockwise"`` for a scorer with a fused form, ``"chunked"`` for the others; memory linear
       in the sequence length either way.
 
@@ -139,7 +123,7 @@ def resolve_impl(
             _warn_once("impl='auto' on CUDA found no triton and uses the torch paths instead: pip install triton")
     if impl == "auto":
         hidden = getattr(scorer.config, "h", None) or 1
-        if batch * heads * q_len * kv_len * hidden <= reference_max_scores(scorer):
+        if batch * heads * q_len * kv_len * hidden <= scorer.reference_max_scores:
             return "reference"
     elif impl != "chunked":
         # A value set on the config after it was made: the option's own error, from the config's one check.

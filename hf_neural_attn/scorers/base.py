@@ -233,6 +233,12 @@ class Scorer(nn.Module):
     # Scorers whose attention weights are not a softmax of logits (NSEA, HEA) set this to False and
     # implement :meth:`attend`; the ``impl`` paths, which are all softmax attention, then do not apply.
     uses_softmax: ClassVar[bool] = True
+    # impl="auto" materialises the scores (the reference path) while batch * heads * q_len * kv_len * h is at most
+    # this many numbers, and computes them a block of queries at a time above (ops.resolve_impl reads it). Where the
+    # two paths cross depends on the scorer: one whose blockwise form crosses elsewhere sets its own value, measured
+    # by benchmarks/auto_threshold.py (docs/benchmarks.md, "The auto rule"). This default serves the generic chunked
+    # path, measured before the fused scorers got values of their own.
+    reference_max_scores: ClassVar[int] = 3 * 2**19
 
     def __init__(self, config: ScorerConfig, geometry: AttentionGeometry):
         super().__init__()

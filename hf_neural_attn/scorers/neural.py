@@ -177,6 +177,11 @@ class NeuralAttentionConfig(MLPScorerConfig):
 class NeuralAttentionScorer(Scorer):
     name = "neural"
     config_class = NeuralAttentionConfig
+    # Neural Attention's reference form (a broadcast sum of its two halves, or on RoPE models one product of its
+    # units) stays faster than its blockwise one up to larger calls than QANA's. The value sits between the sizes
+    # where benchmarks/auto_threshold.py found the reference path faster and where it found the blockwise one
+    # faster, with dropout on and off, batch 1 and 8, GPT-2 and Llama (docs/benchmarks.md, "The auto rule").
+    reference_max_scores = 2**21
 
     @classmethod
     def check_module(cls, config: NeuralAttentionConfig, module: nn.Module) -> None:
