@@ -20,7 +20,6 @@ matplotlib is imported inside the drawing functions only (with the non-interacti
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -74,13 +73,14 @@ def unpatched_view(model: nn.Module) -> nn.Module:
         # module: the copy would silently run the patched model. Fall back to the class's own forward.
         module.__dict__.pop("forward", None)
     if is_patched(view) and patched_key_dim(view) is not None:
-        # QANA's key_dim replaced the query and key projections, so there is no original model. The plain dot
-        # product of the same (narrower) queries and keys is the view's scorers with the query-network term off:
-        # score = s.k / sqrt(r) + 0. The scorers return probabilities on every path, as eager would.
-        for scorer in view.modules():
-            if isinstance(scorer, Scorer) and isinstance(getattr(scorer, "gate", None), nn.Parameter):
-                scorer.config = dataclasses.replace(scorer.config, skip=True)
-                scorer.gate = nn.Parameter(torch.zeros_like(scorer.gate), requires_grad=False)
+        # The patch replaced the query and key projections by narrower ones (key_dim), so there is no original model.
+        # The plain dot product of the same (narrower) queries and keys is what each scorer answers for as its
+        # dot-product-only view (Scorer.dot_product_view). The scorers return probabilities on every path, as eager
+        # would.
+        for module in list(view.modules()):
+            scorer = getattr(module, SCORER_ATTR, None)
+            if isinstance(scorer, Scorer):
+                setattr(module, SCORER_ATTR, scorer.dot_product_view())
         return view.eval()
     if is_patched(view):
         unpatch_model(view)

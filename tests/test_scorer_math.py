@@ -173,3 +173,31 @@ def test_gradcheck_through_inputs_and_parameters(scorer_name):
         scorer = NeuralAttentionScorer(NeuralAttentionConfig(h=3, proj_dim=2, depth=2), geometry(num_kv_heads=HEADS))
     randomise(scorer, std=0.5)
     assert causal_gradcheck(scorer, seq=3)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_qana_dot_product_view_scores_the_plain_dot_product_with_the_same_parameters(skip):
+    """What plotting calls "unpatched" for a patch that cannot be undone: the same queries and keys, scored by the
+    dot product alone, on the scorer's own parameter tensors; the scorer itself keeps its term."""
+    torch.manual_seed(0)
+    scorer = QanaScorer(QanaConfig(h=2, skip=skip), geometry(num_kv_heads=HEADS))
+    randomise(scorer)
+    gate = scorer.gate.detach().clone()
+    hidden = torch.randn(2, 3, HIDDEN, dtype=F64)
+    query, key = torch.randn(2, HEADS, 3, D, dtype=F64), torch.randn(2, HEADS, 5, D, dtype=F64)
+    before = scorer.scores(query, key, scorer.query_extras(hidden, None), D**-0.5)
+
+    view = scorer.dot_product_view()
+    scores = view.scores(query, key, view.query_extras(hidden, None), D**-0.5)
+    torch.testing.assert_close(scores, query @ key.transpose(-1, -2) * D**-0.5, rtol=1e-12, atol=1e-12)
+    shared = dict(view.named_parameters())
+    assert all(shared[name] is parameter for name, parameter in scorer.named_parameters() if name != "gate")
+    # the scorer is unchanged
+    assert scorer.config.skip is skip and torch.equal(scorer.gate, gate)
+    torch.testing.assert_close(scorer.scores(query, key, scorer.query_extras(hidden, None), D**-0.5), before)
+
+
+def test_a_scorer_without_a_dot_product_view_says_so():
+    scorer = NeuralAttentionScorer(NeuralAttentionConfig(h=3, mode="replace"), geometry())
+    with pytest.raises(ValueError, match="'neural' has no dot-product-only view.*unpatch_model"):
+        scorer.dot_product_view()

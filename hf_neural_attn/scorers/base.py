@@ -8,7 +8,9 @@ hands over q, k and RoPE lives in :mod:`hf_neural_attn.families`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import itertools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -337,6 +339,28 @@ class Scorer(nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.config.to_dict().items())
+
+    def dot_product_view(self) -> Scorer:
+        """This scorer reduced to the plain scaled dot product ``scaling * q . k`` of the queries and keys it is
+        given, for a patch that cannot be undone (``plotting.unpatched_view``: QANA's ``key_dim`` replaced the
+        query and key projections, so the model has no original attention to go back to).
+
+        Returns a new scorer of the same geometry whose parameters *are* this one's tensors (nothing is copied; do
+        not train it) and whose scores are exactly that dot product on every path, the probabilities included;
+        ``self`` is unchanged. Scorers that keep the dot product beside a term they can switch off override it (see
+        :meth:`shared_copy`); the others raise ``ValueError``.
+        """
+        raise ValueError(
+            f"scorer {self.name!r} has no dot-product-only view: its scores do not keep the model's dot product "
+            "beside a term that can be switched off. Compare with the model before patching instead "
+            "(hf_neural_attn.unpatch_model restores it when the patch replaced no projection)."
+        )
+
+    def shared_copy(self) -> Scorer:
+        """A copy of this module (config, geometry, submodules) whose parameters and buffers are this one's tensors,
+        for views such as :meth:`dot_product_view` to edit without touching ``self``."""
+        shared = {id(tensor): tensor for tensor in itertools.chain(self.parameters(), self.buffers())}
+        return copy.deepcopy(self, memo=shared)
 
     def fused_unsupported_reason(self) -> str | None:
         """Why this scorer's configuration has no fused form (a pair-MLP term, :meth:`fused_inputs`), or None

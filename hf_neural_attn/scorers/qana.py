@@ -262,6 +262,14 @@ class QanaScorer(Scorer):
             return gated
         return grouped_matmul(query, key.transpose(-1, -2)) * scaling + gated
 
+    def dot_product_view(self) -> QanaScorer:
+        """The skip path s.k alone: the query-network term off (its gate a constant 0), every other parameter this
+        scorer's own (see :meth:`Scorer.dot_product_view`)."""
+        view = self.shared_copy()
+        view.config = dataclasses.replace(self.config, skip=True)
+        view.gate = nn.Parameter(torch.zeros_like(self.gate), requires_grad=False)
+        return view
+
     def fused_unsupported_reason(self) -> str | None:
         if not self.config.skip:
             return "QANA with skip=False has no fused form (the fused term always adds the dot product)"
