@@ -1,4 +1,5 @@
-"""The import graph of the library and the recipes, read from the source with ``ast`` (nothing is imported).
+"""The import graph of the library and the recipes, read from the source with ``ast`` (nothing is imported), and
+where the scorers' names may appear (the names come from the scorer registry itself).
 
 Every ``import`` counts, at module level or inside a function: a function-level import is an edge that only
 shows up late, and a circle through one is still a circle. docs/api.md ("How the code is laid out") describes
@@ -9,7 +10,12 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterable
 from pathlib import Path
+
+import pytest
+
+from hf_neural_attn.scorers import SCORERS
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("hf_neural_attn", "recipes")
@@ -236,3 +242,75 @@ def test_library_modules_do_not_import_the_package_root():
     graph = internal_graph()
     library = [name for name in graph if name.startswith("hf_neural_attn.")]
     assert sorted(name for name in library if "hf_neural_attn" in graph[name]) == []
+
+
+# --- only the scorer knows the scorer ---------------------------------------------------------------------------
+
+
+def scorer_name_mentions(source: str, names: Iterable[str]) -> list[tuple[int, str]]:
+    """(line, text) of every string constant in ``source`` that is one of the scorer ``names`` or holds
+    ``--scorer <name>`` (a recipe flag naming one). Docstrings, and any other string standing alone as a statement,
+    are prose and do not count; f-strings count by their literal parts."""
+    names = set(names)
+    flag = re.compile(r"--scorer(?:\s+|=)(?:%s)\b" % "|".join(re.escape(name) for name in sorted(names)))
+    tree = ast.parse(source)
+    prose = {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+    }
+    return sorted(
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose
+        if node.value in names or flag.search(node.value)
+    )
+
+
+def scorer_names_in(package: str) -> list[str]:
+    """Where the modules of ``package`` outside ``hf_neural_attn.scorers`` (the scorers and their registry) name a
+    registered scorer, as "module:line: text"."""
+    return [
+        f"{name}:{line}: {text!r}"
+        for name, path in MODULES.items()
+        if (name == package or name.startswith(package + ".")) and not name.startswith("hf_neural_attn.scorers")
+        for line, text in scorer_name_mentions(path.read_text(), SCORERS)
+    ]
+
+
+def test_the_scorer_name_scanner_finds_names_in_code_and_not_in_prose():
+    snippet = '''
+"""A module about qana."""
+
+
+def pick(scorer, width):
+    """Pass --scorer qana."""
+    "a bare note on neural"
+    if scorer.name == "qana":  # a comparison on the name
+        return {"neural": width}
+    options = ["--scorer", "general", "--scorer none", "qanas"]
+    return f"run --scorer neural --h {width}" + "see --scorer=additive"
+'''
+    assert scorer_name_mentions(snippet, ["qana", "neural", "general", "additive"]) == [
+        (8, "qana"),
+        (9, "neural"),
+        (10, "general"),
+        (11, "run --scorer neural --h "),
+        (11, "see --scorer=additive"),
+    ]
+
+
+def test_no_scorer_name_in_the_library_outside_the_scorers():
+    """A scorer's name, its auto threshold, its fused form and its dot-product view live in ``hf_neural_attn.scorers``
+    (one module and one registry line per scorer); the compute paths, plotting and the rest ask the scorer."""
+    assert scorer_names_in("hf_neural_attn") == []
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="recipes/ still names scorers (report.py special-cases 'neural', args.py, demo.py, modeling.py); the "
+    "recipe half of issue 29 removes them: drop this mark once that branch is merged",
+)
+def test_no_scorer_name_in_the_recipes():
+    """The recipes take the scorer as data (``--scorer``, its options from the scorer's config) and never name one."""
+    assert scorer_names_in("recipes") == []
