@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 from helpers import CORE_FAMILIES, SCORER_NAMES
 
+from hf_neural_attn import ops
+from hf_neural_attn.ops.triton import launch
+
 
 @pytest.fixture(params=CORE_FAMILIES)
 def family(request) -> str:
@@ -15,6 +18,69 @@ def family(request) -> str:
 @pytest.fixture(params=SCORER_NAMES)
 def scorer_name(request) -> str:
     return request.param
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    """Triton's CPU interpreter, with 4 x 4 tiles forward and 8 x 4 backward.
+
+    ``TRITON_INTERPRET=1`` must be set when a ``@triton.jit`` function is decorated. Our kernels are
+    imported lazily, so setting it here is early enough for them. But transformers imports
+    ``torch._dynamo``, which imports triton, before any test module runs, so triton.language's own jitted
+    helpers (``tl.zeros``, ``tl.sum``, ...) were decorated for compilation, and calling them from an
+    interpreted kernel raises. Those calls are routed to the interpreter here, as they would be had the
+    variable been set before Python started (running ``TRITON_INTERPRET=1 pytest`` needs no routing).
+    """
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(launch, "BLOCK_SIZES", (4, 4))
+    # Backward tiles differ from forward ones, as on a GPU: row statistics must not depend on the tiling.
+    monkeypatch.setattr(launch, "BACKWARD_BLOCK_SIZES", (8, 4))
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    import hf_neural_attn.ops.triton.common as kernels
+
+    if not isinstance(kernels.forward_kernel, InterpretedFunction):
+        pytest.skip("the Triton kernels were imported without TRITON_INTERPRET=1 in this process")
+    if isinstance(tl.zeros, JITFunction):
+        interpreted = {}
+
+        def call_in_interpreter(self, *args, **kwargs):
+            if self.fn not in interpreted:
+                interpreted[self.fn] = InterpretedFunction(self.fn)
+            return interpreted[self.fn](*args, **kwargs)
+
+        monkeypatch.setattr(JITFunction, "__call__", call_in_interpreter)
+
+
+@pytest.fixture
+def triton_calls(monkeypatch):
+    """Counts calls that reach the Triton path, so a silent fallback cannot pass for a kernel result."""
+    calls = []
+
+    original = ops.PATHS["triton"]
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setitem(ops.PATHS, "triton", spy)
+    return calls
+
+
+@pytest.fixture
+def paths_taken(monkeypatch):
+    """The compute paths (keys of ops.PATHS) that served each attention call, in order."""
+    taken = []
+    for name, path in list(ops.PATHS.items()):
+
+        def spy(*args, _name=name, _path=path, **kwargs):
+            taken.append(_name)
+            return _path(*args, **kwargs)
+
+        monkeypatch.setitem(ops.PATHS, name, spy)
+    return taken
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ Also here: the float64 scorer geometry, gradcheck and literal RoPE used by the m
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -359,10 +360,13 @@ def transformers_refuses_installed_peft() -> str | None:
 # --- Compute paths -----------------------------------------------------------------------------------------------
 
 IMPLS = IMPL_OPTIONS  # every public impl choice
-# The choices that run on any machine: "triton" needs CUDA or Triton's CPU interpreter (tests/test_triton.py).
+# The choices that run on any machine: "triton" needs CUDA or Triton's CPU interpreter (the ``interpreter``
+# fixture of conftest.py; tests/test_triton.py).
 PORTABLE_IMPLS = tuple(impl for impl in IMPLS if impl != "triton")
 # The portable choices that name one path; the first is "reference", the oracle the others are compared with.
 PATH_IMPLS = tuple(impl for impl in PORTABLE_IMPLS if impl != "auto")
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: pip install -e '.[dev]'")
 
 
 def always_blockwise(monkeypatch) -> None:

@@ -19,7 +19,6 @@ from helpers import F64, HEADS, HIDDEN, KV_HEADS, D, causal_gradcheck, geometry,
 from torch import nn
 
 import hf_neural_attn
-from hf_neural_attn import ops
 from hf_neural_attn.ops import blockwise, chunked, scored_attention
 from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer
 
@@ -92,20 +91,6 @@ def authors_module_for(attention: nn.Module, proj_dim: int) -> AuthorsNeuralAtte
         authors.to_qkv.weight.copy_(qkv.permute(2, 0, 1, 3).reshape(3 * dim, dim))
         authors.W_out.weight.copy_(attention.c_proj.weight.T)
     return authors
-
-
-@pytest.fixture
-def paths_taken(monkeypatch):
-    """The compute paths (keys of ops.PATHS) that served each attention call, in order."""
-    taken = []
-    for name, path in list(ops.PATHS.items()):
-
-        def spy(*args, _name=name, _path=path, **kwargs):
-            taken.append(_name)
-            return _path(*args, **kwargs)
-
-        monkeypatch.setitem(ops.PATHS, name, spy)
-    return taken
 
 
 def test_the_preset_is_the_authors_options():

@@ -12,7 +12,6 @@ sum the same terms in different orders; gradients of the larger parameters reach
 rounding alone is ~1e-6).
 """
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -21,11 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
+    HAS_TRITON,
     IMPLS,
     PORTABLE_IMPLS,
     always_blockwise,
     geometry,
     model_inputs,
+    needs_triton,
     perturb_scorers,
     randomise,
     tiny_gpt2,
@@ -40,59 +41,8 @@ from hf_neural_attn.ops import triton as ops_triton
 from hf_neural_attn.ops.triton import fused, launch
 from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: pip install -e '.[dev]'")
 HIDDEN, D = 6, 6  # D = 6 is not a power of two: the kernels pad it to 8 and mask the padding
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
-
-
-@pytest.fixture
-def interpreter(monkeypatch):
-    """Triton's CPU interpreter, with 4 x 4 tiles forward and 8 x 4 backward.
-
-    ``TRITON_INTERPRET=1`` must be set when a ``@triton.jit`` function is decorated. Our kernels are
-    imported lazily, so setting it here is early enough for them. But transformers imports
-    ``torch._dynamo``, which imports triton, before any test module runs, so triton.language's own jitted
-    helpers (``tl.zeros``, ``tl.sum``, ...) were decorated for compilation, and calling them from an
-    interpreted kernel raises. Those calls are routed to the interpreter here, as they would be had the
-    variable been set before Python started (running ``TRITON_INTERPRET=1 pytest`` needs no routing).
-    """
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(launch, "BLOCK_SIZES", (4, 4))
-    # Backward tiles differ from forward ones, as on a GPU: row statistics must not depend on the tiling.
-    monkeypatch.setattr(launch, "BACKWARD_BLOCK_SIZES", (8, 4))
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    import hf_neural_attn.ops.triton.common as kernels
-
-    if not isinstance(kernels.forward_kernel, InterpretedFunction):
-        pytest.skip("the Triton kernels were imported without TRITON_INTERPRET=1 in this process")
-    if isinstance(tl.zeros, JITFunction):
-        interpreted = {}
-
-        def call_in_interpreter(self, *args, **kwargs):
-            if self.fn not in interpreted:
-                interpreted[self.fn] = InterpretedFunction(self.fn)
-            return interpreted[self.fn](*args, **kwargs)
-
-        monkeypatch.setattr(JITFunction, "__call__", call_in_interpreter)
-
-
-@pytest.fixture
-def triton_calls(monkeypatch):
-    """Counts calls that reach the Triton path, so a silent fallback cannot pass for a kernel result."""
-    calls = []
-
-    original = ops.PATHS["triton"]
-
-    def spy(*args, **kwargs):
-        calls.append(args[1].shape)
-        return original(*args, **kwargs)
-
-    monkeypatch.setitem(ops.PATHS, "triton", spy)
-    return calls
 
 
 def make_scorer(name, heads, kv_heads, dtype=torch.float32, **options):
