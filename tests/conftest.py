@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import CORE_FAMILIES, SCORER_NAMES
+from helpers import CORE_FAMILIES, FUSED_SCORERS
 
 from hf_neural_attn import ops
 from hf_neural_attn.ops.triton import launch
@@ -15,8 +15,9 @@ def family(request) -> str:
     return request.param
 
 
-@pytest.fixture(params=SCORER_NAMES)
+@pytest.fixture(params=FUSED_SCORERS)
 def scorer_name(request) -> str:
+    """The name of each scorer with a fused form (helpers.FUSED_SCORERS)."""
     return request.param
 
 

@@ -5,7 +5,8 @@ The tables every family-wise or scorer-wise test iterates over (docs/testing.md,
 
 * FAMILY_CASES: every model family the suite builds, as a tiny model, with its input kind and the flags that
   pick each contract's families;
-* SCORER_CASES: every scorer case (a scorer and its options), run by tests/test_scorer_contracts.py;
+* SCORER_CASES: every scorer case (a scorer and its options), run by tests/test_scorer_contracts.py; FUSED_SCORERS:
+  the scorers with a fused form (the rows whose ``fused`` is true), which the path and model tests run by name;
 * IMPLS: the public ``impl`` choices, from the library;
 * CHECKPOINT_KINDS: the two kinds of checkpoint (full, adapter), saved by ``save_checkpoint`` and edited by
   ``edit_record``.
@@ -37,7 +38,7 @@ import hf_neural_attn
 from hf_neural_attn.loading.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 from hf_neural_attn.ops import IMPL_OPTIONS, scored_attention
 from hf_neural_attn.record import RECORD_KEY
-from hf_neural_attn.scorers import SCORERS, AttentionGeometry
+from hf_neural_attn.scorers import SCORERS, AttentionGeometry, scorer_class
 
 VOCAB = 64
 
@@ -260,9 +261,6 @@ def family_names(*conditions: Callable[[FamilyCase], bool], **where) -> list[str
 
 
 CORE_FAMILIES = tuple(family_names(core=True))
-
-
-SCORER_NAMES = ["qana", "neural"]
 
 
 def model_inputs(family: str, batch: int = 2, seq: int = 12, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -541,6 +539,15 @@ class ScorerCase:
         """The one family the costlier contracts (backward, chunked, checkpoint) run on."""
         return "gpt2" if "gpt2" in self.families else self.families[0]
 
+    @property
+    def fused(self) -> bool:
+        """Whether the scorer has a fused form with these options (``Scorer.fused_unsupported_reason`` is None), so
+        that the blockwise path and the Triton kernels serve it. Asked of the scorer itself, built on the float64
+        test geometry (no RoPE; on a RoPE model Neural Attention's replace mode has none)."""
+        scorer_type = scorer_class(self.name)
+        scorer = scorer_type(scorer_type.config_class.from_options(self.options), geometry())
+        return scorer.fused_unsupported_reason() is None
+
 
 SCORER_CASES = [
     ScorerCase("qana", {}, waits=("gate",)),
@@ -562,6 +569,11 @@ SCORER_CASES = [
     ),
     ScorerCase("hea", {"mode": "replace"}, preserving=False, parameters=False, chunked=False),
 ]
+
+
+# The scorers with a fused form, each once, in SCORER_CASES' order: the tests that run scorers by name (paths,
+# kernels, whole models) run these.
+FUSED_SCORERS = tuple(dict.fromkeys(case.name for case in SCORER_CASES if case.fused))
 
 
 def scorer_cases(with_family: bool = False, **where):

@@ -20,7 +20,7 @@ TESTS = Path(__file__).resolve().parent  # the script imports the test helpers
 SCRIPT = r"""
 import sys
 import torch
-from helpers import perturb_scorers, tiny_gpt2, tiny_llama
+from helpers import FUSED_SCORERS, perturb_scorers, tiny_gpt2, tiny_llama
 from transformers import CompileConfig, GenerationConfig
 import hf_neural_attn
 
@@ -36,7 +36,7 @@ def generation(**settings):
                             output_scores=True, return_dict_in_generate=True, **settings)
 
 
-for scorer in ("qana", "neural"):
+for scorer in FUSED_SCORERS:
     model = build()
     hf_neural_attn.patch_model(model, scorer, **({"h": 4} if scorer == "qana" else {}))
     perturb_scorers(model)

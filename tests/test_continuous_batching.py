@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import perturb_scorers, tiny_gpt2, tiny_llama, tiny_mistral
+from helpers import FUSED_SCORERS, perturb_scorers, tiny_gpt2, tiny_llama, tiny_mistral
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import hf_neural_attn
@@ -184,7 +184,7 @@ def test_sampling_from_a_model_patched_at_init_draws_what_the_unpatched_model_dr
         return [outputs[f"req_{index}"] for index in range(len(PROMPTS))]
 
     base = draw(lively_gpt2())
-    for scorer in ("qana", "neural"):
+    for scorer in FUSED_SCORERS:
         served = draw(patched(lively_gpt2, scorer, perturb=False))
         for index, (ours, theirs) in enumerate(zip(served, base, strict=True)):
             assert ours.generated_tokens == theirs.generated_tokens, (scorer, index)
@@ -231,7 +231,7 @@ def test_an_older_transformers_is_refused_before_anything_is_generated():
 
 
 @pytest.mark.parametrize("base", ["sdpa", "eager"])
-@pytest.mark.parametrize("scorer", ["qana", "neural"])
+@pytest.mark.parametrize("scorer", FUSED_SCORERS)
 def test_a_packed_training_batch_trains_each_sequence_alone(scorer, base):
     """DataCollatorWithFlattening's batches (one row, cu_seq_lens_q/k): each sequence attends to itself only, with
     or without the causal mask an eager base builds over the row; logits and gradients as when run one by one.

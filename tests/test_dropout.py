@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 from helpers import (
+    FUSED_SCORERS,
     HIDDEN,
     always_blockwise,
     assert_same_outputs_and_grads,
@@ -287,7 +288,7 @@ def test_a_dropout_value_that_is_no_probability_is_refused_naming_its_config_fie
 
 
 @pytest.mark.parametrize("impl", ["reference", "chunked"])
-@pytest.mark.parametrize("scorer", ["qana", "neural"])
+@pytest.mark.parametrize("scorer", FUSED_SCORERS)
 def test_dropout_one_drops_everything_as_the_unpatched_model_does(small_blocks, scorer, impl):
     unpatched = tiny_llama(attention_dropout=1.0).train()
     inputs = model_inputs("llama")

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import family_cases, padded_inputs, perturb_scorers
+from helpers import FUSED_SCORERS, family_cases, padded_inputs, perturb_scorers
 
 import hf_neural_attn
 
@@ -49,7 +49,7 @@ def sentence_embeddings(model, batch):
     return torch.nn.functional.normalize(pooled, dim=-1)
 
 
-@pytest.mark.parametrize("scorer_name", ["qana", "neural"])
+@pytest.mark.parametrize("scorer_name", FUSED_SCORERS)
 def test_real_pretrained_minilm_keeps_its_embeddings(scorer_name):
     model, tokenizer = load_minilm()
     batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")

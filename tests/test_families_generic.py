@@ -14,6 +14,7 @@ import torch
 import transformers as tf
 from helpers import (
     FAMILY_CASES,
+    FUSED_SCORERS,
     HEAD_DIM,
     TINY_DECODER,
     assert_left_padding_and_cache_exact,
@@ -82,7 +83,7 @@ def test_both_scorers_preserve_then_move_logits_and_unpatch_restores(case):
     ids = tokens(2, 12)
     original = model(ids).logits
     implementation = model.config._attn_implementation
-    for scorer_name in ("qana", "neural"):
+    for scorer_name in FUSED_SCORERS:
         patch(model, case, scorer_name)
         assert model.config.hf_neural_attn["family"] == case.recorded
         torch.testing.assert_close(model(ids).logits, original, rtol=0, atol=1e-5)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from helpers import (
+    FUSED_SCORERS,
     family_case,
     logits,
     model_inputs,
@@ -144,7 +145,7 @@ def test_gpt2_scale_attn_by_inverse_layer_idx_is_kept():
     scaled, plain = tiny_gpt2(scale_attn_by_inverse_layer_idx=True), tiny_gpt2()
     # Same weights; only the per-layer scaling differs, and it changes the function.
     assert (logits(scaled, inputs) - logits(plain, inputs)).abs().max() > 1e-6
-    for scorer_name in ("qana", "neural"):
+    for scorer_name in FUSED_SCORERS:
         model = tiny_gpt2(scale_attn_by_inverse_layer_idx=True)
         original = logits(model, inputs)
         hf_neural_attn.patch_model(model, scorer_name)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from accelerate import init_empty_weights
-from helpers import SCORER_NAMES, family_names, model_inputs, perturb_scorers, tiny_llama, tiny_model
+from helpers import FUSED_SCORERS, family_names, model_inputs, perturb_scorers, tiny_llama, tiny_model
 
 import hf_neural_attn
 
@@ -32,7 +32,7 @@ def _meta_model(family: str):
 
 
 # Those families with QANA and Neural Attention; the other parametrised scorers on Llama (cheap).
-CASES = [(family, scorer) for family in MIRRORED for scorer in SCORER_NAMES]
+CASES = [(family, scorer) for family in MIRRORED for scorer in FUSED_SCORERS]
 CASES += [("llama", "additive"), ("llama", "general")]
 
 
@@ -82,7 +82,7 @@ def test_meta_init_draws_at_the_configs_initializer_range():
 
 
 @pytest.mark.parametrize("family", MIRRORED)
-@pytest.mark.parametrize("scorer", SCORER_NAMES)
+@pytest.mark.parametrize("scorer", FUSED_SCORERS)
 def test_init_weights_can_init_buffers(family, scorer):
     """transformers' test_init_weights_can_init_buffers, patched: the buffers of a patched model built on meta,
     materialised and initialised by transformers equal those of a patched model built normally."""

@@ -16,7 +16,7 @@ import pytest
 import torch
 from accelerate import cpu_offload, dispatch_model, init_empty_weights
 from accelerate.hooks import ModelHook, add_hook_to_module
-from helpers import TINY_DECODER, model_inputs, perturb_scorers, tiny_llama
+from helpers import FUSED_SCORERS, TINY_DECODER, model_inputs, perturb_scorers, tiny_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_neural_attn
@@ -45,7 +45,7 @@ def _offloaded_layer_is_still_offloaded(model) -> bool:
     return attention.q_proj.weight.is_meta and attention.o_proj.weight.is_meta and scorer_real
 
 
-@pytest.mark.parametrize("scorer", ["qana", "neural"])
+@pytest.mark.parametrize("scorer", FUSED_SCORERS)
 def test_patching_a_disk_offloaded_model(scorer, tmp_path):
     """Patch after dispatch_model with a disk layer: the patched model equals the unpatched one at init (1e-5),
     the offloaded layer stays offloaded, trained scorers change the outputs, unpatching restores them exactly."""
@@ -61,7 +61,7 @@ def test_patching_a_disk_offloaded_model(scorer, tmp_path):
     torch.testing.assert_close(_logits(model), reference, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("scorer", ["qana", "neural"])
+@pytest.mark.parametrize("scorer", FUSED_SCORERS)
 def test_patched_model_offloaded_afterwards(scorer, tmp_path):
     """Patch first, then dispatch with a disk layer: accelerate offloads the scorer with its layer, the
     attention function loads it for each call, and the logits and greedy generation stay the same."""

@@ -3,12 +3,13 @@
 import pytest
 import torch
 from helpers import (
+    D,
     F64,
+    FUSED_SCORERS,
     HEADS,
     HIDDEN,
     KV_HEADS,
     PATH_IMPLS,
-    D,
     causal_gradcheck,
     geometry,
     logits,
@@ -70,7 +71,7 @@ def run(scorer, impl, hidden, query, key, value, mask, valid_rows, causal):
     return output.detach() * valid_rows.transpose(1, 2), [t.grad for t in tensors]
 
 
-@pytest.mark.parametrize("scorer_name", ["qana", "neural"])
+@pytest.mark.parametrize("scorer_name", FUSED_SCORERS)
 @pytest.mark.parametrize("q_len,kv_len,kind", [(7, 7, "causal"), (5, 9, "causal"), (7, 7, "padded"), (6, 6, "full")])
 def test_chunked_matches_reference_in_fp32(monkeypatch, scorer_name, q_len, kv_len, kind):
     # Blocks of 3 queries: sequence lengths that are not block multiples, and causal blocks to skip.
@@ -89,7 +90,7 @@ def test_chunked_matches_reference_in_fp32(monkeypatch, scorer_name, q_len, kv_l
             torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("scorer_name", ["qana", "neural"])
+@pytest.mark.parametrize("scorer_name", FUSED_SCORERS)
 def test_chunked_gradcheck_in_float64(monkeypatch, scorer_name):
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 2)  # 5 queries: blocks of 2, 2 and 1
     monkeypatch.setattr(blockwise, "QUERY_BLOCK", 2)
@@ -110,7 +111,7 @@ def saved_bytes(fn):
     return total
 
 
-@pytest.mark.parametrize("scorer_name", ["qana", "neural"])
+@pytest.mark.parametrize("scorer_name", FUSED_SCORERS)
 def test_chunked_keeps_memory_linear_in_sequence_length(scorer_name):
     """The reference path keeps n² · h activations for backward; the chunked path keeps O(n) tensors."""
     scorer = make_scorer(scorer_name)
@@ -132,7 +133,7 @@ def test_chunked_keeps_memory_linear_in_sequence_length(scorer_name):
     assert kept["chunked", 256] < kept["reference", 256] / 5
 
 
-@pytest.mark.parametrize("scorer_name", ["qana", "neural"])
+@pytest.mark.parametrize("scorer_name", FUSED_SCORERS)
 def test_chunked_models_match_reference_models(family, scorer_name, monkeypatch):
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 4)
     monkeypatch.setattr(blockwise, "QUERY_BLOCK", 4)

@@ -10,11 +10,12 @@ import pytest
 import torch
 from helpers import (
     ACTIVATIONS,
+    D,
     F64,
+    FUSED_SCORERS,
     HEADS,
     HIDDEN,
     KV_HEADS,
-    D,
     causal_gradcheck,
     geometry,
     qana_case,
@@ -137,7 +138,7 @@ def literal_attention(scores, value, mask):
     return torch.softmax(scores + mask, dim=-1) @ value
 
 
-@pytest.mark.parametrize("scorer_name", ["qana", "neural"])
+@pytest.mark.parametrize("scorer_name", FUSED_SCORERS)
 def test_scored_attention_is_softmax_of_scores_with_mask_and_grouped_heads(scorer_name):
     torch.manual_seed(0)
     if scorer_name == "qana":
@@ -164,7 +165,7 @@ def test_scored_attention_is_softmax_of_scores_with_mask_and_grouped_heads(score
     torch.testing.assert_close(probs[1, :, 0], torch.full((HEADS, k_len), 1 / k_len, dtype=F64))
 
 
-@pytest.mark.parametrize("scorer_name", ["qana", "neural"])
+@pytest.mark.parametrize("scorer_name", FUSED_SCORERS)
 def test_gradcheck_through_inputs_and_parameters(scorer_name):
     torch.manual_seed(0)
     if scorer_name == "qana":

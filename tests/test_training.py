@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import logits, model_inputs, negligible, tiny_llama, tiny_model, training_loss
+from helpers import FUSED_SCORERS, logits, model_inputs, negligible, tiny_llama, tiny_model, training_loss
 
 import hf_neural_attn
 
@@ -117,7 +117,7 @@ def test_training_only_the_new_parameters_lowers_the_loss(family, scorer_name, o
             assert torch.equal(parameter, base_before[name]), f"frozen {name} moved"
 
 
-@pytest.mark.parametrize("scorer_name", ["qana", "neural"])
+@pytest.mark.parametrize("scorer_name", FUSED_SCORERS)
 def test_literal_zero_init_warns_and_never_trains(scorer_name):
     model = tiny_llama()
     inputs = model_inputs("llama")

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
+    FUSED_SCORERS,
     HAS_TRITON,
     IMPLS,
     PORTABLE_IMPLS,
@@ -145,7 +146,7 @@ def test_kernels_match_reference_in_fp32(interpreter, triton_calls, name, option
 
 
 @needs_triton
-@pytest.mark.parametrize("name", ["qana", "neural"])
+@pytest.mark.parametrize("name", FUSED_SCORERS)
 def test_kernels_in_fp16_stay_close_to_fp32_reference(interpreter, triton_calls, name):
     """fp16 inputs and parameters, fp32 scores and accumulation, against the fp32 reference on the same
     values before rounding. Errors seen: outputs ~1e-3, gradients <= 5e-3 on magnitudes up to 7."""
@@ -166,7 +167,7 @@ def test_kernels_in_fp16_stay_close_to_fp32_reference(interpreter, triton_calls,
 
 
 @needs_triton
-@pytest.mark.parametrize("scorer_name", ["qana", "neural"])
+@pytest.mark.parametrize("scorer_name", FUSED_SCORERS)
 def test_patched_llama_matches_reference(interpreter, triton_calls, scorer_name):
     """A whole model (2 layers, 4 query heads on 2 key/value heads): logits and every parameter's gradient."""
     models = {impl: tiny_llama() for impl in ("reference", "triton")}
@@ -301,7 +302,7 @@ def resolve(scorer, impl, device="cpu", dtype=torch.float32, q_len=8, kv_len=8, 
     )
 
 
-@pytest.mark.parametrize("name", ["qana", "neural"])
+@pytest.mark.parametrize("name", FUSED_SCORERS)
 def test_auto_takes_triton_on_cuda_only_once_switched_on(monkeypatch, name):
     """Until the kernels are verified on a GPU (ops.TRITON_IN_AUTO), CUDA calls get the CPU's rule; once it is
     set, CUDA calls the kernels support go to them. CPU calls never do."""
