@@ -370,8 +370,8 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installe
 def always_blockwise(monkeypatch) -> None:
     """``impl="auto"`` materialises no score tensor while ``monkeypatch`` lasts: every scorer's threshold
     (``Scorer.reference_max_scores``) is 0, so each call of a softmax scorer runs the blockwise (or chunked) path."""
-    for scorer_class in SCORERS.values():
-        monkeypatch.setattr(scorer_class, "reference_max_scores", 0)
+    for scorer_type in SCORERS.values():
+        monkeypatch.setattr(scorer_type, "reference_max_scores", 0)
 
 
 # --- Checkpoints -------------------------------------------------------------------------------------------------

@@ -252,7 +252,8 @@ def scorer_name_mentions(source: str, names: Iterable[str]) -> list[tuple[int, s
     ``--scorer <name>`` (a recipe flag naming one). Docstrings, and any other string standing alone as a statement,
     are prose and do not count; f-strings count by their literal parts."""
     names = set(names)
-    flag = re.compile(r"--scorer(?:\s+|=)(?:%s)\b" % "|".join(re.escape(name) for name in sorted(names)))
+    alternatives = "|".join(re.escape(name) for name in sorted(names))
+    flag = re.compile(rf"--scorer(?:\s+|=)(?:{alternatives})\b")
     tree = ast.parse(source)
     prose = {
         id(node.value)

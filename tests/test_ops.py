@@ -3,13 +3,13 @@
 import pytest
 import torch
 from helpers import (
-    D,
     F64,
     FUSED_SCORERS,
     HEADS,
     HIDDEN,
     KV_HEADS,
     PATH_IMPLS,
+    D,
     causal_gradcheck,
     geometry,
     logits,

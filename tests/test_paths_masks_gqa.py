@@ -233,8 +233,8 @@ def resolve_path(scorer, impl, q_len=8, kv_len=8, **flags):
 
 
 def test_auto_rule_by_shape():
-    """impl="auto" materialises scores up to the scorer's reference_max_scores numbers (batch x heads x q x kv x h), then
-    goes blockwise; on CUDA too while the Triton kernels are not switched on."""
+    """impl="auto" materialises scores up to the scorer's reference_max_scores numbers (batch x heads x q x kv x
+    h), then goes blockwise; on CUDA too while the Triton kernels are not switched on."""
     scorer = make_scorer("qana", "gelu", 4, 4)  # h = 3
 
     def path(batch, q_len, kv_len, device="cpu", **flags):

@@ -10,12 +10,12 @@ import pytest
 import torch
 from helpers import (
     ACTIVATIONS,
-    D,
     F64,
     FUSED_SCORERS,
     HEADS,
     HIDDEN,
     KV_HEADS,
+    D,
     causal_gradcheck,
     geometry,
     qana_case,

@@ -39,7 +39,7 @@ import hf_neural_attn
 from hf_neural_attn import ops
 from hf_neural_attn.ops import resolve_impl, scored_attention
 from hf_neural_attn.ops import triton as ops_triton
-from hf_neural_attn.ops.triton import fused, launch
+from hf_neural_attn.ops.triton import fused
 from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
 
 HIDDEN, D = 6, 6  # D = 6 is not a power of two: the kernels pad it to 8 and mask the padding

@@ -45,6 +45,7 @@ IMPL_OPTIONS = ("auto", "reference", "chunked", "triton")
 # under Triton's CPU interpreter only). Until then CUDA gets the same rule as the CPU. The GPU work flips this.
 TRITON_IN_AUTO = False
 
+
 def check_impl(impl: str, device: torch.device | str | None = None) -> None:
     """Raise ``ValueError`` when the ``impl`` choice cannot run on this machine (``device`` None: on any of its
     devices), naming what is missing. Only ``"triton"`` can fail here. For ``patch_model``, so that a bad choice
@@ -81,7 +82,8 @@ def resolve_impl(
     * ``"auto"`` (the default): with :data:`TRITON_IN_AUTO` set, the kernels for CUDA tensors they support.
       Otherwise ``"reference"`` while the call's score tensor, ``batch * heads * q_len * kv_len`` numbers times
       the scorer's hidden width h, is at most the scorer's ``reference_max_scores`` (materialising it is then the
-      faster choice; where the paths cross depends on the scorer, which measured it), else as ``"chunked"``. Dropout does not change the rule: every path applies it.
+      faster choice; where the paths cross depends on the scorer, which measured it), else as ``"chunked"``.
+      Dropout does not change the rule: every path applies it.
     * ``"chunked"``: ``"blockwise"`` for a scorer with a fused form, ``"chunked"`` for the others; memory linear
       in the sequence length either way.
 

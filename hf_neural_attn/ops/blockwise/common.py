@@ -57,9 +57,10 @@ class BlockwiseTerm(ABC):
     (:attr:`unit_weights`).
 
     A subclass takes ``(activation, scaling, tensors, query, key, stats_dtype)``, ``tensors`` the term's
-    (:class:`~hf_neural_attn.ops.terms.FusedInputs` order), and sets, after this class's ``__init__``: :attr:`hidden` (h), :attr:`gate` ((kv_heads, groups, 1, 1),
-    or None: no dot product) and :attr:`unit_weights` ((B, q, h) in the stats dtype); and implements
-    :meth:`hidden_planes`, :meth:`begin_backward`, :meth:`add_unit_grads` and :meth:`tensor_grads`.
+    (:class:`~hf_neural_attn.ops.terms.FusedInputs` order), and sets, after this class's ``__init__``:
+    :attr:`hidden` (h), :attr:`gate` ((kv_heads, groups, 1, 1), or None: no dot product) and
+    :attr:`unit_weights` ((B, q, h) in the stats dtype); and implements :meth:`hidden_planes`,
+    :meth:`begin_backward`, :meth:`add_unit_grads` and :meth:`tensor_grads`.
     """
 
     hidden: int

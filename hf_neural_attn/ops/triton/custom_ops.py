@@ -9,9 +9,9 @@
 ``term`` is the score term's tensors, as :func:`.launch.term_tensors` reads them (the query network's U, V, b, c,
 gate; the pair MLP's P, R, w and its gate when it has one), ``dterm`` their gradients in the same order; ``kind`` is
 the kernels' ``KIND`` code (:data:`.launch.KIND_QUERY_NETWORK`, ``KIND_PAIR_MLP_RESIDUAL``,
-``KIND_PAIR_MLP_REPLACE``) and the other arguments are the kernels' static values. The forward operator's autograd formula calls the backward one, so torch.compile sees
-both as operators in its graphs: Dynamo does not trace the launch code, and inductor gets the kernels themselves
-(``wrap_triton``) when AOTAutograd decomposes the operators.
+``KIND_PAIR_MLP_REPLACE``) and the other arguments are the kernels' static values. The forward operator's autograd
+formula calls the backward one, so torch.compile sees both as operators in its graphs: Dynamo does not trace the
+launch code, and inductor gets the kernels themselves (``wrap_triton``) when AOTAutograd decomposes the operators.
 
 Importing this module imports triton and defines the operators; :func:`.fused.fused_attention` imports it on its
 first call, so the package imports without triton. Under torch.compile that first import runs rather than being

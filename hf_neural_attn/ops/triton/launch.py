@@ -20,8 +20,8 @@ KIND_QUERY_NETWORK, KIND_PAIR_MLP_RESIDUAL, KIND_PAIR_MLP_REPLACE = 0, 1, 2
 
 def term_tensors(kind: int, term: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
     """The operators' ``term`` list as the kernels' eight term pointers (U, V, b, c, P, R, w, gate), None where
-    the term has no such tensor: ``term`` is the query network's [U, V, b, c, gate], or the pair MLP's [P, R, w] followed by
-    its gate when it has one (not the replace form)."""
+    the term has no such tensor: ``term`` is the query network's [U, V, b, c, gate], or the pair MLP's [P, R, w]
+    followed by its gate when it has one (not the replace form)."""
     if kind == KIND_QUERY_NETWORK:
         U, V, b, c, gate = term
         return U, V, b, c, None, None, None, gate
