@@ -236,3 +236,74 @@ def test_library_modules_do_not_import_the_package_root():
     graph = internal_graph()
     library = [name for name in graph if name.startswith("hf_neural_attn.")]
     assert sorted(name for name in library if "hf_neural_attn" in graph[name]) == []
+
+
+# ------------------------------------------------------------------------------------- the recipe rooms
+
+# The longest a recipe function may be (its ``def`` line to its last line, docstring included).
+RECIPE_FUNCTION_LINES = 80
+
+
+def docstring_constants(tree: ast.AST) -> set[int]:
+    """The ids of the string constants that are docstrings (a module's, class's or function's first statement)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def string_constants_equal_to(source: str, words: set[str]) -> list[tuple[int, str]]:
+    """(line, text) of every string constant in ``source`` that is one of ``words``; docstrings are left out (they
+    may name a task in their examples), f-string pieces and comments are not constants of their own."""
+    tree = ast.parse(source)
+    docstrings = docstring_constants(tree)
+    return sorted(
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value in words and id(node) not in docstrings
+    )
+
+
+def functions_longer_than(source: str, limit: int) -> list[tuple[str, int]]:
+    """(name, lines) of every function or method in ``source`` longer than ``limit`` lines, nested ones included."""
+    return [
+        (node.name, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def test_the_recipe_scanners_find_what_they_look_for():
+    source = '"""A module about clm."""\n\ndef f(task):\n    """clm"""\n    return task == "clm" or f"{task}" == "x"\n'
+    assert string_constants_equal_to(source, {"clm"}) == [(5, "clm")]
+    assert functions_longer_than("def g():\n" + "    x = 1\n" * 80, RECIPE_FUNCTION_LINES) == [("g", 81)]
+    assert functions_longer_than("def g():\n" + "    x = 1\n" * 79, RECIPE_FUNCTION_LINES) == []
+
+
+def test_no_recipe_function_is_longer_than_the_limit():
+    long = [
+        f"{name}.{function}: {lines} lines"
+        for name, path in MODULES.items()
+        if name.startswith("recipes")
+        for function, lines in functions_longer_than(path.read_text(), RECIPE_FUNCTION_LINES)
+    ]
+    assert long == [], f"recipe functions over {RECIPE_FUNCTION_LINES} lines: {long}"
+
+
+def test_no_recipe_module_outside_the_tasks_names_a_task():
+    """A task is one module in recipes/tasks/ and one line in its registry: no other recipe module may branch on a
+    task's name or kind (the registry is imported to learn them). recipes/metrics/ holds standalone `evaluate`
+    scripts loaded by path, which keep the GLUE names of the metric they compute."""
+    from recipes.tasks import TASKS
+
+    words = set(TASKS) | {task_class.kind for task_class in TASKS.values()}
+    found = [
+        f"{name}:{line} {text!r}"
+        for name, path in MODULES.items()
+        if name.startswith("recipes") and not name.startswith(("recipes.tasks", "recipes.metrics"))
+        for line, text in string_constants_equal_to(path.read_text(), words)
+    ]
+    assert found == []
