@@ -1,4 +1,5 @@
-"""recipes/args.py and the checks behind it: flags, config files, and bad input that fails before training starts."""
+"""The command line: recipes/args.py (flags), config_files.py, checks.py and the checks each task owns (recipes/tasks/),
+and bad input that fails before training starts."""
 
 from __future__ import annotations
 
