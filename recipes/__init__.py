@@ -5,19 +5,30 @@ root (``pip install -e ".[recipes]"`` first): ``accelerate launch -m recipes.fin
 * ``compare.py``: baseline and patched runs with the same data, seed and budget, as a markdown table and a plot;
   with no arguments, the offline demo (``make demo``). It is a sweep of one configuration paired with its
   baseline, so it imports ``sweep`` (which imports ``finetune``), never the other way round.
-* ``args.py``: the command line (Hugging Face example-script flag names; the scorer flags generated from the scorer
-  configs' field declarations) and YAML/JSON config files.
-* ``tasks/``: data loading, preprocessing and evaluation, one module per task kind (``clm``, ``glue``, ``image``)
-  and a registry of them (``recipes.tasks.get_task``).
-* ``modeling.py``: building the model, tokenizer or image processor, and the patch.
+* ``tasks/``: one module per task (``clm``, ``glue``, ``image``; ``text`` shares the text tasks' parts) and their
+  registry (``recipes.tasks.TASKS``, ``get_task``). A task owns its data flags' checks, data, metrics, model head,
+  preprocessor, Hub names and model-card rows: adding one is a module and a registry line (docs/recipes.md, "Adding
+  a task"), and no other module branches on a task's name.
+* ``args.py``: the command line (Hugging Face example-script flag names), parsed and checked: ``parse_args``,
+  ``parse_values``; ``config_files.py``: YAML/JSON config files; ``checks.py``: the checks that need no model or
+  data; ``patch_flags.py``: the scorer flags, generated from the library's scorer registry and configs (no scorer
+  is named in the recipes); ``errors.py``: ``RecipeError``, which every room raises.
+* ``modeling.py``: building the model with the task's head, and the patch.
 * ``checkpointing.py``: atomic Accelerate checkpoints and resuming.
 * ``hub.py``: deciding quickly whether the Hugging Face Hub is reachable (else: offline mode); the push check.
 * ``report.py``: ``all_results.json``, the model card, the training plot, evaluation curves, the Hub upload.
+* ``scorer_plots.py``: a patched run's scorer history and attention maps.
 * ``metrics/``: offline `evaluate` modules (GLUE, accuracy).
 * ``configs/``: example configs reproducing the papers' setups; ``accelerate_configs/``: launch configs.
 * ``sweep/``: grids of runs over seeds from one config, resumable: ``plan.py``, ``run.py``, ``report.py``;
   ``stats.py``: the statistics of comparisons over seeds.
 * ``harness.py``: evaluation with lm-evaluation-harness.
+* ``demo.py``, ``plot_example.py``: the one-minute API tour and the pictures of docs/plots.md.
+
+The imports run one way: ``tasks``, ``patch_flags`` and ``config_files`` import no other room (only ``errors``);
+``checks``, ``modeling`` and ``report`` build on the first two; ``args`` on ``checks`` and ``config_files``;
+``finetune`` on all of these; ``sweep`` on ``finetune``; ``compare`` on ``sweep`` (tests/test_architecture.py
+checks that there is no circle).
 
 See ``docs/recipes.md``.
 """

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .args import RecipeError
+from .errors import RecipeError
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from recipes.args import RecipeError, build_parser, parse_args, parse_values, split_own_flags
+from recipes.args import build_parser, parse_args, parse_values, split_own_flags
+from recipes.errors import RecipeError
+from recipes.patch_flags import BASELINE, example_scorers
 from recipes.report import HISTORY_FILE, RESULTS_FILE, describe_patch, plot_evaluation_curves, scorer_section
 from recipes.sweep.plan import (
     MANAGED_FLAGS,
@@ -83,9 +85,9 @@ def comparison_plan(
 ) -> SweepPlan:
     """The comparison as a sweep: ``args`` as its one configuration (named after the scorer), paired with its
     baseline, over ``seeds`` seeds from ``args.seed`` on; every run checked, nothing run."""
-    if args.scorer == "none":
+    if args.scorer == BASELINE:
         raise RecipeError(
-            "compare.py runs the baseline itself: give the patched run's flags (--scorer qana or neural)."
+            f"compare.py runs the baseline itself: give the patched run's flags (--scorer {example_scorers()})."
         )
     if args.push_to_hub:
         raise RecipeError("compare.py does not upload; push one run with recipes.finetune --push_to_hub.")

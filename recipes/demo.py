@@ -21,6 +21,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_neural_attn
+from hf_neural_attn.scorers import NeuralAttentionConfig, QanaConfig
 
 
 def byte_batches(seq_len: int, batch_size: int, seed: int):
@@ -81,8 +82,9 @@ def main() -> None:
     print(f"  held-out loss {base_loss:.4f}\n")
 
     rows = []
-    for scorer, options in (("qana", {"h": 4}), ("neural", {"h": 4, "proj_dim": 4})):
-        model = hf_neural_attn.patch_model(copy.deepcopy(base), scorer, **options)
+    for config in (QanaConfig(h=4), NeuralAttentionConfig(h=4, proj_dim=4)):
+        scorer = config.scorer_name
+        model = hf_neural_attn.patch_model(copy.deepcopy(base), config)
         new = hf_neural_attn.scorer_parameters(model)
         with torch.no_grad():
             drift = (model(held_out).logits - base_logits).abs().max().item()

@@ -28,7 +28,7 @@ import random
 import sys
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,10 @@ import numpy as np
 import torch
 
 from recipes import checkpointing, harness, hub, modeling, report, scorer_plots
-from recipes.args import GATE_SETTINGS, RecipeError, build_parser, harness_tasks, parse_args, patch_settings
+from recipes.args import build_parser, parse_args
+from recipes.checks import harness_tasks
+from recipes.errors import RecipeError
+from recipes.patch_flags import GATE_SETTINGS, describe_gated_scorers, patch_settings
 from recipes.tasks import Task, get_task
 
 logger = logging.getLogger("recipes")
@@ -236,8 +239,8 @@ def gate_schedule(args: argparse.Namespace, accelerator, model, optimizer) -> Ga
     if not gates:
         raise RecipeError(
             f"--gate_schedule {args.gate_schedule} holds the scorers' gates alpha, but this patch has none (only "
-            "qana, and neural/additive in mode residual, have gates; under FSDP1 the parameters must keep their "
-            "names: use_orig_params). Drop --gate_schedule or use a gated scorer."
+            f"{describe_gated_scorers()}, have gates; under FSDP1 the parameters must keep their names: "
+            "use_orig_params). Drop --gate_schedule or use a gated scorer."
         )
     return GateSchedule(args.gate_schedule, args.gate_warmup_steps, gates, optimizer)
 
@@ -259,9 +262,7 @@ class TrainingRun:
     task: Task
     accelerator: Any
     bundle: modeling.ModelBundle
-    preprocessor: Any
     data: Any
-    parameters: dict[str, int]
     model: Any
     optimizer: Any
     scheduler: Any
@@ -271,10 +272,12 @@ class TrainingRun:
     max_train_steps: int
     num_epochs: int
     total_batch: int
-    settings: dict[str, Any]
-    progress: checkpointing.TrainingProgress
-    resumed: bool
-    track_scorers: bool
+    preprocessor: Any = None  # the tokenizer or image processor, saved beside the model
+    parameters: dict[str, int] = field(default_factory=dict)  # modeling.count_parameters
+    settings: dict[str, Any] = field(default_factory=dict)  # the run's public settings
+    progress: checkpointing.TrainingProgress = field(default_factory=checkpointing.TrainingProgress)
+    resumed: bool = False  # restored from a checkpoint
+    track_scorers: bool = False
     gates: GateSchedule | None = None  # --gate_schedule fixed or warmup
     probe: Any = None
     probe_described: str = ""
@@ -287,13 +290,43 @@ class TrainingRun:
 
 def setup(args: argparse.Namespace) -> TrainingRun:
     """Check the inputs, build the model and data, the optimizer and scheduler, and restore a checkpoint."""
-    from accelerate.utils import set_seed
-    from torch.utils.data import DataLoader
-    from transformers import get_scheduler
-
-    import hf_neural_attn
-
     task: Task = get_task(args.task)
+    accelerator = start_accelerator(args)
+    check_services(args, accelerator)  # everything that can be wrong with the inputs fails before training starts
+    bundle, preprocessor, data = build_model_and_data(args, task, accelerator)
+    parameters = modeling.count_parameters(bundle.model)
+    logger.info(
+        "Model %s from %s; patch: %s; parameters: %s",
+        type(bundle.model).__name__,
+        bundle.source,
+        report.describe_patch(bundle.patch),
+        parameters,
+    )
+    resume_path = checkpointing.resolve_resume(args.resume_from_checkpoint, args.output_dir)
+    state = prepare_training(args, task, accelerator, bundle, data)
+    state.preprocessor, state.parameters = preprocessor, parameters
+    # Before a checkpoint is loaded: a fixed gate keeps the value the model was built (or loaded) with.
+    state.gates = gate_schedule(args, accelerator, state.model, state.optimizer)
+    restore(state, resume_path)
+    # Patched runs: the scorers' gates and norms at step 0 and every logging step, on one probe input.
+    state.track_scorers = bundle.patch is not None and scorer_plots.supported(accelerator)
+    if bundle.patch is not None and not state.track_scorers:
+        logger.info("Sharded parameters (%s): no scorer history or attention maps.", accelerator.distributed_type)
+    if state.gates is not None:
+        logger.info("Gate schedule: %s, %d gate parameters", state.gates.describe(), len(state.gates.gates))
+        state.gates.hold(state.progress.completed_steps)
+    if state.track_scorers:
+        state.probe, state.probe_described = scorer_plots.probe_inputs(data, task, args)
+        if state.progress.completed_steps == 0 and not state.progress.scorer_history:
+            record_scorers(state)
+    return state
+
+
+def start_accelerator(args: argparse.Namespace):
+    """The run's Accelerator and logging; the gradient accumulation an Accelerate config sets wins over the flag.
+    Logs the settings and seeds every generator."""
+    from accelerate.utils import set_seed
+
     accelerator = make_accelerator(args)
     setup_logging(accelerator)
     if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps:
@@ -309,8 +342,12 @@ def setup(args: argparse.Namespace) -> TrainingRun:
     logger.info("Run settings: %s", json.dumps(public_settings(args), default=str))
     logger.info("%s", accelerator.state)
     set_seed(args.seed)
+    return accelerator
 
-    # Everything that can be wrong with the inputs fails here, before training starts.
+
+def check_services(args: argparse.Namespace, accelerator) -> None:
+    """What the run needs from outside, before anything is loaded: the Hub (else offline mode), push access, the
+    harness's tasks."""
     hub.check_hub(args)
     if args.push_to_hub:
         hub.check_push_access(args.hub_model_id, args.hub_token)
@@ -319,21 +356,25 @@ def setup(args: argparse.Namespace) -> TrainingRun:
             harness.check_tasks(harness_tasks(args), args.lm_eval_include_path)
         except ValueError as error:
             raise RecipeError(f"--lm_eval_tasks: {error}") from None
-    config = modeling.load_config(args)
-    if args.task == "image":
-        preprocessor = modeling.load_image_processor(args, config)
-    else:
-        preprocessor = modeling.load_tokenizer(args)
+
+
+def build_model_and_data(args: argparse.Namespace, task: Task, accelerator):
+    """The model (patched), its preprocessor and the prepared data: the config and the raw data are checked before
+    any weights load, and the labels the data has shape the model's head. Returns (bundle, preprocessor, data)."""
+    import hf_neural_attn
+
+    config = modeling.load_config(args, task)
+    preprocessor = task.load_preprocessor(args, config)
     raw = task.load_raw(args)
     labels = task.check_raw(args, raw)
-    bundle = modeling.build_model(args, config, preprocessor, labels)
+    bundle = modeling.build_model(args, task, config, preprocessor, labels)
     if args.gate_schedule not in (None, "learned") and not any(
         name.endswith(".gate") for name in hf_neural_attn.scorer_parameters(bundle.model)
     ):
         raise RecipeError(
             f"--gate_schedule {args.gate_schedule} holds the scorers' gates alpha, but the patch "
-            f"({report.describe_patch(bundle.patch)}) has none: only qana, and neural/additive in mode residual, "
-            "have gates. Drop --gate_schedule or use a gated scorer."
+            f"({report.describe_patch(bundle.patch)}) has none: only {describe_gated_scorers()}, have gates. Drop "
+            "--gate_schedule or use a gated scorer."
         )
     if args.gradient_checkpointing:
         # Non-reentrant: torch's recommended form (docs/recipes.md says how it fares under DeepSpeed ZeRO-3).
@@ -345,15 +386,14 @@ def setup(args: argparse.Namespace) -> TrainingRun:
             bundle.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
         bundle.model.config.use_cache = False
     data = task.prepare(args, raw, preprocessor, bundle.model.config, labels, accelerator)
-    parameters = modeling.count_parameters(bundle.model)
-    logger.info(
-        "Model %s from %s; patch: %s; parameters: %s",
-        type(bundle.model).__name__,
-        bundle.source,
-        report.describe_patch(bundle.patch),
-        parameters,
-    )
-    resume_path = checkpointing.resolve_resume(args.resume_from_checkpoint, args.output_dir)
+    return bundle, preprocessor, data
+
+
+def prepare_training(args: argparse.Namespace, task: Task, accelerator, bundle, data) -> TrainingRun:
+    """The data loaders, the optimizer and its schedule, prepared by Accelerate with the model: a TrainingRun that
+    has not started (its preprocessor, parameter count, gates and progress are set by :func:`setup`)."""
+    from torch.utils.data import DataLoader
+    from transformers import get_scheduler
 
     train_dataloader = accelerator.prepare(
         DataLoader(
@@ -388,39 +428,12 @@ def setup(args: argparse.Namespace) -> TrainingRun:
         # prepared above (the scheduler needs their length).
         deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
     model, optimizer, scheduler = accelerator.prepare(bundle.model, optimizer, scheduler)
-    # Before a checkpoint is loaded: a fixed gate keeps the value the model was built (or loaded) with.
-    gates = gate_schedule(args, accelerator, model, optimizer)
-
-    os.makedirs(args.output_dir, exist_ok=True)
-    settings = public_settings(args)
-    resume_key = {
-        **{k: settings.get(k) for k in resume_settings()},
-        "num_processes": accelerator.num_processes,
-        "max_train_steps": max_train_steps,
-        "model": bundle.source,
-    }
-    progress = checkpointing.TrainingProgress(settings=resume_key)
-    if resume_path is not None:
-        saved = checkpointing.read_progress(resume_path)
-        checkpointing.check_resume_settings(saved.settings, resume_key)
-        logger.info("Resuming from %s (step %d)", resume_path, saved.completed_steps)
-        accelerator.load_state(str(resume_path))
-        progress = saved
-    if args.with_tracking:
-        accelerator.init_trackers("finetune", tracker_config(settings))
-
-    # Patched runs: the scorers' gates and norms at step 0 and every logging step, on one probe input.
-    track_scorers = bundle.patch is not None and scorer_plots.supported(accelerator)
-    if bundle.patch is not None and not track_scorers:
-        logger.info("Sharded parameters (%s): no scorer history or attention maps.", accelerator.distributed_type)
-    state = TrainingRun(
+    return TrainingRun(
         args=args,
         task=task,
         accelerator=accelerator,
         bundle=bundle,
-        preprocessor=preprocessor,
         data=data,
-        parameters=parameters,
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
@@ -430,20 +443,30 @@ def setup(args: argparse.Namespace) -> TrainingRun:
         max_train_steps=max_train_steps,
         num_epochs=math.ceil(max_train_steps / updates_per_epoch),
         total_batch=args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps,
-        settings=settings,
-        progress=progress,
-        resumed=resume_path is not None,
-        track_scorers=track_scorers,
-        gates=gates,
     )
-    if gates is not None:
-        logger.info("Gate schedule: %s, %d gate parameters", gates.describe(), len(gates.gates))
-        gates.hold(progress.completed_steps)
-    if track_scorers:
-        state.probe, state.probe_described = scorer_plots.probe_inputs(data, task, args)
-        if progress.completed_steps == 0 and not progress.scorer_history:
-            record_scorers(state)
-    return state
+
+
+def restore(state: TrainingRun, resume_path: Path | None) -> None:
+    """The run's settings and progress: fresh, or restored from ``resume_path`` (whose settings must be the run's);
+    starts the trackers."""
+    args, accelerator = state.args, state.accelerator
+    os.makedirs(args.output_dir, exist_ok=True)
+    state.settings = public_settings(args)
+    resume_key = {
+        **{k: state.settings.get(k) for k in resume_settings()},
+        "num_processes": accelerator.num_processes,
+        "max_train_steps": state.max_train_steps,
+        "model": state.bundle.source,
+    }
+    state.progress = checkpointing.TrainingProgress(settings=resume_key)
+    if resume_path is not None:
+        saved = checkpointing.read_progress(resume_path)
+        checkpointing.check_resume_settings(saved.settings, resume_key)
+        logger.info("Resuming from %s (step %d)", resume_path, saved.completed_steps)
+        accelerator.load_state(str(resume_path))
+        state.progress, state.resumed = saved, True
+    if args.with_tracking:
+        accelerator.init_trackers("finetune", tracker_config(state.settings))
 
 
 def record_scorers(state: TrainingRun) -> None:
@@ -493,6 +516,31 @@ def log_training_loss(state: TrainingRun, step: int) -> str:
     return f"loss={mean_loss:.4f}, lr={learning_rate:.2e}"
 
 
+def train_micro_batch(state: TrainingRun, batch: dict[str, Any], epoch: int) -> None:
+    """One micro-batch: forward and backward; at the end of an accumulation, the clipped optimizer step (a held
+    gate gets no update). Adds its loss to the running sum."""
+    args, accelerator, progress, model = state.args, state.accelerator, state.progress, state.model
+    reseed(args.seed, progress.micro_steps)
+    if state.gates is not None:
+        state.gates.hold(progress.completed_steps)
+    with accelerator.accumulate(model):
+        loss = model(**state.task.training_inputs(batch, epoch, args)).loss
+        accelerator.backward(loss)
+        if accelerator.sync_gradients and state.gates is not None:
+            state.gates.drop_gradients(progress.completed_steps)  # a held gate: no update, not clipped
+        if accelerator.sync_gradients and args.max_grad_norm:
+            # All of model.parameters() (frozen ones have no gradient): under FSDP Accelerate then
+            # clips with the sharded model's own clip_grad_norm_.
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        state.optimizer.step()
+        state.scheduler.step()
+        state.optimizer.zero_grad()
+    progress.batches_in_epoch += 1
+    progress.micro_steps += 1
+    one = torch.ones((), dtype=torch.float64, device=state.running.device)
+    state.running += torch.stack([loss.detach().double(), one])
+
+
 def train(state: TrainingRun) -> TrainingRun:
     """The training loop: optimizer steps up to the budget, with logging, evaluation and checkpoints."""
     from tqdm.auto import tqdm
@@ -528,25 +576,7 @@ def train(state: TrainingRun) -> TrainingRun:
             batches = accelerator.skip_first_batches(state.train_dataloader, progress.batches_in_epoch)
         finished_epoch = True
         for batch in batches:
-            reseed(args.seed, progress.micro_steps)
-            if state.gates is not None:
-                state.gates.hold(progress.completed_steps)
-            with accelerator.accumulate(model):
-                loss = model(**state.task.training_inputs(batch, epoch, args)).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and state.gates is not None:
-                    state.gates.drop_gradients(progress.completed_steps)  # a held gate: no update, not clipped
-                if accelerator.sync_gradients and args.max_grad_norm:
-                    # All of model.parameters() (frozen ones have no gradient): under FSDP Accelerate then
-                    # clips with the sharded model's own clip_grad_norm_.
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                state.optimizer.step()
-                state.scheduler.step()
-                state.optimizer.zero_grad()
-            progress.batches_in_epoch += 1
-            progress.micro_steps += 1
-            one = torch.ones((), dtype=torch.float64, device=state.running.device)
-            state.running += torch.stack([loss.detach().double(), one])
+            train_micro_batch(state, batch, epoch)
             if not accelerator.sync_gradients:
                 continue
             progress.completed_steps += 1
@@ -592,51 +622,8 @@ def write_outputs(state: TrainingRun) -> dict[str, Any]:
         save_function=accelerator.save,
         state_dict=state_dict,
     )
-    plots: dict[str, Any] = {}
-    if state.track_scorers and accelerator.is_main_process:
-        plots_started = time.time()
-        try:
-            plots = scorer_plots.draw(
-                unwrapped,
-                progress.scorer_history,
-                state.probe,
-                state.probe_described,
-                Path(args.output_dir),
-                args,
-                tokenizer=None if args.task == "image" else state.preprocessor,
-                title=f"{args.task}: {report.describe_patch(bundle.patch)}, step {progress.completed_steps}",
-            )
-        except Exception:  # the model is saved: a figure that fails to draw must not lose the run
-            logger.exception("Drawing the scorer plots failed")
-        logger.info("Scorer plots drawn in %.1f s", time.time() - plots_started)
-    results = {
-        **final,
-        "primary_metric": task.primary_metric,
-        "greater_is_better": task.greater_is_better,
-        "metric_names": task.metric_names() + [k for k in ("eval_loss",) if k in final],
-        "train_loss": progress.train_loss[-1][1] if progress.train_loss else None,
-        "train_steps": progress.completed_steps,
-        "epochs": round(progress.completed_steps / state.updates_per_epoch, 4),
-        "train_runtime_s": state.runtime_s,
-        "train_samples": len(state.data.train_dataset),
-        "eval_samples": {name: len(dataset) for name, dataset in state.data.eval_datasets.items()},
-        "num_processes": accelerator.num_processes,
-        "total_train_batch_size": state.total_batch,
-        "parameters": state.parameters,
-        "patch": bundle.patch.to_dict() if bundle.patch is not None else None,
-        "task": args.task,
-        "task_kind": task.kind,
-        "pipeline_tag": task.pipeline_tag,
-        "model_class": type(unwrapped).__name__,
-        "model_source": bundle.source,
-        "base_model": bundle.base_model,
-        "from_scratch": bundle.from_scratch,
-        "data": vars(state.data.info),
-        "settings": state.settings,
-        "plots": plots,
-    }
-    if task.kind == "clm":
-        results.update(block_size=task.block, stride=task.stride)
+    plots = draw_scorer_plots(state, unwrapped) if state.track_scorers and accelerator.is_main_process else {}
+    results = collect_results(state, type(unwrapped).__name__, final, plots)
     history = {"train_loss": progress.train_loss, "evaluations": progress.evaluations}
     output = Path(args.output_dir)
     if accelerator.is_main_process:
@@ -663,6 +650,64 @@ def write_outputs(state: TrainingRun) -> dict[str, Any]:
         report.push_to_hub(args.output_dir, args.hub_model_id, token=args.hub_token, private=args.hub_private_repo)
     accelerator.wait_for_everyone()
     return {**results, "history": history, "scorer_history": progress.scorer_history}
+
+
+def draw_scorer_plots(state: TrainingRun, unwrapped) -> dict[str, Any]:
+    """The scorer history and attention maps of a patched run (``recipes.scorer_plots``); what the card shows of
+    them. A figure that fails to draw is logged, not raised: the model is saved already."""
+    args, progress = state.args, state.progress
+    started = time.time()
+    plots: dict[str, Any] = {}
+    try:
+        plots = scorer_plots.draw(
+            unwrapped,
+            progress.scorer_history,
+            state.probe,
+            state.probe_described,
+            Path(args.output_dir),
+            args,
+            tokenizer=state.task.token_labels(state.preprocessor),
+            title=f"{args.task}: {report.describe_patch(state.bundle.patch)}, step {progress.completed_steps}",
+        )
+    except Exception:
+        logger.exception("Drawing the scorer plots failed")
+    logger.info("Scorer plots drawn in %.1f s", time.time() - started)
+    return plots
+
+
+def collect_results(
+    state: TrainingRun, model_class: str, final: dict[str, float], plots: dict[str, Any]
+) -> dict[str, Any]:
+    """What all_results.json holds: the final metrics, the budget, the patch, the task, the model, the data, the
+    settings and the pictures drawn."""
+    args, accelerator, progress, task, bundle = state.args, state.accelerator, state.progress, state.task, state.bundle
+    return {
+        **final,
+        "primary_metric": task.primary_metric,
+        "greater_is_better": task.greater_is_better,
+        "metric_names": task.metric_columns(),
+        "train_loss": progress.train_loss[-1][1] if progress.train_loss else None,
+        "train_steps": progress.completed_steps,
+        "epochs": round(progress.completed_steps / state.updates_per_epoch, 4),
+        "train_runtime_s": state.runtime_s,
+        "train_samples": len(state.data.train_dataset),
+        "eval_samples": {name: len(dataset) for name, dataset in state.data.eval_datasets.items()},
+        "num_processes": accelerator.num_processes,
+        "total_train_batch_size": state.total_batch,
+        "parameters": state.parameters,
+        "patch": bundle.patch.to_dict() if bundle.patch is not None else None,
+        "task": args.task,
+        "task_kind": task.kind,
+        "pipeline_tag": task.pipeline_tag,
+        "model_class": model_class,
+        "model_source": bundle.source,
+        "base_model": bundle.base_model,
+        "from_scratch": bundle.from_scratch,
+        "data": vars(state.data.info),
+        "settings": state.settings,
+        "plots": plots,
+        **task.extra_results(),
+    }
 
 
 def evaluate_with_the_harness(state: TrainingRun, unwrapped) -> dict[str, dict[str, float]] | None:

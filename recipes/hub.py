@@ -54,9 +54,8 @@ def go_offline() -> None:
 
 
 def hub_resources(args: argparse.Namespace) -> list[str]:
-    """The Hub ids this run would download from (local paths excluded)."""
-    from .args import EMBEDDED_CORPUS
-    from .tasks.base import uses_embedded_model
+    """The Hub ids this run would download from (local paths excluded): the model's, then the task's data."""
+    from .tasks import get_task
 
     names = [
         args.model_name_or_path,
@@ -65,14 +64,7 @@ def hub_resources(args: argparse.Namespace) -> list[str]:
         getattr(args, "image_processor_name", None),
     ]
     needed = [name for name in names if name and not os.path.exists(name)]
-    local_data = args.train_file or args.train_dir
-    if args.dataset_name == EMBEDDED_CORPUS and args.task == "clm":
-        pass
-    elif args.dataset_name and not os.path.exists(args.dataset_name):
-        needed.append(args.dataset_name)
-    elif not local_data and not args.dataset_name and not (args.task == "clm" and uses_embedded_model(args)):
-        needed.append(f"the default {args.task} dataset")
-    return needed
+    return needed + get_task(args.task).hub_data(args)
 
 
 def check_hub(args: argparse.Namespace) -> None:
@@ -99,7 +91,7 @@ def check_push_access(repo_id: str, token: str | None) -> None:
     from huggingface_hub import constants
     from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError
 
-    from .args import RecipeError
+    from .errors import RecipeError
 
     if is_offline():
         raise RecipeError("--push_to_hub needs the Hugging Face Hub, but offline mode is on (HF_HUB_OFFLINE=1).")

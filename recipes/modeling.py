@@ -1,12 +1,14 @@
-"""Building the model, its tokenizer or image processor, and the attention patch.
+"""Building the model with the task's head, and the attention patch.
 
 Where the model comes from:
 
 * ``--model_name_or_path``: a pretrained model (Hub id or folder). A folder written by a patched run
   (``hf_neural_attn`` record in its config) is reloaded with its patch and scorer weights.
 * ``--config_name`` / ``--model_type`` (+ ``--config_overrides``): a model built from scratch.
-* none of them: the *embedded* model, a small GPT-2-shaped (text) or ViT (image) config built here, with
-  the byte-level ``ByT5Tokenizer`` for text: nothing is downloaded.
+* none of them: the *embedded* model, a small config the task builds (``Task.embedded_config``: a GPT-2 shape with
+  the byte-level ``ByT5Tokenizer`` for text, a ViT for images): nothing is downloaded.
+
+The task (``recipes.tasks``) owns its head (``Task.model_classes``), its preprocessor and how the config fits them.
 """
 
 from __future__ import annotations
@@ -23,59 +25,27 @@ from typing import Any
 import torch
 
 import hf_neural_attn
-
-from .args import GLUE_TASKS, RecipeError, scorer_options
+from recipes.errors import RecipeError
+from recipes.patch_flags import BASELINE, example_scorers, scorer_options
+from recipes.tasks import Task, get_task
 
 logger = logging.getLogger(__name__)
-
-# The embedded defaults: small enough to train on two CPU cores in a minute or two.
-EMBEDDED_TEXT_CONFIG = {
-    "n_layer": 4,
-    "n_head": 4,
-    "n_embd": 128,
-    "resid_pdrop": 0.1,
-    "embd_pdrop": 0.1,
-    "attn_pdrop": 0.1,
-}
-EMBEDDED_BLOCK_SIZE = 128
-EMBEDDED_IMAGE_CONFIG = {
-    "image_size": 32,
-    "patch_size": 4,
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "intermediate_size": 128,
-}
-EMBEDDED_NAME = "embedded (built from a config here, byte-level ByT5Tokenizer)"
-EMBEDDED_IMAGE_NAME = "embedded (a small ViT built from a config here)"
 
 
 @dataclass
 class ModelBundle:
     model: Any
-    source: str = EMBEDDED_NAME  # where the weights came from, for logs and the model card
+    source: str  # where the weights came from, for logs and the model card
     base_model: str | None = None  # Hub id of the pretrained model, for the model card
     from_scratch: bool = True
     new_parameters: set[str] = field(default_factory=set)  # names of parameters initialised in this run
     patch: hf_neural_attn.PatchRecord | None = None  # the model's patch (hf_neural_attn.patch_record), None: baseline
 
 
-def task_head(task: str) -> tuple[dict[str, str], str]:
-    """The transformers model-type -> class mapping a task needs, and its name for messages."""
-    from transformers.models.auto import modeling_auto
-
-    if task == "clm":
-        return modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "a causal language-modeling head"
-    if task in GLUE_TASKS:
-        return modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, "a sequence-classification head"
-    return modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES, "an image-classification head"
-
-
-def load_config(args: argparse.Namespace):
+def load_config(args: argparse.Namespace, task: Task):
     """The model config, checked against the task, before any weights or data are loaded."""
-    from transformers import CONFIG_MAPPING, AutoConfig, GPT2Config, ViTConfig
+    from transformers import CONFIG_MAPPING, AutoConfig
 
-    is_image = args.task == "image"
     if args.model_name_or_path or args.config_name:
         source = args.model_name_or_path or args.config_name
         try:
@@ -89,24 +59,20 @@ def load_config(args: argparse.Namespace):
         if args.model_type not in CONFIG_MAPPING:
             raise RecipeError(f"Unknown --model_type {args.model_type!r}; e.g. gpt2, llama, vit.")
         config = CONFIG_MAPPING[args.model_type]()
-    elif is_image:
-        config = ViTConfig(**EMBEDDED_IMAGE_CONFIG)
     else:
-        config = GPT2Config(**EMBEDDED_TEXT_CONFIG, n_positions=args.block_size or EMBEDDED_BLOCK_SIZE)
+        config = task.embedded_config(args)
     if args.config_overrides:
         apply_config_overrides(config, args.config_overrides)
 
-    mapping, head = task_head(args.task)
-    if config.model_type not in mapping:
+    if config.model_type not in task.model_classes():
         raise RecipeError(
             f"The model ({config.model_type}, from {describe_source(args)}) cannot take --task {args.task}: "
-            f"transformers has no {head} for model type {config.model_type!r}. "
-            + ("Use a ViT-style image model." if is_image else "Use a decoder such as gpt2 or llama.")
+            f"transformers has no {task.head_description} for model type {config.model_type!r}. {task.head_hint}"
         )
     if args.config_overrides:  # the model's own checks of the overridden values, before any data or weights load
-        build_skeleton(copy.deepcopy(config), args.task, f"with --config_overrides {args.config_overrides!r}")
+        build_skeleton(copy.deepcopy(config), task, f"with --config_overrides {args.config_overrides!r}")
     record = patch_record_of(config)
-    if record is not None and args.scorer != "none":
+    if record is not None and args.scorer != BASELINE:
         raise RecipeError(
             f"{args.model_name_or_path} is already patched (scorer {record.scorer!r}, layers {list(record.layers)}). "
             "Pass --scorer none to keep training it with its patch."
@@ -154,13 +120,17 @@ def apply_config_overrides(config, overrides: str) -> None:
             )
 
 
-def build_skeleton(config, task: str, what: str):
-    """The task's model built from ``config`` on the meta device (no weights, no memory); a config the model refuses
-    (a width its head count does not divide, an unknown activation, ...) is a RecipeError naming ``what``."""
+def model_class_for(config, task: Task):
+    """The transformers class of the task's head for ``config``'s model type (``load_config`` checked it has one)."""
     import transformers
 
-    mapping, _ = task_head(task)
-    model_class = getattr(transformers, mapping[config.model_type])
+    return getattr(transformers, task.model_classes()[config.model_type])
+
+
+def build_skeleton(config, task: Task, what: str):
+    """The task's model built from ``config`` on the meta device (no weights, no memory); a config the model refuses
+    (a width its head count does not divide, an unknown activation, ...) is a RecipeError naming ``what``."""
+    model_class = model_class_for(config, task)
     try:
         with torch.device("meta"):
             return model_class(config)
@@ -185,89 +155,7 @@ def describe_source(args: argparse.Namespace) -> str:
         return f"config {args.config_name} (from scratch)"
     if args.model_type:
         return f"model type {args.model_type} (from scratch)"
-    if args.task == "image":
-        return EMBEDDED_IMAGE_NAME
-    if args.tokenizer_name:
-        return f"embedded (built from a config here, tokenizer {args.tokenizer_name})"
-    return EMBEDDED_NAME
-
-
-def load_tokenizer(args: argparse.Namespace):
-    """The tokenizer: --tokenizer_name, the model's, or the byte-level ByT5Tokenizer (no download)."""
-    from transformers import AutoTokenizer, ByT5Tokenizer
-
-    name = args.tokenizer_name or args.model_name_or_path
-    if name is None:
-        if args.model_type or args.config_name:
-            built = f"--model_type {args.model_type}" if args.model_type else f"--config_name {args.config_name}"
-            why = f"the model is built from scratch ({built}) without a tokenizer of its own"
-        else:
-            why = "the model is the embedded one"
-        logger.info(
-            "Tokenizer: the byte-level ByT5Tokenizer, as --tokenizer_name is not given and %s; pass "
-            "--tokenizer_name (e.g. gpt2) for another.",
-            why,
-        )
-        return ByT5Tokenizer()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except Exception as error:
-        raise RecipeError(f"Could not load a tokenizer from {name!r}: {error}") from error
-    logger.info(
-        "Tokenizer: %s from %s (%s)",
-        type(tokenizer).__name__,
-        name,
-        "--tokenizer_name" if args.tokenizer_name else "the model's own, --model_name_or_path",
-    )
-    if tokenizer.pad_token is None:
-        # The standard Hugging Face way for decoders without a pad token (GPT-2, Llama).
-        if tokenizer.eos_token is None:
-            raise RecipeError(f"The tokenizer of {name!r} has neither a pad nor an eos token to pad with.")
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def load_image_processor(args: argparse.Namespace, config):
-    """The image processor: --image_processor_name, the model's, or a ViT processor at the config's size."""
-    import transformers
-
-    name = args.image_processor_name or args.model_name_or_path
-    if name is not None:
-        try:
-            return transformers.AutoImageProcessor.from_pretrained(name)
-        except Exception as error:
-            raise RecipeError(f"Could not load an image processor from {name!r}: {error}") from error
-    size = {"height": config.image_size, "width": config.image_size}
-    try:
-        import torchvision  # noqa: F401
-
-        return transformers.ViTImageProcessor(size=size)
-    except ImportError:
-        return transformers.ViTImageProcessorPil(size=size)
-
-
-def prepare_text_config(config, tokenizer, args: argparse.Namespace, labels: dict[str, Any] | None) -> None:
-    """Fit the config to the tokenizer (from-scratch models) and to the task's labels (GLUE)."""
-    from_scratch = args.model_name_or_path is None
-    if from_scratch:
-        overridden = set(_override_keys(args.config_overrides))
-        if "vocab_size" not in overridden:
-            config.vocab_size = len(tokenizer)
-        eos = tokenizer.eos_token_id
-        for name, value in (("bos_token_id", tokenizer.bos_token_id or eos), ("eos_token_id", eos)):
-            if name not in overridden and hasattr(config, name):
-                setattr(config, name, value)
-    if labels is not None:
-        config.num_labels = labels["num_labels"]
-        config.problem_type = "regression" if labels["regression"] else "single_label_classification"
-        if not labels["regression"]:
-            config.id2label = dict(enumerate(labels["names"]))
-            config.label2id = {name: index for index, name in enumerate(labels["names"])}
-        config.pad_token_id = tokenizer.pad_token_id
-
-
-def _override_keys(overrides: str | None) -> list[str]:
-    return [item.split("=", 1)[0].strip() for item in (overrides or "").split(",") if "=" in item]
+    return get_task(args.task).embedded_source(args)
 
 
 def check_patch(args: argparse.Namespace) -> None:
@@ -275,10 +163,11 @@ def check_patch(args: argparse.Namespace) -> None:
     without it, an out-of-range layer), found before anything trains: the model's skeleton is built from its config
     on the meta device (no weights, no memory) and patched there. A sweep checks every run this way before the first
     one starts."""
-    config = load_config(args)
-    if args.scorer == "none":
+    task = get_task(args.task)
+    config = load_config(args, task)
+    if args.scorer == BASELINE:
         return
-    skeleton = build_skeleton(config, args.task, f"from {describe_source(args)}")
+    skeleton = build_skeleton(config, task, f"from {describe_source(args)}")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the run itself shows the patch's warnings
@@ -287,20 +176,12 @@ def check_patch(args: argparse.Namespace) -> None:
         raise RecipeError(f"Cannot patch {type(skeleton).__name__} with --scorer {args.scorer}: {error}") from error
 
 
-def build_model(args: argparse.Namespace, config, preprocessor, labels: dict[str, Any] | None) -> ModelBundle:
+def build_model(
+    args: argparse.Namespace, task: Task, config, preprocessor, labels: dict[str, Any] | None
+) -> ModelBundle:
     """Build or load the model for the task, patch it, and freeze what --train_only_new_params keeps."""
-    import transformers
-
-    mapping, _ = task_head(args.task)
-    model_class = getattr(transformers, mapping[config.model_type])
-    is_image = args.task == "image"
-    if is_image:
-        if labels is not None:
-            config.num_labels = labels["num_labels"]
-            config.id2label = dict(enumerate(labels["names"]))
-            config.label2id = {name: index for index, name in enumerate(labels["names"])}
-    else:
-        prepare_text_config(config, preprocessor, args, labels if args.task != "clm" else None)
+    model_class = model_class_for(config, task)
+    task.configure_model(config, preprocessor, args, labels)
 
     bundle = ModelBundle(model=None, source=describe_source(args))
     path = args.model_name_or_path
@@ -314,16 +195,9 @@ def build_model(args: argparse.Namespace, config, preprocessor, labels: dict[str
         bundle.model, bundle.new_parameters = _load_pretrained(model_class, path, config, args)
 
     model = bundle.model
-    if not is_image:
-        embeddings = model.get_input_embeddings().weight.shape[0]
-        if len(preprocessor) > embeddings:
-            model.resize_token_embeddings(len(preprocessor))
-            # The resized matrices have new rows to learn: they stay trainable under --train_only_new_params.
-            resized = [model.get_input_embeddings(), model.get_output_embeddings()]
-            resized_weights = {id(module.weight) for module in resized if module is not None}
-            bundle.new_parameters |= {name for name, p in model.named_parameters() if id(p) in resized_weights}
+    bundle.new_parameters |= task.adapt_model(model, preprocessor)
 
-    if args.scorer != "none":
+    if args.scorer != BASELINE:
         try:
             # The scorers' init depends on the seed only, not on what building the base drew before (a new head,
             # resized embeddings, DeepSpeed ZeRO-3's partitioned construction, which draws every weight before
@@ -343,7 +217,7 @@ def build_model(args: argparse.Namespace, config, preprocessor, labels: dict[str
         ):
             if given:
                 raise RecipeError(
-                    f"{flag} needs a patch: pass --scorer qana or neural, or a patched checkpoint as "
+                    f"{flag} needs a patch: pass --scorer {example_scorers()}, or a patched checkpoint as "
                     "--model_name_or_path (with --scorer none)."
                 )
 

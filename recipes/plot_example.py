@@ -20,6 +20,7 @@ from transformers import ByT5Tokenizer, GPT2Config, GPT2LMHeadModel
 
 import hf_neural_attn
 from hf_neural_attn import plotting
+from hf_neural_attn.scorers import QanaConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,7 +37,7 @@ def main() -> None:
     tokenizer = ByT5Tokenizer()
     config = GPT2Config(vocab_size=len(tokenizer), n_layer=2, n_head=4, n_embd=64, n_positions=64)
     config.update({"bos_token_id": 1, "eos_token_id": 1, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0})
-    model = hf_neural_attn.patch_model(GPT2LMHeadModel(config), "qana", h=4)
+    model = hf_neural_attn.patch_model(GPT2LMHeadModel(config), QanaConfig(h=4))
 
     text = "\n\n".join(topics[name] for name in sorted(topics))
     ids = torch.tensor(tokenizer(text[:200_000])["input_ids"][:-1])

@@ -1,5 +1,6 @@
 """What a run leaves behind: ``all_results.json``, the model card (README.md), the training plot, and the Hub
-upload; and the evaluation curves of several runs (``recipes.compare``'s plot)."""
+upload; and the evaluation curves of several runs (``recipes.compare``'s plot). The card asks the run's task
+(``recipes.tasks``) for its Hub names, its label and its own rows."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import hf_neural_attn
+from hf_neural_attn.scorers import SCORERS
+from recipes.tasks import Task, get_task
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +37,20 @@ METRIC_LABELS = {
     "spearmanr": "Spearman",
     "combined_score": "combined score",
 }
-# Model-index task types and metric names as the Hub shows them.
-HUB_TASK_TYPES = {"clm": "text-generation", "glue": "text-classification", "image": "image-classification"}
-HUB_TASK_NAMES = {"clm": "Causal Language Modeling", "glue": "Text Classification", "image": "Image Classification"}
+# The option every patch description names, whatever its value: the scoring MLP's width, by which the papers name
+# their runs. The other options are named where they differ from their declared default.
+ALWAYS_DESCRIBED_OPTIONS = ("h",)
+# The run settings the model card's training table shows (where they are set).
+CARD_TRAINING_SETTINGS = (
+    "learning_rate",
+    "scorer_learning_rate",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "weight_decay",
+    "lr_scheduler_type",
+    "num_warmup_steps",
+    "seed",
+)
 
 
 def write_json(path: str | os.PathLike, values: dict[str, Any]) -> None:
@@ -132,37 +146,6 @@ def plot_evaluation_curves(
 # ------------------------------------------------------------------------------------------ comparison
 
 
-def comparison_table(
-    runs: list[dict[str, Any]], metrics: list[str], greater_is_better: bool, no_difference_below: float = 1.0
-) -> str:
-    """A markdown table: one row per run, its patch, added parameters, metrics, and change vs the first run.
-
-    A relative change of the primary metric smaller than ``no_difference_below`` percent reads "no difference".
-    recipes.compare no longer writes it (its table is the sweep's, ``recipes.sweep.report.markdown_table``);
-    tests/test_options.py still tests it, and this goes when that test does.
-    """
-    primary = metrics[0]
-    header = ["run", "patch", "params added", *[METRIC_LABELS.get(m, m) for m in metrics]]
-    header += [f"Δ {METRIC_LABELS.get(primary, primary)} vs baseline", "train time (s)"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    baseline = runs[0]["results"].get(primary)
-    for run in runs:
-        results = run["results"]
-        value = results.get(primary)
-        if run is runs[0] or baseline in (None, 0) or value is None:
-            delta = "—"
-        else:
-            change = 100.0 * (value - baseline) / abs(baseline)
-            better = (change > 0) == greater_is_better
-            verdict = "no difference" if abs(change) < no_difference_below else ("better" if better else "worse")
-            delta = f"{change:+.2f}% ({verdict})"
-        row = [run["label"], run["patch"], f"{results.get('parameters', {}).get('added_by_patch', 0):,}"]
-        row += [format_value(results.get(m, "—")) for m in metrics]
-        row += [delta, f"{results.get('train_runtime_s', 0.0):.1f}"]
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def no_difference_note(no_difference_below: float) -> str:
     """What "no difference" means in a one-seed comparison (``recipes.compare --no_difference_below``)."""
     return (
@@ -191,12 +174,19 @@ def as_patch_record(patch: hf_neural_attn.PatchRecord | Mapping[str, Any] | None
 
 
 def describe_patch(patch: hf_neural_attn.PatchRecord | Mapping[str, Any] | None) -> str:
+    """A patch in one line, for titles and logs: ``qana, h=4, layers=[0, 1]``, ``neural, h=4, proj_dim=2,
+    mode=replace, layers=[0]``. The scorer's declared options in their order: the width always, the others where
+    the record's value is not the declared default; options the model decides (default ``"auto"``) are left out."""
     record = as_patch_record(patch)
     if record is None:
         return "none (baseline)"
-    parts = [record.scorer, f"h={record.options.get('h')}"]
-    if record.scorer == "neural":
-        parts += [f"d'={record.options.get('proj_dim')}", f"mode={record.options.get('mode')}"]
+    parts = [record.scorer]
+    for item in SCORERS[record.scorer].config_class.option_fields():
+        if item.name not in record.options or item.default == "auto":
+            continue
+        value = record.options[item.name]
+        if item.name in ALWAYS_DESCRIBED_OPTIONS or value != item.default:
+            parts.append(f"{item.name}={value}")
     parts.append(f"layers={list(record.layers)}")
     return ", ".join(parts)
 
@@ -205,39 +195,19 @@ def describe_patch(patch: hf_neural_attn.PatchRecord | Mapping[str, Any] | None)
 
 
 def model_card(results: dict[str, Any], output_dir: str | os.PathLike) -> str:
-    """The model card (README.md) in the Hub's format: YAML metadata with a model-index, then the text."""
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+    """The model card (README.md) in the Hub's format: YAML metadata with a model-index, then the text. Everything
+    comes from ``results`` (what all_results.json holds) and the run's task."""
+    from huggingface_hub import ModelCard, ModelCardData
 
-    settings = results["settings"]
-    task, kind = settings["task"], results["task_kind"]
-    data = results["data"]
+    settings, data = results["settings"], results["data"]
+    task = get_task(settings["task"])
     patch = as_patch_record(results.get("patch"))
     metric_names = [m for m in results["metric_names"] if isinstance(results.get(m), (int, float))]
     index_metrics = [m for m in metric_names if m != "eval_loss"]  # the task's metrics, for the model-index
-    dataset_id = data["dataset_name"] if data["hub_dataset"] else "local"
-    dataset_label = {"clm": "Causal LM", "image": "Image classification"}.get(kind, f"GLUE {task.upper()}")
-    eval_results = []
-    for name in index_metrics:
-        if not math.isfinite(float(results[name])):
-            continue
-        mismatched = name.endswith("_mm")  # MNLI's mismatched accuracy: its own split
-        eval_results.append(
-            EvalResult(
-                task_type=HUB_TASK_TYPES[kind],
-                task_name=HUB_TASK_NAMES[kind],
-                dataset_type=dataset_id,
-                dataset_name=data["dataset_name"]
-                + (f" ({data['dataset_config']})" if data.get("dataset_config") else ""),
-                dataset_config=data.get("dataset_config"),
-                dataset_split="validation_mismatched" if mismatched else data.get("eval_split"),
-                metric_type=name[: -len("_mm")] if mismatched else name,
-                metric_name=METRIC_LABELS.get(name, name),
-                metric_value=float(results[name]),
-            )
-        )
     # A patched run is a full patched checkpoint: transformers' Auto classes load it (with the library imported, or
     # trust_remote_code=True through its loader file), so library_name says transformers, as for any remote-code
     # checkpoint, and the tags name the library, the scorer and custom_code (docs/api.md). A baseline is plain.
+    kind = results["task_kind"]
     tags = [LIBRARY_NAME, patch.scorer, "custom_code", kind, "nonlinear-attention"] if patch else [kind, "baseline"]
     card_data = ModelCardData(
         base_model=results.get("base_model"),
@@ -247,70 +217,11 @@ def model_card(results: dict[str, Any], output_dir: str | os.PathLike) -> str:
         model_name=Path(output_dir).resolve().name if not settings.get("hub_model_id") else settings["hub_model_id"],
         pipeline_tag=results["pipeline_tag"],
         tags=tags,
-        eval_results=eval_results or None,
+        eval_results=_eval_results(results, task, index_metrics) or None,
     )
-    repo = settings.get("hub_model_id") or "path/to/this/folder"
-    processor_class = "AutoImageProcessor" if kind == "image" else "AutoTokenizer"
-    processor_name = "processor" if kind == "image" else "tokenizer"
-    if patch:
-        imports = f"import hf_neural_attn\nfrom transformers import {processor_class}"
-        model_line = f'model = hf_neural_attn.from_pretrained("{repo}")  # {results["model_class"]}, patch re-applied'
-        install = f"```bash\npip install {LIBRARY_NAME}\n```\n\n"
-    else:
-        imports = f"from transformers import {processor_class}, {results['model_class']}"
-        model_line = f'model = {results["model_class"]}.from_pretrained("{repo}")  # baseline: no patch'
-        install = ""
-    load = (
-        f"{install}```python\n{imports}\n\n{model_line}\n"
-        f'{processor_name} = {processor_class}.from_pretrained("{repo}")\n```\n'
-    )
-
-    patch_rows = "| setting | value |\n|---|---|\n"
-    if patch:
-        patch_rows += f"| scorer | `{patch.scorer}` |\n| layers | {list(patch.layers)} |\n"
-        for key, value in patch.options.items():
-            patch_rows += f"| {key} | {value} |\n"
-        patch_rows += f"| new parameters | {results['parameters']['added_by_patch']:,} |\n"
-        if settings.get("gate_schedule") not in (None, "learned"):
-            schedule = describe_gate_schedule(settings["gate_schedule"], settings.get("gate_warmup_steps"))
-            patch_rows += f"| gate α schedule | {schedule} |\n"
-        patch_rows += (
-            f"| trained | {'new parameters only' if settings.get('train_only_new_params') else 'all parameters'} |\n"
-        )
-    else:
-        patch_rows += "| scorer | none (unpatched baseline) |\n"
-
     metric_rows = "| metric | value |\n|---|---|\n" + "".join(
         f"| {METRIC_LABELS.get(m, m)} (`{m}`) | {format_value(results[m])} |\n" for m in metric_names
     )
-    training_keys = [
-        "learning_rate",
-        "scorer_learning_rate",
-        "per_device_train_batch_size",
-        "gradient_accumulation_steps",
-        "weight_decay",
-        "lr_scheduler_type",
-        "num_warmup_steps",
-        "seed",
-    ]
-    training_rows = "| setting | value |\n|---|---|\n"
-    training_rows += f"| steps | {results['train_steps']} |\n| processes | {results['num_processes']} |\n"
-    training_rows += f"| total batch size | {results['total_train_batch_size']} |\n"
-    training_rows += "".join(f"| {k} | {settings.get(k)} |\n" for k in training_keys if settings.get(k) is not None)
-    if kind == "clm":
-        training_rows += (
-            f"| block size | {results.get('block_size')} |\n"
-            f"| perplexity protocol | {settings.get('perplexity_protocol')} (stride {results.get('stride')}) |\n"
-        )
-    data_text = (
-        f"[{data['dataset_name']}](https://huggingface.co/datasets/{data['dataset_name']})"
-        if data["hub_dataset"]
-        else f"{data['dataset_name']}" + (f": {', '.join(map(str, data['files']))}" if data.get("files") else "")
-    )
-    if data.get("dataset_config"):
-        data_text += f", config `{data['dataset_config']}`"
-    data_text += f"; evaluated on `{data.get('eval_split')}`."
-
     origin = (
         f"trained from scratch ({results.get('model_source')})"
         if results.get("from_scratch")
@@ -321,7 +232,7 @@ def model_card(results: dict[str, Any], output_dir: str | os.PathLike) -> str:
         if patch
         else ("as an unpatched baseline (attention unchanged) for `hf_neural_attn` comparisons")
     )
-    title = f"{results['model_class']} with {describe_patch(patch)} — {dataset_label}"
+    title = f"{results['model_class']} with {describe_patch(patch)} — {task.dataset_label}"
     content = f"""---
 {card_data.to_yaml()}
 ---
@@ -332,24 +243,108 @@ This model was {origin} {change}, with the `recipes/finetune.py` recipe.
 
 ## Attention patch
 
-{patch_rows}
+{_patch_rows(results, patch)}
 ## Data
 
-{data_text}
+{_data_text(data)}
 
 ## Results
 
 {metric_rows}
 ## Training
 
-{training_rows}
+{_training_rows(results, task)}
 ![training curves]({PLOT_FILE})
 {harness_section(results.get("lm_eval"))}{scorer_section(results.get("plots"))}
 ## How to load
 
-{load}"""
+{_loading_snippet(results, task, patch)}"""
     # Round-trip through ModelCard so the metadata is validated the way the Hub validates it.
     return str(ModelCard(content))
+
+
+def _eval_results(results: dict[str, Any], task: Task, metrics: list[str]) -> list:
+    """The model-index entries of the task's finite metrics, under the task's Hub type and name."""
+    from huggingface_hub import EvalResult
+
+    data = results["data"]
+    entries = []
+    for name in metrics:
+        if not math.isfinite(float(results[name])):
+            continue
+        mismatched = name.endswith("_mm")  # MNLI's mismatched accuracy: its own split
+        entries.append(
+            EvalResult(
+                task_type=task.pipeline_tag,
+                task_name=task.hub_task_name,
+                dataset_type=data["dataset_name"] if data["hub_dataset"] else "local",
+                dataset_name=data["dataset_name"]
+                + (f" ({data['dataset_config']})" if data.get("dataset_config") else ""),
+                dataset_config=data.get("dataset_config"),
+                dataset_split="validation_mismatched" if mismatched else data.get("eval_split"),
+                metric_type=name[: -len("_mm")] if mismatched else name,
+                metric_name=METRIC_LABELS.get(name, name),
+                metric_value=float(results[name]),
+            )
+        )
+    return entries
+
+
+def _loading_snippet(results: dict[str, Any], task: Task, patch: hf_neural_attn.PatchRecord | None) -> str:
+    """The card's "How to load": the model (with the library where it is patched) and its preprocessor."""
+    repo = results["settings"].get("hub_model_id") or "path/to/this/folder"
+    processor_class, processor_name = task.preprocessor_class, task.preprocessor_noun
+    if patch:
+        imports = f"import hf_neural_attn\nfrom transformers import {processor_class}"
+        model_line = f'model = hf_neural_attn.from_pretrained("{repo}")  # {results["model_class"]}, patch re-applied'
+        install = f"```bash\npip install {LIBRARY_NAME}\n```\n\n"
+    else:
+        imports = f"from transformers import {processor_class}, {results['model_class']}"
+        model_line = f'model = {results["model_class"]}.from_pretrained("{repo}")  # baseline: no patch'
+        install = ""
+    return (
+        f"{install}```python\n{imports}\n\n{model_line}\n"
+        f'{processor_name} = {processor_class}.from_pretrained("{repo}")\n```\n'
+    )
+
+
+def _patch_rows(results: dict[str, Any], patch: hf_neural_attn.PatchRecord | None) -> str:
+    """The card's patch table: scorer, layers, every option, the new parameters, the gate schedule."""
+    settings = results["settings"]
+    rows = "| setting | value |\n|---|---|\n"
+    if not patch:
+        return rows + "| scorer | none (unpatched baseline) |\n"
+    rows += f"| scorer | `{patch.scorer}` |\n| layers | {list(patch.layers)} |\n"
+    for key, value in patch.options.items():
+        rows += f"| {key} | {value} |\n"
+    rows += f"| new parameters | {results['parameters']['added_by_patch']:,} |\n"
+    if settings.get("gate_schedule") not in (None, "learned"):
+        schedule = describe_gate_schedule(settings["gate_schedule"], settings.get("gate_warmup_steps"))
+        rows += f"| gate α schedule | {schedule} |\n"
+    trained = "new parameters only" if settings.get("train_only_new_params") else "all parameters"
+    return rows + f"| trained | {trained} |\n"
+
+
+def _training_rows(results: dict[str, Any], task: Task) -> str:
+    """The card's training table: the budget, the optimisation settings, and the task's own rows."""
+    settings = results["settings"]
+    rows = "| setting | value |\n|---|---|\n"
+    rows += f"| steps | {results['train_steps']} |\n| processes | {results['num_processes']} |\n"
+    rows += f"| total batch size | {results['total_train_batch_size']} |\n"
+    rows += "".join(f"| {k} | {settings.get(k)} |\n" for k in CARD_TRAINING_SETTINGS if settings.get(k) is not None)
+    return rows + "".join(f"| {name} | {value} |\n" for name, value in task.card_training_rows(results, settings))
+
+
+def _data_text(data: dict[str, Any]) -> str:
+    """The card's data line: the dataset (a Hub link) or the local files, its config and the evaluation split."""
+    text = (
+        f"[{data['dataset_name']}](https://huggingface.co/datasets/{data['dataset_name']})"
+        if data["hub_dataset"]
+        else f"{data['dataset_name']}" + (f": {', '.join(map(str, data['files']))}" if data.get("files") else "")
+    )
+    if data.get("dataset_config"):
+        text += f", config `{data['dataset_config']}`"
+    return text + f"; evaluated on `{data.get('eval_split')}`."
 
 
 def harness_section(scores: dict[str, dict[str, float]] | None) -> str:

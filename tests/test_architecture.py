@@ -13,8 +13,6 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-import pytest
-
 from hf_neural_attn.scorers import SCORERS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,13 +245,9 @@ def test_library_modules_do_not_import_the_package_root():
 # --- only the scorer knows the scorer ---------------------------------------------------------------------------
 
 
-def scorer_name_mentions(source: str, names: Iterable[str]) -> list[tuple[int, str]]:
-    """(line, text) of every string constant in ``source`` that is one of the scorer ``names`` or holds
-    ``--scorer <name>`` (a recipe flag naming one). Docstrings, and any other string standing alone as a statement,
-    are prose and do not count; f-strings count by their literal parts."""
-    names = set(names)
-    alternatives = "|".join(re.escape(name) for name in sorted(names))
-    flag = re.compile(rf"--scorer(?:\s+|=)(?:{alternatives})\b")
+def code_strings(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every string constant in ``source`` that is code: docstrings, and any other string standing
+    alone as a statement, are prose and left out; f-strings count by their literal parts."""
     tree = ast.parse(source)
     prose = {
         id(node.value)
@@ -264,8 +258,16 @@ def scorer_name_mentions(source: str, names: Iterable[str]) -> list[tuple[int, s
         (node.lineno, node.value)
         for node in ast.walk(tree)
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose
-        if node.value in names or flag.search(node.value)
     )
+
+
+def scorer_name_mentions(source: str, names: Iterable[str]) -> list[tuple[int, str]]:
+    """(line, text) of every string in the code of ``source`` that is one of the scorer ``names`` or holds
+    ``--scorer <name>`` (a recipe flag naming one)."""
+    names = set(names)
+    alternatives = "|".join(re.escape(name) for name in sorted(names))
+    flag = re.compile(rf"--scorer(?:\s+|=)(?:{alternatives})\b")
+    return [(line, text) for line, text in code_strings(source) if text in names or flag.search(text)]
 
 
 def scorer_names_in(package: str) -> list[str]:
@@ -307,11 +309,60 @@ def test_no_scorer_name_in_the_library_outside_the_scorers():
     assert scorer_names_in("hf_neural_attn") == []
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="recipes/ still names scorers (report.py special-cases 'neural', args.py, demo.py, modeling.py); the "
-    "recipe half of issue 29 removes them: drop this mark once that branch is merged",
-)
 def test_no_scorer_name_in_the_recipes():
     """The recipes take the scorer as data (``--scorer``, its options from the scorer's config) and never name one."""
     assert scorer_names_in("recipes") == []
+
+
+# ------------------------------------------------------------------------------------- the recipe rooms
+
+# The longest a recipe function may be (its ``def`` line to its last line, docstring included).
+RECIPE_FUNCTION_LINES = 80
+
+
+def string_constants_equal_to(source: str, words: set[str]) -> list[tuple[int, str]]:
+    """(line, text) of every string in the code of ``source`` that is one of ``words`` (docstrings may name a task in
+    their examples)."""
+    return [(line, text) for line, text in code_strings(source) if text in words]
+
+
+def functions_longer_than(source: str, limit: int) -> list[tuple[str, int]]:
+    """(name, lines) of every function or method in ``source`` longer than ``limit`` lines, nested ones included."""
+    return [
+        (node.name, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def test_the_recipe_scanners_find_what_they_look_for():
+    source = '"""A module about clm."""\n\ndef f(task):\n    """clm"""\n    return task == "clm" or f"{task}" == "x"\n'
+    assert string_constants_equal_to(source, {"clm"}) == [(5, "clm")]
+    assert functions_longer_than("def g():\n" + "    x = 1\n" * 80, RECIPE_FUNCTION_LINES) == [("g", 81)]
+    assert functions_longer_than("def g():\n" + "    x = 1\n" * 79, RECIPE_FUNCTION_LINES) == []
+
+
+def test_no_recipe_function_is_longer_than_the_limit():
+    long = [
+        f"{name}.{function}: {lines} lines"
+        for name, path in MODULES.items()
+        if name.startswith("recipes")
+        for function, lines in functions_longer_than(path.read_text(), RECIPE_FUNCTION_LINES)
+    ]
+    assert long == [], f"recipe functions over {RECIPE_FUNCTION_LINES} lines: {long}"
+
+
+def test_no_recipe_module_outside_the_tasks_names_a_task():
+    """A task is one module in recipes/tasks/ and one line in its registry: no other recipe module may branch on a
+    task's name or kind (the registry is imported to learn them). recipes/metrics/ holds standalone `evaluate`
+    scripts loaded by path, which keep the GLUE names of the metric they compute."""
+    from recipes.tasks import TASKS
+
+    words = set(TASKS) | {task_class.kind for task_class in TASKS.values()}
+    found = [
+        f"{name}:{line} {text!r}"
+        for name, path in MODULES.items()
+        if name.startswith("recipes") and not name.startswith(("recipes.tasks", "recipes.metrics"))
+        for line, text in string_constants_equal_to(path.read_text(), words)
+    ]
+    assert found == []

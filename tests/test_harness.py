@@ -143,7 +143,8 @@ def test_the_recipe_runs_the_harness_after_training_and_reports_it(task_dir, tmp
     ],
 )
 def test_bad_harness_flags_fail_before_training(flags, message):
-    from recipes.args import RecipeError, parse_args
+    from recipes.args import parse_args
+    from recipes.errors import RecipeError
 
     with pytest.raises(RecipeError, match=message):
         parse_args(["--dataset_name", "pydoc_data", "--model_type", "gpt2", *flags])

@@ -25,19 +25,14 @@ from recipes_helpers import (  # fresh_accelerate_state: an autouse fixture
 
 import hf_neural_attn
 from hf_neural_attn.scorers import SCORERS, NeuralAttentionConfig
-from recipes import hub, modeling, report, tasks
-from recipes.args import (
-    FLAG_FOR_OPTION,
-    RecipeError,
-    build_parser,
-    load_config_file,
-    parse_args,
-    scorer_flags,
-    scorer_options,
-)
+from recipes import hub, modeling, tasks
+from recipes.args import build_parser, parse_args
 from recipes.compare import baseline_args
+from recipes.config_files import load_config_file
+from recipes.errors import RecipeError
 from recipes.finetune import main as finetune_main
 from recipes.finetune import resume_settings, run
+from recipes.patch_flags import FLAG_FOR_OPTION, scorer_flags, scorer_options
 
 
 def declared_options():
@@ -271,17 +266,3 @@ def test_the_demo_data_can_be_selected_by_name(tmp_path):
 def test_an_image_run_names_no_text_tokenizer():
     assert "ByT5" not in modeling.describe_source(parse_args(["--task", "image"]))
     assert "ByT5Tokenizer" in modeling.describe_source(parse_args(["--task", "clm"]))
-
-
-def test_comparison_says_no_difference_below_the_threshold():
-    def runs(value):
-        return [
-            {"label": "baseline", "patch": "none", "results": {"perplexity": 10.0}},
-            {"label": "qana", "patch": "qana", "results": {"perplexity": value}},
-        ]
-
-    assert "(no difference)" in report.comparison_table(runs(10.00002), ["perplexity"], False)
-    assert "(no difference)" in report.comparison_table(runs(9.95), ["perplexity"], False, no_difference_below=1.0)
-    assert "-2.00% (better)" in report.comparison_table(runs(9.8), ["perplexity"], False, no_difference_below=1.0)
-    assert "+2.00% (worse)" in report.comparison_table(runs(10.2), ["perplexity"], False, no_difference_below=1.0)
-    assert "1%" in report.no_difference_note(1.0)

@@ -1,4 +1,5 @@
-"""recipes/args.py and the checks behind it: flags, config files, and bad input that fails before training starts."""
+"""The command line: recipes/args.py (flags), config_files.py, checks.py and the checks each task owns (recipes/tasks/),
+and bad input that fails before training starts."""
 
 from __future__ import annotations
 
@@ -22,9 +23,12 @@ from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fix
 
 import hf_neural_attn
 from hf_neural_attn.scorers import NeuralAttentionConfig
-from recipes.args import GLUE_TASKS, RecipeError, parse_args, patch_settings, scorer_options
+from recipes.args import parse_args
 from recipes.compare import main as compare_main
+from recipes.errors import RecipeError
 from recipes.finetune import main as finetune_main
+from recipes.patch_flags import patch_settings, scorer_options
+from recipes.tasks import TASKS
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +65,7 @@ def test_shipped_configs_are_valid():
     assert len(configs) >= 5
     for path in configs:
         args = parse_args(["--config", str(path)])
-        assert args.task in ("clm", "image", *GLUE_TASKS), path
+        assert args.task in TASKS, path
 
 
 def test_the_authors_code_config_is_the_paper_run_with_the_authors_scorer():
@@ -186,7 +190,7 @@ def test_command_line_reports_errors_with_exit_code_2(tmp_path, capsys):
 
 
 def test_recipe_scorer_choices_are_the_library_registry():
-    from recipes.args import SCORERS
+    from recipes.patch_flags import SCORERS
 
     assert set(SCORERS) == {"none", *hf_neural_attn.scorers.SCORERS}
 
@@ -194,9 +198,9 @@ def test_recipe_scorer_choices_are_the_library_registry():
 def test_gate_schedule_refuses_a_model_without_gates_even_when_the_options_cannot_tell(assets, tmp_path, monkeypatch):
     # The flags are checked by building the scorer on the meta device; where that cannot tell (None), the patched
     # model is checked before any data is prepared or anything written.
-    from recipes import args as recipe_args
+    from recipes import checks
 
-    monkeypatch.setattr(recipe_args, "scorer_has_gates", lambda scorer, options: None)
+    monkeypatch.setattr(checks, "scorer_has_gates", lambda scorer, options: None)
     out = tmp_path / "run"
     with pytest.raises(RecipeError, match=r"patch \(neural, .*mode=replace.*\) has none"):
         finetune_in_process(

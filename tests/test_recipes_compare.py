@@ -22,8 +22,9 @@ from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fix
 )
 
 from recipes import finetune, scorer_plots, stats
-from recipes.args import RecipeError, parse_args
+from recipes.args import parse_args
 from recipes.compare import COMPARISON_PLOT, COMPARISON_TABLE, compare, main, run_demo
+from recipes.errors import RecipeError
 
 
 @dataclass

@@ -257,7 +257,7 @@ def test_train_only_new_params_keeps_resized_embeddings_trainable(assets, tmp_pa
     """A tokenizer larger than the model's vocabulary adds embedding rows, which must learn too."""
     from transformers import ByT5Tokenizer, GPT2Config, GPT2LMHeadModel
 
-    from recipes import modeling
+    from recipes import modeling, tasks
 
     folder = tmp_path / "small-vocab"
     tokenizer = ByT5Tokenizer()
@@ -267,7 +267,9 @@ def test_train_only_new_params_keeps_resized_embeddings_trainable(assets, tmp_pa
         [*clm_flags(assets, "--scorer", "qana", "--train_only_new_params"), "--output_dir", str(tmp_path / "out")]
     )
     args.model_name_or_path = str(folder)
-    bundle = modeling.build_model(args, modeling.load_config(args), modeling.load_tokenizer(args), None)
+    task = tasks.get_task(args.task)
+    config = modeling.load_config(args, task)
+    bundle = modeling.build_model(args, task, config, task.load_preprocessor(args, config), None)
     trainable = {name for name, p in bundle.model.named_parameters() if p.requires_grad}
     assert bundle.model.get_input_embeddings().weight.shape[0] == len(tokenizer) > 300
     assert "transformer.wte.weight" in trainable
@@ -321,7 +323,7 @@ def from_scratch_command_line(tmp_path_factory):
 
 def test_the_log_names_the_tokenizer_and_why(from_scratch_command_line):
     _, printed = from_scratch_command_line
-    lines = [line for line in printed.splitlines() if " - INFO - recipes.modeling - Tokenizer: " in line]
+    lines = [line for line in printed.splitlines() if " - INFO - recipes.tasks.text - Tokenizer: " in line]
     assert len(lines) == 1 and lines[0].endswith(
         "Tokenizer: the byte-level ByT5Tokenizer, as --tokenizer_name is not given and the model is built from "
         "scratch (--model_type gpt2) without a tokenizer of its own; pass --tokenizer_name (e.g. gpt2) for another."

@@ -10,7 +10,7 @@ from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fix
     one_thread,  # noqa: F401
 )
 
-from recipes.args import RecipeError
+from recipes.errors import RecipeError
 
 
 def test_a_hub_model_without_network_fails_fast_and_clearly(tmp_path, monkeypatch):

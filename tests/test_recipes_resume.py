@@ -16,7 +16,7 @@ from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fix
 )
 
 from recipes import checkpointing
-from recipes.args import RecipeError
+from recipes.errors import RecipeError
 
 
 @pytest.fixture(scope="module")

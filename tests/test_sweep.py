@@ -25,7 +25,8 @@ from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fix
 )
 
 from recipes import checkpointing, finetune, stats, sweep
-from recipes.args import RecipeError, scorer_flags
+from recipes.errors import RecipeError
+from recipes.patch_flags import scorer_flags
 from recipes.sweep import plan as sweep_plan
 from recipes.sweep import run as sweep_run
 

@@ -48,7 +48,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from recipes.args import CONFIG_EXTENSIONS, RecipeError, build_parser, split_own_flags
+from recipes.args import build_parser, split_own_flags
+from recipes.config_files import CONFIG_EXTENSIONS
+from recipes.errors import RecipeError
 from recipes.sweep.plan import GRIDS, NOT_ACCEPTED_FLAGS, build_plan, check_run_folders
 from recipes.sweep.report import SWEEP_TABLE, write_report
 from recipes.sweep.run import is_main_process, run_sweep

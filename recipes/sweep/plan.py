@@ -19,15 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from recipes import finetune, modeling
-from recipes.args import (
-    GATE_SETTINGS,
-    RecipeError,
-    build_parser,
-    check_config_values,
-    given_flags,
-    parse_values,
-    patch_settings,
-)
+from recipes.args import build_parser, given_flags, parse_values
+from recipes.config_files import check_config_values
+from recipes.errors import RecipeError
+from recipes.patch_flags import BASELINE, GATE_SETTINGS, patch_settings
 from recipes.report import RESULTS_FILE
 
 SWEEP_KEYS = ("description", "base", "axes", "mode", "seeds", "baseline", "reduced")
@@ -323,7 +318,7 @@ def patch_only_flags() -> set[str]:
 def baseline_flags(flags: dict[str, Any]) -> dict[str, Any]:
     """A configuration's baseline: the same flags unpatched, ``--scorer none``."""
     base = {key: value for key, value in flags.items() if key not in patch_only_flags()}
-    base["scorer"] = "none"
+    base["scorer"] = BASELINE
     return base
 
 
@@ -437,43 +432,22 @@ def plan_runs(plan: SweepPlan) -> SweepPlan:
 
     configurations: list[Configuration] = []
     baselines: list[Configuration] = []
-    by_settings: dict[str, str] = {}
+    by_settings: dict[str, str] = {}  # a run's settings -> the configuration that runs them
     cells: list[tuple[tuple[AxisValue, ...], str]] = []
-    tasks = set()
-
-    def settings_key(args: argparse.Namespace) -> str:
-        settings = comparable(finetune.public_settings(args))
-        settings.pop("seed", None)
-        return json.dumps(settings, sort_keys=True)
-
-    def parse(flags: dict[str, Any], name: str) -> argparse.Namespace:
-        values = {**run_defaults(flags), "seed": plan.seeds[0]}
-        try:
-            return parse_values(values, source=f"Run {name!r} of {plan.source}")
-        except RecipeError as error:
-            raise RecipeError(f"Run {name!r} of {plan.source}: {error}") from error
-        except SystemExit as error:  # argparse's own exit on a bad value
-            raise RecipeError(f"Run {name!r} of {plan.source}: invalid flag values {flags}") from error
-
+    task_names = set()
     for choices in points:
-        if not choices:
-            name = plan.base_name
-        elif plan.mode == "ablation":
-            name = f"{choices[0].axis}={choices[0].label}"
-        else:
-            name = "__".join(f"{item.axis}={item.label}" for item in choices)
-        name = safe_name(name)
+        name = point_name(plan, choices)
         flags = dict(plan.base_flags)
         for item in choices:
             flags.update(item.flags)
-        args = parse(flags, name)
+        args = parse_run(plan, flags, name)
         key = settings_key(args)
         if key in by_settings:  # e.g. an ablation value equal to the base: the same run, run once
             cells.append((choices, by_settings[key]))
             continue
         if name in {c.name for c in configurations}:
             raise RecipeError(f"In {plan.source}, two different runs are both named {name!r}; give the values labels.")
-        tasks.add(args.task)
+        task_names.add(args.task)
         try:  # the patch against the model, on a skeleton: a refusal comes before any run trains
             modeling.check_patch(args)
         except RecipeError as error:
@@ -481,33 +455,76 @@ def plan_runs(plan: SweepPlan) -> SweepPlan:
         changes = describe_flags({k: v for c in choices for k, v in c.flags.items()}) or plan.base_changes
         configuration = Configuration(name, "configuration", choices, flags, changes)
         if plan.baseline:
-            if args.scorer == "none":
+            if args.scorer == BASELINE:
                 raise RecipeError(
                     f"In {plan.source}, run {name!r} has --scorer none, a baseline itself; set baseline: false or "
                     "give it a scorer."
                 )
-            unpatched = baseline_flags(flags)
-            base_key = settings_key(parse(unpatched, f"baseline of {name}"))
-            existing = next((b for b in baselines if by_settings.get(base_key) == b.name), None)
-            if existing is None:
-                non_patch = tuple(item for item in choices if set(item.flags) - patch_only_flags())
-                base_name = safe_name("__".join(["baseline", *(f"{i.axis}={i.label}" for i in non_patch)]))
-                if base_name in {b.name for b in baselines}:
-                    base_name = safe_name(f"baseline__{name}")
-                extra = describe_flags({k: v for c in non_patch for k, v in c.flags.items()})
-                existing = Configuration(
-                    base_name, "baseline", non_patch, unpatched, "scorer=none" + (f", {extra}" if extra else "")
-                )
-                baselines.append(existing)
-                by_settings[base_key] = base_name
-            configuration.baseline = existing.name
+            configuration.baseline = paired_baseline(plan, configuration, baselines, by_settings)
         configurations.append(configuration)
         by_settings[key] = name
         cells.append((choices, name))
-    if len(tasks) > 1:
-        raise RecipeError(f"In {plan.source}, the runs mix tasks {sorted(tasks)}; a sweep compares runs of one task.")
-
+    if len(task_names) > 1:
+        raise RecipeError(
+            f"In {plan.source}, the runs mix tasks {sorted(task_names)}; a sweep compares runs of one task."
+        )
     plan.configurations, plan.cells = [*baselines, *configurations], cells
+    add_seed_runs(plan)
+    return plan
+
+
+def point_name(plan: SweepPlan, choices: tuple[AxisValue, ...]) -> str:
+    """A point's run name: ``base`` (the plan's base name), ``<axis>=<label>``, in a grid joined by ``__``."""
+    if not choices:
+        name = plan.base_name
+    elif plan.mode == "ablation":
+        name = f"{choices[0].axis}={choices[0].label}"
+    else:
+        name = "__".join(f"{item.axis}={item.label}" for item in choices)
+    return safe_name(name)
+
+
+def settings_key(args: argparse.Namespace) -> str:
+    """What makes two runs the same run, whatever their seed: their comparable settings, as text."""
+    settings = comparable(finetune.public_settings(args))
+    settings.pop("seed", None)
+    return json.dumps(settings, sort_keys=True)
+
+
+def parse_run(plan: SweepPlan, flags: dict[str, Any], name: str) -> argparse.Namespace:
+    """A run's flags parsed and checked as the recipe checks them (at the plan's first seed); errors name the run."""
+    values = {**run_defaults(flags), "seed": plan.seeds[0]}
+    try:
+        return parse_values(values, source=f"Run {name!r} of {plan.source}")
+    except RecipeError as error:
+        raise RecipeError(f"Run {name!r} of {plan.source}: {error}") from error
+    except SystemExit as error:  # argparse's own exit on a bad value
+        raise RecipeError(f"Run {name!r} of {plan.source}: invalid flag values {flags}") from error
+
+
+def paired_baseline(
+    plan: SweepPlan, configuration: Configuration, baselines: list[Configuration], by_settings: dict[str, str]
+) -> str:
+    """The name of ``configuration``'s baseline: the same flags unpatched, shared with the configurations whose
+    baseline has the same settings, else added to ``baselines`` (named after the axis values it keeps)."""
+    unpatched = baseline_flags(configuration.flags)
+    base_key = settings_key(parse_run(plan, unpatched, f"baseline of {configuration.name}"))
+    existing = next((b for b in baselines if by_settings.get(base_key) == b.name), None)
+    if existing is not None:
+        return existing.name
+    non_patch = tuple(item for item in configuration.choices if set(item.flags) - patch_only_flags())
+    base_name = safe_name("__".join(["baseline", *(f"{i.axis}={i.label}" for i in non_patch)]))
+    if base_name in {b.name for b in baselines}:
+        base_name = safe_name(f"baseline__{configuration.name}")
+    extra = describe_flags({k: v for c in non_patch for k, v in c.flags.items()})
+    changes = "scorer=none" + (f", {extra}" if extra else "")
+    baselines.append(Configuration(base_name, "baseline", non_patch, unpatched, changes))
+    by_settings[base_key] = base_name
+    return base_name
+
+
+def add_seed_runs(plan: SweepPlan) -> None:
+    """Each configuration's run per seed, in its folder, resuming from its newest checkpoint."""
     for configuration in plan.configurations:
         for seed in plan.seeds:
             output_dir = plan.run_folder(plan.root, configuration.name, seed)
@@ -520,7 +537,6 @@ def plan_runs(plan: SweepPlan) -> SweepPlan:
             args = parse_values(flags, source=f"Run {configuration.name!r} (seed {seed}) of {plan.source}")
             key = comparable(finetune.public_settings(args))
             configuration.runs.append(Run(configuration.name, seed, output_dir, args, key))
-    return plan
 
 
 def read_settings(path: Path) -> dict[str, Any] | None:

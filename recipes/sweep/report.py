@@ -82,7 +82,7 @@ def summarize(plan: SweepPlan) -> Summary:
         params = first.get("parameters", {}).get("added_by_patch", 0) if first else None
         runtime = [float(r.get("train_runtime_s", 0.0)) for r in results.values()]
         rows.append(Row(configuration, values, difference, verdict, params, runtime))
-    metrics = task.metric_names() + (["eval_loss"] if task.kind == "clm" else [])
+    metrics = task.metric_columns()
     return Summary(found, rows, metric, greater, metrics)
 
 
@@ -328,28 +328,33 @@ def sweep_notes(plan: SweepPlan) -> str:
     return f"{spread} Train time: the mean training time of one run, evaluations included.\n"
 
 
+def what_was_run(found: dict[str, dict[int, dict[str, Any]]]) -> tuple[str, str, str]:
+    """SUMMARY.md's data, model and budget, in words, from the first finished run (every run shares them)."""
+    first = next((r for results in found.values() for r in results.values()), None)
+    if not first:
+        return ("no run has finished yet",) * 3
+    data = first["data"]
+    data_text = f"{data['dataset_name']}" + (f" ({data['dataset_config']})" if data.get("dataset_config") else "")
+    data_text += f", evaluated on `{data.get('eval_split')}`; {first.get('train_samples')} training examples"
+    if first.get("block_size"):
+        data_text += f" of {first['block_size']} tokens"
+    unpatched = first["parameters"]["total"] - first["parameters"].get("added_by_patch", 0)
+    model_text = (
+        f"{first['model_class']} from {first['model_source']}, "
+        f"{'trained from scratch' if first.get('from_scratch') else 'fine-tuned'}; {unpatched:,} parameters "
+        "without the patch (each configuration's additions are in the table)"
+    )
+    budget = (
+        f"{first['train_steps']} optimizer steps of {first['total_train_batch_size']} examples per run "
+        f"({first['num_processes']} process(es))"
+    )
+    return data_text, model_text, budget
+
+
 def summary_card(plan: SweepPlan, summary: Summary, table: str, notes: str, pictures: str) -> str:
     """SUMMARY.md, in the style of a model card: what was run on what, the table, and the caveats."""
     found, done, total = summary.found, summary.done, len(plan.configurations) * len(plan.seeds)
-    first = next((r for results in found.values() for r in results.values()), None)
-    if first:
-        data = first["data"]
-        data_text = f"{data['dataset_name']}" + (f" ({data['dataset_config']})" if data.get("dataset_config") else "")
-        data_text += f", evaluated on `{data.get('eval_split')}`; {first.get('train_samples')} training examples"
-        if first.get("block_size"):
-            data_text += f" of {first['block_size']} tokens"
-        unpatched = first["parameters"]["total"] - first["parameters"].get("added_by_patch", 0)
-        model_text = (
-            f"{first['model_class']} from {first['model_source']}, "
-            f"{'trained from scratch' if first.get('from_scratch') else 'fine-tuned'}; {unpatched:,} parameters "
-            "without the patch (each configuration's additions are in the table)"
-        )
-        budget = (
-            f"{first['train_steps']} optimizer steps of {first['total_train_batch_size']} examples per run "
-            f"({first['num_processes']} process(es))"
-        )
-    else:
-        data_text = model_text = budget = "no run has finished yet"
+    data_text, model_text, budget = what_was_run(found)
     runtime = sum(float(r.get("train_runtime_s", 0.0)) for results in found.values() for r in results.values())
     command = ["python -m recipes.sweep --config", str(plan.config_path)]
     command += (["--grid reduced"] if plan.grid == "reduced" else []) + plan.command_line

@@ -13,29 +13,34 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-# EMBEDDED_CORPUS: the Python documentation topics that ship with the interpreter, the demo's data; also selected
-# by --dataset_name pydoc_data (e.g. to train a demo checkpoint further).
-from recipes.args import EMBEDDED_CORPUS, RecipeError
+from recipes.errors import RecipeError
 from recipes.tasks.base import (
     DataInfo,
-    Task,
     TaskData,
     first_examples,
     load_data,
-    local_text_files,
     progress_bar,
     require_columns,
     split_off_validation,
     uses_embedded_model,
 )
+from recipes.tasks.text import TextTask, local_text_files
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CLM_DATASET = ("wikitext", "wikitext-2-raw-v1")
+# The Python documentation topics that ship with the interpreter: the demo's data, and the data of a run without
+# model flags; also selected by --dataset_name pydoc_data (e.g. to train a demo checkpoint further).
+EMBEDDED_CORPUS = "pydoc_data"
+EMBEDDED_CORPUS_USE = (
+    f"--dataset_name {EMBEDDED_CORPUS} (the demo's text, shipped with Python) is for --task clm, without "
+    "--dataset_config_name or --eval_split."
+)
 
 
 def embedded_corpus(validation_every: int = 10):
@@ -66,11 +71,41 @@ def embedded_corpus(validation_every: int = 10):
     )
 
 
-class CausalLMTask(Task):
+class CausalLMTask(TextTask):
     kind = "clm"
     primary_metric = "perplexity"
     greater_is_better = False
     pipeline_tag = "text-generation"
+    hub_task_name = "Causal Language Modeling"
+    dataset_label = "Causal LM"
+    head_mapping = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
+    head_description = "a causal language-modeling head"
+    embedded_datasets: ClassVar[dict[str, str]] = {EMBEDDED_CORPUS: EMBEDDED_CORPUS_USE}
+    harness_evaluates = True
+
+    def check_args(self, args):
+        if args.dataset_name == EMBEDDED_CORPUS and (args.dataset_config_name or args.eval_split):
+            raise RecipeError(EMBEDDED_CORPUS_USE)
+        super().check_args(args)
+
+    def hub_data(self, args):
+        """The embedded corpus needs no Hub; nor does a run without data or model flags (it trains on that corpus)."""
+        no_flags = not (args.dataset_name or args.train_file) and uses_embedded_model(args)
+        if args.dataset_name in self.embedded_datasets or no_flags:
+            return []
+        return super().hub_data(args)
+
+    def metric_columns(self) -> list[str]:
+        return [*self.metric_names(), "eval_loss"]
+
+    def extra_results(self):
+        return {"block_size": self.block, "stride": self.stride}
+
+    def card_training_rows(self, results, settings):
+        return [
+            ("block size", results.get("block_size")),
+            ("perplexity protocol", f"{settings.get('perplexity_protocol')} (stride {results.get('stride')})"),
+        ]
 
     def load_raw(self, args):
         percentage = args.validation_split_percentage or 5

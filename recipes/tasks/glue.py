@@ -12,22 +12,23 @@ from typing import Any
 
 import torch
 
-from recipes.args import RecipeError
+from recipes.errors import RecipeError
 from recipes.tasks.base import (
+    EVAL_SPLIT_USE,
     DataInfo,
-    Task,
     TaskData,
     first_examples,
     load_data,
     load_local_metric,
-    local_text_files,
     progress_bar,
     require_columns,
     split_off_validation,
 )
+from recipes.tasks.text import TextTask, local_text_files
 
 logger = logging.getLogger(__name__)
 
+GLUE_TASKS = ("cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli")
 # The text columns of each task (as in the Hugging Face example scripts) and its label names.
 TASK_TO_KEYS = {
     "cola": ("sentence", None),
@@ -54,14 +55,32 @@ GLUE_PRIMARY_METRIC = {"cola": "matthews_correlation", "stsb": "pearson", "mrpc"
 DEFAULT_GLUE_DATASET = "nyu-mll/glue"
 
 
-class GlueTask(Task):
+class GlueTask(TextTask):
     kind = "glue"
     pipeline_tag = "text-classification"
+    hub_task_name = "Text Classification"
+    head_mapping = "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"
+    head_description = "a sequence-classification head"
+    plain_text_refused = "GLUE tasks need labelled .csv or .json files, not plain text."
 
     def __init__(self, name: str):
         super().__init__(name)
         self.primary_metric = GLUE_PRIMARY_METRIC.get(name, "accuracy")
         self.regression = name == "stsb"
+        self.reads_mismatched_file = name == "mnli"
+
+    @classmethod
+    def describe_names(cls, names: list[str]) -> str:
+        return f"one of the GLUE tasks {names}"
+
+    @property
+    def dataset_label(self) -> str:
+        return f"GLUE {self.name.upper()}"
+
+    def check_args(self, args):
+        if args.eval_split:  # GLUE evaluates on its own validation split(s)
+            raise RecipeError(EVAL_SPLIT_USE)
+        super().check_args(args)
 
     def eval_split_names(self) -> list[str]:
         return ["validation", "validation_mismatched"] if self.name == "mnli" else ["validation"]

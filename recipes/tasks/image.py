@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from recipes.args import RecipeError
+from recipes.errors import RecipeError
 from recipes.tasks.base import (
     DataInfo,
     Task,
@@ -28,12 +28,74 @@ from recipes.tasks.base import (
 
 DEFAULT_IMAGE_DATASET = "uoft-cs/cifar10"
 IMAGE_DATASET_ALIASES = {"cifar10": "uoft-cs/cifar10", "cifar100": "uoft-cs/cifar100"}
+# The embedded model, built when no model flag is given: a small ViT.
+EMBEDDED_IMAGE_CONFIG = {
+    "image_size": 32,
+    "patch_size": 4,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+}
+EMBEDDED_IMAGE_NAME = "embedded (a small ViT built from a config here)"
 
 
 class ImageTask(Task):
     kind = "image"
     primary_metric = "accuracy"
     pipeline_tag = "image-classification"
+    hub_task_name = "Image Classification"
+    dataset_label = "Image classification"
+    head_mapping = "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"
+    head_description = "an image-classification head"
+    head_hint = "Use a ViT-style image model."
+    preprocessor_class = "AutoImageProcessor"
+    preprocessor_noun = "processor"
+
+    def check_args(self, args):
+        if args.train_file or args.validation_file:
+            raise RecipeError(
+                "--task image reads images from --train_dir/--validation_dir (or --dataset_name), not files."
+            )
+        for name in ("train_dir", "validation_dir"):
+            path = getattr(args, name)
+            if path is not None and not os.path.isdir(path):
+                raise RecipeError(f"--{name} {path} is not a folder.")
+        if args.validation_dir and not args.train_dir:
+            raise RecipeError("--validation_dir needs --train_dir too.")
+        super().check_args(args)
+
+    def embedded_config(self, args):
+        from transformers import ViTConfig
+
+        return ViTConfig(**EMBEDDED_IMAGE_CONFIG)
+
+    def embedded_source(self, args):
+        return EMBEDDED_IMAGE_NAME
+
+    def load_preprocessor(self, args, config):
+        """The image processor: --image_processor_name, the model's, or a ViT processor at the config's size."""
+        import transformers
+
+        name = args.image_processor_name or args.model_name_or_path
+        if name is not None:
+            try:
+                return transformers.AutoImageProcessor.from_pretrained(name)
+            except Exception as error:
+                raise RecipeError(f"Could not load an image processor from {name!r}: {error}") from error
+        size = {"height": config.image_size, "width": config.image_size}
+        try:
+            import torchvision  # noqa: F401
+
+            return transformers.ViTImageProcessor(size=size)
+        except ImportError:
+            return transformers.ViTImageProcessorPil(size=size)
+
+    def configure_model(self, config, processor, args, labels):
+        if labels is not None:
+            config.num_labels = labels["num_labels"]
+            config.id2label = dict(enumerate(labels["names"]))
+            config.label2id = {name: index for index, name in enumerate(labels["names"])}
 
     def load_raw(self, args):
         import datasets
