@@ -28,6 +28,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("fused-term contract", ("hf_neural_attn.ops.terms",)),
+    ("compute choices", ("hf_neural_attn.ops.choices",)),
     ("kernels", ("hf_neural_attn.ops.triton", "hf_neural_attn.ops.triton.*")),
     ("compute", ("hf_neural_attn.ops", "hf_neural_attn.ops.*")),
     ("math", ("hf_neural_attn.scorers", "hf_neural_attn.scorers.*")),
@@ -189,6 +190,15 @@ def test_library_modules_import_only_their_floor_and_below():
             if target.startswith("hf_neural_attn") and floor_of(target) > floor_of(name):
                 upward.append(f"{name} ({FLOORS[floor_of(name)][0]}) imports {target} ({FLOORS[floor_of(target)][0]})")
     assert upward == []
+
+
+def test_the_scorers_do_not_import_the_dispatcher():
+    """How a model computes (``impl``) is a run-time setting the dispatcher reads, not scorer math: the scorers read
+    the compute choices' names (``ops.choices``), the fused-term contract and the grouped products, never
+    ``hf_neural_attn.ops`` itself."""
+    graph = internal_graph()
+    scorers = [name for name in graph if floor_of(name) == floor_of("hf_neural_attn.scorers")]
+    assert scorers and [name for name in scorers if "hf_neural_attn.ops" in graph[name]] == []
 
 
 def test_the_library_does_not_import_the_recipes():
