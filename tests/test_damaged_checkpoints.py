@@ -41,6 +41,7 @@ def in_record(edit: Callable[[dict], None]) -> Callable[[Path, str], None]:
 
 def in_record_file(edit: Callable[[dict, str], None]) -> Callable[[Path, str], None]:
     """A damage of the JSON file holding the record: ``edit(content, field holding the record)``."""
+
     def apply(folder: Path, kind: str) -> None:
         checkpoint = CHECKPOINT_KINDS[kind]
         edit_json(folder / checkpoint.record_file, lambda content: edit(content, checkpoint.record_field))

@@ -24,7 +24,6 @@ from transformers import LlamaModel
 import hf_neural_attn
 from hf_neural_attn.loading.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 
-
 # ------------------------------------------------------------------------------------ the compute path (5)
 
 
