@@ -154,8 +154,9 @@ class PatchRecord:
         """The record a model's config, a config, or a config.json's content (a mapping) carries, or None. A record
         that does not read is an error naming ``source``/``filename`` (default: the config; it was edited, or
         written by a newer version)."""
-        config = model_or_config if isinstance(model_or_config, Mapping) else getattr(model_or_config, "config", None)
-        config = model_or_config if config is None else config
+        config = model_or_config
+        if not isinstance(config, Mapping):  # a model answers with its config
+            config = getattr(config, "config", config)
         data = _record_data(config)
         if data is None:
             return None

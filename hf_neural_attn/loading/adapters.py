@@ -219,17 +219,6 @@ def load_adapter_model(
         base_kwargs["revision"] = revision
     describe = f"The adapter {source}"
 
-    def other_base(field: str, found) -> ValueError:
-        """An adapter's words for a base model that does not fit its record (:func:`.rebuild.check_base_fits`): it
-        was saved from another base model."""
-        messages = {
-            "family": f"was saved from a {record.family!r} model, but the base model is a {found!r} model; check "
-            "base_model_name_or_path.",
-            "layers": f"patches attention layers {list(record.layers)}, but the base model has {found}; it was saved "
-            "from another base model (check base_model_name_or_path).",
-        }
-        return ValueError(f"{describe} (base model {base!r}) {messages[field]}")
-
     with _base_model_errors(source, base, revision):
         if os.path.isabs(base) and not os.path.isdir(base):
             raise FileNotFoundError("that folder does not exist on this machine.")
@@ -256,7 +245,7 @@ def load_adapter_model(
             hint=f"Its record patches attention layers {list(record.layers)}. The adapter was saved from another base "
             "model (another size, heads or layers), its record was edited, or it is incomplete; check "
             "base_model_name_or_path.",
-            misfit=other_base,
+            misfit=lambda field, found: _other_base(f"{describe} (base model {base!r})", record, field, found),
             exact=True,
         )
     # After the structural checks (family, layers, shapes), which say more; weights the base checkpoint lacks
@@ -327,6 +316,18 @@ def _adapter_contents(
         "base_checksums": base_checksums(model),
     }
     return metadata, tensors
+
+
+def _other_base(describe: str, record: PatchRecord, field: str, found) -> ValueError:
+    """An adapter's words for a base model that does not fit its record (:func:`.rebuild.check_base_fits`): the
+    adapter was saved from another base model."""
+    messages = {
+        "family": f"was saved from a {record.family!r} model, but the base model is a {found!r} model; check "
+        "base_model_name_or_path.",
+        "layers": f"patches attention layers {list(record.layers)}, but the base model has {found}; it was saved "
+        "from another base model (check base_model_name_or_path).",
+    }
+    return ValueError(f"{describe} {messages[field]}")
 
 
 def _warn_if_base_was_trained(model: PreTrainedModel, base: str, revision: str | None) -> None:
