@@ -110,12 +110,12 @@ class ScorerConfig:
         reproduces what was saved (:attr:`record_defaults`), not today's default."""
         return cls.from_options({**cls.record_defaults, **options})
 
-    def to_dict(self) -> dict[str, Any]:
-        """The options a patch record saves: every option but the run-time ones (``impl``)."""
+    def to_dict(self, *, runtime: bool = False) -> dict[str, Any]:
+        """The options a patch record saves: every option but the run-time ones (``impl``), unless ``runtime``."""
         return {
             item.name: _jsonable(getattr(self, item.name))
             for item in self.option_fields()
-            if not item.metadata.get("runtime")
+            if runtime or not item.metadata.get("runtime")
         }
 
     def from_scratch_reason(self) -> str | None:
@@ -340,7 +340,7 @@ class Scorer(nn.Module):
         return self.scores(query, key, extras, scaling)
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.config.to_dict().items())
+        return ", ".join(f"{k}={v}" for k, v in self.config.to_dict(runtime=True).items())
 
     def fused_unsupported_reason(self) -> str | None:
         """Why this scorer's configuration has no fused form (a pair-MLP term, :meth:`fused_inputs`), or None
