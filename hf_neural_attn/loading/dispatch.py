@@ -57,7 +57,7 @@ def from_pretrained(
 
     Raises:
         ValueError: ``impl`` is not a compute path or is ``"triton"`` where Triton cannot run (checked before
-            anything loads), the folder is not a patched checkpoint (no ``hf_neural_attn`` record in its config),
+            any weight loads), the folder is not a patched checkpoint (no ``hf_neural_attn`` record in its config),
             the record is damaged (the message names the file and field), the scorer weights are missing or do
             not fit, or an adapter does not fit its base model (other family, fewer layers, other shapes, or base
             weights that changed since the adapter was saved).
