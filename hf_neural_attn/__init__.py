@@ -4,6 +4,7 @@ Hugging Face Transformers.
 model = hf_neural_attn.patch_model(model, "qana", h=4)      # same outputs, new trainable scorer
 model.save_pretrained("out")                                 # safetensors + patch record in config.json
 model = hf_neural_attn.from_pretrained("out")                # rebuilt, patch re-applied
+hf_neural_attn.set_impl(model, "chunked")                    # how a patched model computes (run time, not saved)
 model = hf_neural_attn.unpatch_model(model)                  # the original model, bit for bit
 
 hf_neural_attn.save_adapter(model, "adapter")                # scorer tensors + patch record + base model id
@@ -40,7 +41,8 @@ from .scorers import (
 _LAZY_NAMES = {
     "patch_model": "patching",
     "unpatch_model": "patching",
-    "from_pretrained": "loading.checkpoints",
+    "set_impl": "patching",
+    "from_pretrained": "loading.dispatch",
     "save_adapter": "loading.adapters",
     "push_adapter_to_hub": "loading.adapters",
     "peft_modules_to_save": "peft_utils",
@@ -128,5 +130,6 @@ __all__ = [
     "push_adapter_to_hub",
     "save_adapter",
     "scorer_parameters",
+    "set_impl",
     "unpatch_model",
 ]

@@ -18,7 +18,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from .families import FAMILIES, ModelFamily
-from .families.base import offloaded_weights_loaded
+from .families.offload import offloaded_weights_loaded
 from .ops import scored_attention, zero_rows_without_keys
 from .ops.masks import as_additive_mask
 from .ops.packed import PACKING_KWARGS, packed_sequences, sequence_block, sequence_mask

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .record import RECORD_KEY, PatchRecord
+from .record import PatchRecord
 
 LIBRARY_NAME = "hf-neural-attn"  # on the Hub: the PyPI distribution's name (the import name is hf_neural_attn)
 CUSTOM_CODE_TAG = "custom_code"  # the Hub's tag for a checkpoint whose auto_map names code files
@@ -203,9 +203,9 @@ def _card_of_pushed_folder(folder: Path, repo_id: str, extra_tags: Iterable[str]
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not isinstance(config, dict) or RECORD_KEY not in config:
+    record = PatchRecord.of(config, source=str(folder), filename="config.json") if isinstance(config, dict) else None
+    if record is None:
         return None
-    record = PatchRecord.from_dict(config[RECORD_KEY], source=str(folder), filename="config.json")
     base_model = None
     if (folder / CARD_NAME).exists():
         written = ModelCard.load(folder / CARD_NAME).data

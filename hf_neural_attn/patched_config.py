@@ -20,6 +20,7 @@ class is switched to a subclass of its own config class (``LlamaConfig`` -> ``Ll
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -30,7 +31,16 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from .model_cards import write_full_checkpoint_card
-from .record import ATTN_IMPLEMENTATION, PATCHED_MODEL_TYPE, RECORD_KEY, known_implementations
+from .record import (
+    ATTN_IMPLEMENTATION,
+    PATCHED_MODEL_TYPE,
+    RECORD_KEY,
+    PatchRecord,
+    carries_record,
+    known_implementations,
+    recorded_base_model_type,
+    remove_record,
+)
 
 LOADER_MODULE = "hf_neural_attn_loader"  # the loader file written beside config.json (without ".py")
 LOADER_CONFIG_CLASS = "PatchedCheckpointConfig"
@@ -82,9 +92,9 @@ class _PatchedConfigMixin:
                 f"possible ones are {known_implementations()}."
             )
         self.__dict__["_attn_implementation_internal"] = value
-        record = self.__dict__.get(RECORD_KEY)
-        if isinstance(record, dict):  # the top config: a save records the new base (sub-configs carry no record)
-            self.__dict__[RECORD_KEY] = {**record, "base_attn_implementation": value}
+        record = PatchRecord.of(self)
+        if record is not None:  # the top config: a save records the new base (sub-configs carry no record)
+            dataclasses.replace(record, base_attn_implementation=value).write_to(self)
 
     @property
     def base_attn_implementation(self) -> str:
@@ -105,7 +115,7 @@ class _PatchedConfigMixin:
 
     def to_json_string(self, use_diff: bool = True) -> str:
         text = super().to_json_string(use_diff)
-        if getattr(self, RECORD_KEY, None) is None:  # a sub-config, serialised inside its parent by to_dict
+        if not carries_record(self):  # a sub-config, serialised inside its parent by to_dict
             return text
         data = json.loads(text)
         data["model_type"] = PATCHED_MODEL_TYPE
@@ -114,7 +124,7 @@ class _PatchedConfigMixin:
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs) -> None:
-        if getattr(self, RECORD_KEY, None) is not None:
+        if carries_record(self):
             # Written first, so that a push_to_hub of this folder uploads it together with config.json.
             os.makedirs(save_directory, exist_ok=True)
             with open(os.path.join(save_directory, f"{LOADER_MODULE}.py"), "w") as handle:
@@ -174,8 +184,7 @@ def make_unpatched(config: PretrainedConfig) -> None:
     """Undo :func:`make_patched` in place: the base class again, its saved implementation visible, no record."""
     if is_patched_config(config):
         config.__class__ = config._base_config_class
-    if RECORD_KEY in config.__dict__:
-        del config.__dict__[RECORD_KEY]
+    remove_record(config)
 
 
 def base_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -196,8 +205,7 @@ def config_from_saved_dict(config_dict: dict[str, Any], **kwargs):
     """
     # Only the field needed to pick the config class is read here; the loaders check the whole record
     # (PatchRecord.from_dict), where the message can name the checkpoint's folder.
-    record = config_dict.get(RECORD_KEY)
-    base_type = record.get("base_model_type") if isinstance(record, dict) else None
+    base_type = recorded_base_model_type(config_dict)
     if not isinstance(base_type, str) or base_type == PATCHED_MODEL_TYPE or base_type not in CONFIG_MAPPING:
         raise ValueError(
             f"This checkpoint's config.json says model_type {PATCHED_MODEL_TYPE!r}, but its {RECORD_KEY!r} record "

@@ -1,4 +1,5 @@
-"""``patch_model`` / ``unpatch_model``: swap the attention scoring of a transformers model in place.
+"""``patch_model`` / ``unpatch_model``: swap the attention scoring of a transformers model in place; ``set_impl``:
+choose how the scorers compute it.
 
 How the swap works, using transformers' own extension points rather than copies of model forwards:
 
@@ -24,6 +25,7 @@ How the swap works, using transformers' own extension points rather than copies 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
 from collections.abc import Mapping
 from functools import partial
@@ -35,7 +37,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ._version import __version__
 from ._warnings import warn_user
 from .families import FAMILIES, ModelFamily, find_attention
-from .families.base import offloaded_weights_loaded
+from .families.offload import offloaded_weights_loaded
 from .families.zero3 import (
     partition_like,
     partitioned_weights_gathered,
@@ -50,7 +52,6 @@ from .record import (
     ADDED_MODULE_ATTR,
     EXTRAS_KWARG,
     FALLBACK_ATTR,
-    RECORD_KEY,
     SCORER_ATTR,
     PatchRecord,
     inner_transformers_model,
@@ -82,7 +83,9 @@ def patch_model(
             None patches all. ``[0]`` is the Neural Attention paper's first-layer-only setup.
         **options: scorer options (``impl`` for all; ``activation``, ``init`` for the MLP scorers; for
             ``"neural"`` ``proj_dim``, ``mode``, ``depth``; ``mode`` for ``"additive"``; ``terms`` and the
-            required ``mode="replace"`` for ``"nsea"``/``"hea"``). See ``docs/scorers.md``.
+            required ``mode="replace"`` for ``"nsea"``/``"hea"``). See ``docs/scorers.md``. ``impl``, how
+            attention is computed, is a run-time setting: the record leaves it out, and :func:`set_impl`
+            changes it.
 
     With the default options of ``"qana"``, ``"neural"``, ``"additive"`` and ``"general"`` the patched model's
     outputs equal the original's, and training moves them; ``"nsea"`` and ``"hea"`` are for training from
@@ -177,7 +180,7 @@ def patch_model(
             module.register_forward_pre_hook(partial(_add_query_extras, family), with_kwargs=True)
     for config_object in _configs(model, config_readers):
         make_patched(config_object)
-    setattr(model.config, RECORD_KEY, record.to_dict())
+    record.write_to(model.config)
     # transformers' own card writers (push_to_hub's, the Trainer's) add a model's model_tags to the cards they write.
     model.add_model_tags(checkpoint_tags(record.scorer))
     return model
@@ -221,6 +224,37 @@ def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
     # without undoing changes the caller may have made since. Their own implementation shows again.
     for config_object in _configs(model, config_readers):
         make_unpatched(config_object)
+    return model
+
+
+def set_impl(model: PreTrainedModel, impl: str) -> PreTrainedModel:
+    """Choose how the scorers of the patched ``model`` compute attention from the next call on, and return it.
+
+    The compute path is a run-time setting, like the ``impl`` of :func:`patch_model` and
+    :func:`~hf_neural_attn.from_pretrained`: every path computes the same scores, so nothing is saved of it and the
+    outputs stay the same (to float rounding). A torch.compile'd model recompiles once for the new path.
+
+    Args:
+        model: a model patched by :func:`patch_model` or loaded patched (or a sentence-transformers
+            ``SentenceTransformer`` holding one, or a PEFT model around one: its scorers' copies switch too).
+        impl: ``"auto"``, ``"reference"``, ``"chunked"`` or ``"triton"`` (see :mod:`hf_neural_attn.ops`).
+
+    Raises:
+        ValueError: ``model`` is not patched, ``impl`` is not a compute path (the message lists them) or does not
+            apply to its scorer, or ``"triton"`` cannot run on this machine. The model is not changed then.
+    """
+    inner = inner_transformers_model(model)
+    if not is_patched(inner if inner is not None else model):
+        raise ValueError(
+            "This model is not patched by hf_neural_attn, so it has no scorers to compute with. Patch it with "
+            "hf_neural_attn.patch_model(model, scorer, impl=...)."
+        )
+    # Every scorer module, the copies PEFT wraps (modules_to_save) included, each config checked before any changes.
+    scorers = [module for module in model.modules() if isinstance(module, Scorer)]
+    configs = [dataclasses.replace(scorer.config, impl=impl) for scorer in scorers]
+    check_impl(impl)
+    for scorer, config in zip(scorers, configs, strict=True):
+        scorer.config = config
     return model
 
 

@@ -4,7 +4,12 @@ A patched model's config carries ``config.hf_neural_attn``, the record of its pa
 (an adapter-only checkpoint saves it in its own JSON). On disk and in the config it is a plain mapping, since that
 is what transformers serialises. In the code it is a :class:`PatchRecord`: its fields are declared once, here,
 :meth:`PatchRecord.from_dict` is the only reader of the mapping (checked field by field, so a damaged file is an
-error naming the file and the field) and :meth:`PatchRecord.to_dict` the only writer.
+error naming the file and the field) and :meth:`PatchRecord.to_dict` the only writer. Where the mapping sits on a
+config is known here only: :meth:`PatchRecord.of` reads it, :meth:`PatchRecord.write_to` and :func:`remove_record`
+change it, :func:`carries_record` asks whether it is there.
+
+The record describes the model, not how it runs: the compute path (``impl``) is a run-time setting, which no
+record saves (:meth:`PatchRecord.scorer_config` takes it from the caller).
 
 The read-only questions asked of a model (is it patched, with which record, which parameters are new) are here
 too, judged from the names below; the modules that write them (:mod:`hf_neural_attn.patching`,
@@ -25,8 +30,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from ._version import __version__
-from ._warnings import warn_user
-from .ops.triton import triton_unavailable_reason
+from .ops.choices import DEFAULT_IMPL
 from .scorers import SCORERS, ScorerConfig
 
 ATTN_IMPLEMENTATION = "hf_neural_attn"  # the name registered in transformers' Attention(Mask)Interface
@@ -46,9 +50,6 @@ BASE_LOAD_ATTR = "_hf_neural_attn_loads_base"
 # The parts of the names PEFT gives a wrapped module's tensors (ModulesToSaveWrapper, a tuner layer's base_layer): a
 # scorer tensor saved under one of them was saved while PEFT wrapped the scorer.
 PEFT_WRAPPER_PARTS = (".modules_to_save.", ".original_module.", ".base_layer.")
-
-# The compute path a checkpoint recorded with impl="triton" runs where Triton cannot: the default per-call rule.
-PORTABLE_IMPL = "auto"
 
 
 def known_implementations() -> list[str]:
@@ -75,7 +76,8 @@ class PatchRecord:
 
     Attributes:
         scorer: the scorer's name (a key of ``hf_neural_attn.scorers.SCORERS``).
-        options: the scorer config's options (``ScorerConfig.to_dict()``).
+        options: the scorer config's options (``ScorerConfig.to_dict()``: the run-time ``impl`` is not one of them;
+            records saved before it was left out carry it, and it is checked and ignored, see :meth:`scorer_config`).
         layers: the patched attention layers, sorted non-negative indices.
         family: the model family's name (``hf_neural_attn.families.FAMILIES``); None in records that predate it.
         base_attn_implementation: the attention implementation the model ran before the patch (``"eager"``,
@@ -148,14 +150,22 @@ class PatchRecord:
         return cls(scorer, dict(options), tuple(layers), **names, version=version, origin=(source, filename))
 
     @classmethod
-    def of(cls, model_or_config: Any) -> PatchRecord | None:
-        """The record a model's config (or a config) carries, or None. A record that does not read is an error
-        naming the config (it was edited, or written by a newer version)."""
-        config = getattr(model_or_config, "config", model_or_config)
-        data = getattr(config, RECORD_KEY, None)
+    def of(cls, model_or_config: Any, *, source: str | None = None, filename: str = RECORD_KEY) -> PatchRecord | None:
+        """The record a model's config, a config, or a config.json's content (a mapping) carries, or None. A record
+        that does not read is an error naming ``source``/``filename`` (default: the config; it was edited, or
+        written by a newer version)."""
+        config = model_or_config
+        if not isinstance(config, Mapping):  # a model answers with its config
+            config = getattr(config, "config", config)
+        data = _record_data(config)
         if data is None:
             return None
-        return cls.from_dict(data, source=f"this model's config ({type(config).__name__})", filename=RECORD_KEY)
+        source = source or f"this model's config ({type(config).__name__})"
+        return cls.from_dict(data, source=source, filename=filename)
+
+    def write_to(self, config: Any) -> None:
+        """Make this the record ``config`` carries (and saves in its config.json)."""
+        setattr(config, RECORD_KEY, self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
         """The mapping saved in config.json (and in an adapter's JSON)."""
@@ -177,11 +187,12 @@ class PatchRecord:
         return key_dim if isinstance(key_dim, int) and not isinstance(key_dim, bool) else None
 
     def scorer_config(self, impl: str | None = None) -> ScorerConfig:
-        """The scorer config this record describes, with the compute path to run here.
+        """The scorer config this record describes, computing on the path ``impl`` names (None: the default,
+        :data:`~hf_neural_attn.ops.choices.DEFAULT_IMPL`), checked like any option.
 
-        ``impl`` (the caller's choice) wins over the recorded one, and is checked like any option. The compute
-        path is a run-time choice, not part of the model (every path computes the same scores), so a recorded
-        ``"triton"`` that cannot run on this machine becomes :data:`PORTABLE_IMPL`, with one warning.
+        The compute path is a run-time setting, not part of the model (every path computes the same scores), so
+        the record does not hold it. A record saved before it was left out carries an ``impl`` option: it is
+        checked with the other options (a value no version wrote is a damaged record) and ignored.
 
         Raises:
             ValueError: the options do not describe a scorer of this kind (a damaged record, naming where it was
@@ -194,18 +205,7 @@ class PatchRecord:
         except (TypeError, ValueError) as error:
             problem = f"does not describe a {self.scorer!r} scorer: {str(error).rstrip('.')}"
             raise damaged(source, filename, "options", problem) from error
-        if impl is not None:
-            return dataclasses.replace(config, impl=impl)
-        if config.impl == "triton":
-            reason = triton_unavailable_reason()
-            if reason is not None:
-                warn_user(
-                    f"{source} was saved with impl='triton', which cannot run here: {reason}. Loading it with "
-                    f"impl={PORTABLE_IMPL!r}, the default rule (the reference or chunked path by the size of each "
-                    "call; the same scores). Pass impl=... to choose."
-                )
-                return dataclasses.replace(config, impl=PORTABLE_IMPL)
-        return config
+        return dataclasses.replace(config, impl=impl if impl is not None else DEFAULT_IMPL)
 
 
 def patch_record(model: nn.Module) -> PatchRecord | None:
@@ -237,11 +237,37 @@ def is_patched(model: nn.Module) -> bool:
 
 
 def patched_key_dim(model: nn.Module) -> int | None:
-    """The ``key_dim`` a model was patched with (QANA's narrower keys), or None (see :attr:`PatchRecord.key_dim`)."""
-    data = getattr(getattr(model, "config", None), RECORD_KEY, None)
-    options = data.get("options") if isinstance(data, Mapping) else None
-    key_dim = options.get("key_dim") if isinstance(options, Mapping) else None
-    return key_dim if isinstance(key_dim, int) and not isinstance(key_dim, bool) else None
+    """The ``key_dim`` a model was patched with (QANA's narrower keys), or None when it was not (or is not patched):
+    :attr:`PatchRecord.key_dim` of its record."""
+    record = patch_record(model)
+    return record.key_dim if record is not None else None
+
+
+def carries_record(config: Any) -> bool:
+    """Whether a config, or a config.json's content (a mapping), carries a patch record, whether it reads or not.
+    A composite model's sub-configs carry none: the record is the top config's."""
+    return _record_data(config) is not None
+
+
+def remove_record(config: Any) -> None:
+    """Take the record off ``config`` (``unpatch_model``); a config without one is left as it is."""
+    vars(config).pop(RECORD_KEY, None)
+
+
+def recorded_base_model_type(config_dict: Mapping[str, Any]) -> Any:
+    """The ``base_model_type`` field of the record a config.json's content carries, read alone and unchecked (None
+    where there is no record or no such field): what picks a patched checkpoint's config class, before a loader
+    reads the whole record with :meth:`PatchRecord.from_dict`, where its messages can name the folder."""
+    data = _record_data(config_dict)
+    return data.get("base_model_type") if isinstance(data, Mapping) else None
+
+
+def _record_data(config: Any) -> Any:
+    """The saved form of the record ``config`` carries, unread: the ``hf_neural_attn`` field of a config.json's
+    content, or attribute of a config object; None where there is none."""
+    if isinstance(config, Mapping):
+        return config.get(RECORD_KEY)
+    return getattr(config, RECORD_KEY, None)
 
 
 def scorer_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

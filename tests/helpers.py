@@ -8,8 +8,8 @@ The tables every family-wise or scorer-wise test iterates over (docs/testing.md,
 * SCORER_CASES: every scorer case (a scorer and its options), run by tests/test_scorer_contracts.py; FUSED_SCORERS:
   the scorers with a fused form (the rows whose ``fused`` is true), which the path and model tests run by name;
 * IMPLS: the public ``impl`` choices, from the library;
-* CHECKPOINT_KINDS: the two kinds of checkpoint (full, adapter), saved by ``save_checkpoint`` and edited by
-  ``edit_record``.
+* CHECKPOINT_KINDS: the two kinds of checkpoint (full, adapter): how each saves and loads, and where it keeps the
+  record and the scorer tensors; saved by ``save_checkpoint``, read by ``saved_record``, edited by ``edit_record``.
 
 Also here: the float64 scorer geometry, gradcheck and literal RoPE used by the math, chunked and Triton tests.
 """
@@ -38,7 +38,7 @@ import hf_neural_attn
 from hf_neural_attn.loading.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 from hf_neural_attn.ops import IMPL_OPTIONS, scored_attention
 from hf_neural_attn.record import RECORD_KEY
-from hf_neural_attn.scorers import SCORERS, AttentionGeometry, scorer_class
+from hf_neural_attn.scorers import SCORERS, AttentionGeometry, Scorer, scorer_class
 
 VOCAB = 64
 
@@ -374,35 +374,82 @@ def always_blockwise(monkeypatch) -> None:
         monkeypatch.setattr(scorer_type, "reference_max_scores", 0)
 
 
+def scorer_impls(model: nn.Module) -> set[str]:
+    """The compute choices (``impl``) the scorers of a patched model run, PEFT's copies of them included."""
+    return {module.config.impl for module in model.modules() if isinstance(module, Scorer)}
+
+
 # --- Checkpoints -------------------------------------------------------------------------------------------------
 
+
+@dataclass(frozen=True)
+class CheckpointKind:
+    """One kind of patched checkpoint: how a patched model is saved as one and loaded back, and where the files keep
+    the patch record and the scorer tensors."""
+
+    save: Callable[[nn.Module, Path], None]  # save(patched model, folder)
+    load: Callable[..., nn.Module]  # load(folder, **keywords): the patched model back
+    record_file: str  # the JSON file holding the record
+    record_field: str  # its field holding the record
+    weights_file: str  # the safetensors file holding the scorer tensors
+    on_saved_base: bool  # the patched model must come from a base model saved on disk, which the checkpoint names
+
+
 # A full checkpoint (save_pretrained: the whole model, the patch record in config.json) and an adapter-only one
-# (save_adapter: the scorer tensors, the record in the adapter JSON's "patch" field, the base model's id).
-CHECKPOINT_KINDS = ("full", "adapter")
-RECORD_FILE = {"full": "config.json", "adapter": ADAPTER_CONFIG_NAME}  # the JSON file holding the record
-RECORD_FIELD = {"full": RECORD_KEY, "adapter": "patch"}  # its field holding the record
-WEIGHTS_FILE = {"full": "model.safetensors", "adapter": ADAPTER_WEIGHTS_NAME}  # the file holding the scorers
+# (save_adapter: the scorer tensors, the record in the adapter JSON's "patch" field, the base model's id). Tests
+# take a kind's name as their parameter (``@pytest.mark.parametrize("kind", CHECKPOINT_KINDS)``).
+CHECKPOINT_KINDS: dict[str, CheckpointKind] = {
+    "full": CheckpointKind(
+        save=lambda model, folder: model.save_pretrained(folder),
+        load=hf_neural_attn.from_pretrained,
+        record_file="config.json",
+        record_field=RECORD_KEY,
+        weights_file="model.safetensors",
+        on_saved_base=False,
+    ),
+    "adapter": CheckpointKind(
+        save=hf_neural_attn.save_adapter,
+        load=hf_neural_attn.from_pretrained,
+        record_file=ADAPTER_CONFIG_NAME,
+        record_field="patch",
+        weights_file=ADAPTER_WEIGHTS_NAME,
+        on_saved_base=True,
+    ),
+}
+
+
+def save_base(folder: Path, family: str = "llama", **overrides) -> Path:
+    """A tiny model of ``family`` (config ``overrides`` applied) saved to ``folder``, as a user's base model sits
+    on disk; returns the folder."""
+    tiny_model(family, **overrides).save_pretrained(folder)
+    return folder
+
+
+def load_patched(base: Path, family: str = "llama", scorer: str = "qana", **options) -> nn.Module:
+    """The base model saved in ``base`` as a user would have it: loaded from its folder, patched with ``scorer`` and
+    ``options``, trained (here: its scorers moved off their init)."""
+    model = type(tiny_model(family)).from_pretrained(base).eval()
+    hf_neural_attn.patch_model(model, scorer, **options)
+    perturb_scorers(model)
+    return model
 
 
 def save_checkpoint(
     root: Path, kind: str, family: str = "llama", scorer: str = "qana", **options
 ) -> tuple[nn.Module, Path]:
     """A tiny model of ``family`` patched with ``scorer`` and ``options``, its scorers moved off their init
-    ("trained"), saved as a checkpoint of ``kind`` in ``root / kind``. For an adapter the base model is saved to
-    ``root / "base"`` first and the model loaded from there, as a user's would be. Returns the patched model and
-    the checkpoint's folder."""
-    model = tiny_model(family)
-    if kind == "adapter":
-        model.save_pretrained(root / "base")
-        model = type(model).from_pretrained(root / "base").eval()
-    hf_neural_attn.patch_model(model, scorer, **options)
-    perturb_scorers(model)
-    folder = root / kind
-    if kind == "adapter":
-        hf_neural_attn.save_adapter(model, folder)
+    ("trained"), saved as a checkpoint of ``kind`` (a CHECKPOINT_KINDS name) in ``root / kind``. A kind that names
+    its base (an adapter) gets it saved to ``root / "base"`` first, and the model loaded from there. Returns the
+    patched model and the checkpoint's folder."""
+    checkpoint = CHECKPOINT_KINDS[kind]
+    if checkpoint.on_saved_base:
+        model = load_patched(save_base(root / "base", family), family, scorer, **options)
     else:
-        model.save_pretrained(folder)
-    return model, folder
+        model = tiny_model(family)
+        hf_neural_attn.patch_model(model, scorer, **options)
+        perturb_scorers(model)
+    checkpoint.save(model, root / kind)
+    return model, root / kind
 
 
 def edit_json(path: Path, edit: Callable[[dict], None]) -> None:
@@ -412,10 +459,17 @@ def edit_json(path: Path, edit: Callable[[dict], None]) -> None:
     path.write_text(json.dumps(content))
 
 
+def saved_record(folder: Path, kind: str) -> dict:
+    """The patch record a ``kind`` checkpoint in ``folder`` saved, as the file holds it."""
+    checkpoint = CHECKPOINT_KINDS[kind]
+    return json.loads((folder / checkpoint.record_file).read_text())[checkpoint.record_field]
+
+
 def edit_record(folder: Path, kind: str, edit: Callable[[dict], None]) -> None:
     """Change the patch record of a ``kind`` checkpoint in ``folder`` where that kind keeps it (config.json's
     "hf_neural_attn" field, the adapter JSON's "patch" field): ``edit`` mutates the record."""
-    edit_json(folder / RECORD_FILE[kind], lambda content: edit(content[RECORD_FIELD[kind]]))
+    checkpoint = CHECKPOINT_KINDS[kind]
+    edit_json(folder / checkpoint.record_file, lambda content: edit(content[checkpoint.record_field]))
 
 
 # --- Scorers on their own, in float64 ----------------------------------------------------------------------------

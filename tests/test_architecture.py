@@ -32,6 +32,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("fused-term contract", ("hf_neural_attn.ops.terms",)),
+    ("compute choices", ("hf_neural_attn.ops.choices",)),
     ("kernels", ("hf_neural_attn.ops.triton", "hf_neural_attn.ops.triton.*")),
     ("compute", ("hf_neural_attn.ops", "hf_neural_attn.ops.*")),
     ("math", ("hf_neural_attn.scorers", "hf_neural_attn.scorers.*")),
@@ -193,6 +194,37 @@ def test_library_modules_import_only_their_floor_and_below():
             if target.startswith("hf_neural_attn") and floor_of(target) > floor_of(name):
                 upward.append(f"{name} ({FLOORS[floor_of(name)][0]}) imports {target} ({FLOORS[floor_of(target)][0]})")
     assert upward == []
+
+
+def test_the_scorers_do_not_import_the_dispatcher():
+    """How a model computes (``impl``) is a run-time setting the dispatcher reads, not scorer math: the scorers read
+    the compute choices' names (``ops.choices``), the fused-term contract and the grouped products, never
+    ``hf_neural_attn.ops`` itself."""
+    graph = internal_graph()
+    scorers = [name for name in graph if floor_of(name) == floor_of("hf_neural_attn.scorers")]
+    assert scorers and [name for name in scorers if "hf_neural_attn.ops" in graph[name]] == []
+
+
+def test_only_the_record_module_touches_the_saved_record():
+    """The record's saved form (a config's ``hf_neural_attn`` attribute, config.json's field) is read and written in
+    ``record.py`` alone (``PatchRecord.of``, ``write_to``, ``remove_record``, ``carries_record``); every other module
+    of the library goes through them. Counted: the name ``RECORD_KEY`` outside a message's f-string, and an attribute
+    ``.hf_neural_attn`` (``torch.ops.hf_neural_attn``, the kernels' operator namespace, is another thing)."""
+    found = []
+    for name, path in MODULES.items():
+        if not name.startswith("hf_neural_attn") or name == "hf_neural_attn.record":
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        in_messages = {
+            id(node) for text in ast.walk(tree) if isinstance(text, ast.JoinedStr) for node in ast.walk(text)
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and node.id == "RECORD_KEY" and id(node) not in in_messages:
+                found.append(f"{name}:{node.lineno} reads RECORD_KEY")
+            operator_namespace = isinstance(node, ast.Attribute) and getattr(node.value, "attr", None) == "ops"
+            if isinstance(node, ast.Attribute) and node.attr == "hf_neural_attn" and not operator_namespace:
+                found.append(f"{name}:{node.lineno} reads .hf_neural_attn")
+    assert found == []
 
 
 def test_the_library_does_not_import_the_recipes():

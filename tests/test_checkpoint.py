@@ -1,12 +1,24 @@
-"""Contract 6 (checkpoints save, reload and push like any HF model) and the checkpoint half of 7. Damaged
-checkpoints: tests/test_damaged_checkpoints.py; push_to_hub and loading by repo id: tests/test_hub_http.py."""
+"""Contract 6 (checkpoints save, reload and push like any HF model) and the checkpoint half of 7: the round trip
+runs on every kind of checkpoint (helpers.CHECKPOINT_KINDS: full, adapter), the rest on full checkpoints. What only
+adapters do: tests/test_adapter_checkpoint.py. Damaged checkpoints: tests/test_damaged_checkpoints.py; push_to_hub
+and loading by repo id: tests/test_hub_http.py."""
 
+import copy
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import logits, model_inputs, perturb_scorers, save_checkpoint, tiny_gpt2, tiny_llama
+from helpers import (
+    CHECKPOINT_KINDS,
+    logits,
+    model_inputs,
+    perturb_scorers,
+    save_checkpoint,
+    saved_record,
+    tiny_gpt2,
+    tiny_llama,
+)
 from safetensors.torch import load_file
 
 import hf_neural_attn
@@ -29,19 +41,26 @@ def test_save_pretrained_writes_safetensors_and_the_patch_record(tmp_path):
     assert set(hf_neural_attn.scorer_parameters(model)) <= set(saved)
 
 
-def test_from_pretrained_reproduces_outputs(tmp_path, family, scorer_name):
-    model, folder = save_checkpoint(tmp_path, "full", family, scorer_name)
+@pytest.mark.parametrize("kind", CHECKPOINT_KINDS)
+def test_a_checkpoint_round_trip_reproduces_outputs(tmp_path, kind, family, scorer_name):
+    model, folder = save_checkpoint(tmp_path, kind, family, scorer_name)
+    assert saved_record(folder, kind) == model.config.hf_neural_attn
     inputs = model_inputs(family)
     expected = logits(model, inputs)
+    base_model = hf_neural_attn.unpatch_model(copy.deepcopy(model))
     state = torch.random.get_rng_state()
-    loaded = hf_neural_attn.from_pretrained(folder)
+    loaded = CHECKPOINT_KINDS[kind].load(folder)
     assert torch.equal(torch.random.get_rng_state(), state), "loading must not consume the caller's RNG"
-    assert type(loaded) is type(model)
+    assert type(loaded) is type(model) and hf_neural_attn.is_patched(loaded)
     assert loaded.config.hf_neural_attn == model.config.hf_neural_attn
     torch.testing.assert_close(logits(loaded.eval(), inputs), expected, rtol=0, atol=1e-6)
+    # The scorer tensors are the saved ones, not a fresh init: the perturbed scorers move the logits by 1e-4 (Neural
+    # Attention's residual path) to 7e-2 (QANA) from the base model's, far beyond the 1e-6 tolerance above.
+    assert (logits(loaded, inputs) - logits(base_model, inputs)).abs().max() > 1e-5
     # A reloaded model is an ordinary patched model: it unpatches to the base weights.
     hf_neural_attn.unpatch_model(loaded)
     assert not hf_neural_attn.scorer_parameters(loaded)
+    torch.testing.assert_close(logits(loaded, inputs), logits(base_model, inputs), rtol=0, atol=1e-6)
 
 
 def test_sharded_checkpoint_round_trip(tmp_path):

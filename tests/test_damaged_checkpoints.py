@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CHECKPOINT_KINDS, RECORD_FIELD, RECORD_FILE, WEIGHTS_FILE, edit_json, edit_record, save_checkpoint
+from helpers import CHECKPOINT_KINDS, edit_json, edit_record, save_checkpoint
 from safetensors.torch import load_file, save_file
 
 import hf_neural_attn
@@ -28,11 +28,11 @@ class Damage:
     # The regular expression the ValueError's message matches: one for every kind, or one per kind. "{record}"
     # stands for the file holding the record (config.json, or the adapter JSON).
     message: str | dict[str, str]
-    kinds: tuple[str, ...] = CHECKPOINT_KINDS
+    kinds: tuple[str, ...] = tuple(CHECKPOINT_KINDS)
 
     def expected(self, kind: str) -> str:
         message = self.message if isinstance(self.message, str) else self.message[kind]
-        return message.replace("{record}", re.escape(RECORD_FILE[kind]))
+        return message.replace("{record}", re.escape(CHECKPOINT_KINDS[kind].record_file))
 
 
 def in_record(edit: Callable[[dict], None]) -> Callable[[Path, str], None]:
@@ -41,14 +41,19 @@ def in_record(edit: Callable[[dict], None]) -> Callable[[Path, str], None]:
 
 def in_record_file(edit: Callable[[dict, str], None]) -> Callable[[Path, str], None]:
     """A damage of the JSON file holding the record: ``edit(content, field holding the record)``."""
-    return lambda folder, kind: edit_json(folder / RECORD_FILE[kind], lambda content: edit(content, RECORD_FIELD[kind]))
+
+    def apply(folder: Path, kind: str) -> None:
+        checkpoint = CHECKPOINT_KINDS[kind]
+        edit_json(folder / checkpoint.record_file, lambda content: edit(content, checkpoint.record_field))
+
+    return apply
 
 
 def in_weights(edit: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[Path, str], None]:
     """A damage of the safetensors file holding the scorer tensors: ``edit`` changes the name -> tensor dict."""
 
     def apply(folder: Path, kind: str) -> None:
-        path = folder / WEIGHTS_FILE[kind]
+        path = folder / CHECKPOINT_KINDS[kind].weights_file
         tensors = load_file(path)
         edit(tensors)
         save_file(tensors, path, metadata={"format": "pt"})
@@ -76,7 +81,7 @@ def rename_scorers_as_peft_wraps_them(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def truncate_weights(folder: Path, kind: str) -> None:
-    path = folder / WEIGHTS_FILE[kind]
+    path = folder / CHECKPOINT_KINDS[kind].weights_file
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
@@ -125,6 +130,7 @@ DAMAGES = [
         in_record(lambda record: record["options"].update(h="x")),
         r"{record} is damaged: field 'options'.*h must be a positive integer",
     ),
+    # impl, which records no longer hold, is still checked where older ones carry it (then ignored).
     Damage(
         "option-impl",
         in_record(lambda record: record["options"].update(impl=7)),
@@ -146,7 +152,7 @@ DAMAGES = [
     # A full checkpoint's config.json is read by transformers, which raises an OSError for it.
     Damage(
         "not-json",
-        lambda folder, kind: (folder / RECORD_FILE[kind]).write_text("{not json"),
+        lambda folder, kind: (folder / CHECKPOINT_KINDS[kind].record_file).write_text("{not json"),
         r"cannot be read as JSON",
         kinds=("adapter",),
     ),

@@ -14,6 +14,7 @@ from helpers import edit_json, edit_record, logits, model_inputs, perturb_scorer
 from transformers import GPT2LMHeadModel
 
 import hf_neural_attn
+from hf_neural_attn.ops.triton import triton_unavailable_reason
 
 
 def save_full(folder: Path, model=None, scorer: str = "qana", **options):
@@ -156,11 +157,16 @@ def test_key_dim_decodes_the_same_with_the_static_cache():
 # --- messages say what the code does -----------------------------------------------------------------------------
 
 
-def test_the_triton_fallback_warning_says_what_auto_does(tmp_path):
-    if torch.cuda.is_available():
+def test_impl_triton_where_it_cannot_run_is_refused_at_load_as_at_patch_time(tmp_path):
+    """The same error from patch_model and from_pretrained, before the checkpoint loads (a recorded impl no longer
+    decides, so there is no fallback to announce)."""
+    reason = triton_unavailable_reason()
+    if reason is None:
         pytest.skip("Triton can run here")
     save_full(tmp_path)
-    edit_record(tmp_path, "full", lambda record: record["options"].update(impl="triton"))
-    with pytest.warns(UserWarning, match="impl='auto', the default rule .*reference or chunked path") as caught:
-        hf_neural_attn.from_pretrained(tmp_path)
-    assert not any("Triton where it can run" in str(w.message) for w in caught)
+    (tmp_path / "model.safetensors").write_bytes(b"")  # the choice is checked before any weight is read
+    with pytest.raises(ValueError) as at_patch:
+        hf_neural_attn.patch_model(tiny_llama(), "qana", impl="triton")
+    with pytest.raises(ValueError) as at_load:
+        hf_neural_attn.from_pretrained(tmp_path, impl="triton")
+    assert str(at_load.value) == str(at_patch.value) == reason

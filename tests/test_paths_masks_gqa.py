@@ -28,6 +28,7 @@ from helpers import (
     model_inputs,
     perturb_scorers,
     randomise,
+    scorer_impls,
     tiny_gpt2,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -276,7 +277,7 @@ def test_patch_model_defaults_to_auto_and_auto_follows_the_call(monkeypatch):
     with the threshold at 0) the chunked one, with the same logits."""
     model = hf_neural_attn.patch_model(tiny_gpt2(), "qana")
     perturb_scorers(model)
-    assert model.config.hf_neural_attn["options"]["impl"] == "auto"
+    assert scorer_impls(model) == {"auto"}
     taken = []
     for name in list(ops.PATHS):
         original = ops.PATHS[name]

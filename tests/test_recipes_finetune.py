@@ -127,7 +127,7 @@ def test_image_from_scratch_with_nsea(assets, tmp_path):
     assert results["patch"]["scorer"] == "nsea" and results["patch"]["options"]["terms"] == 3
     assert 0.0 <= results["accuracy"] <= 1.0
     reloaded = hf_neural_attn.from_pretrained(str(out))
-    assert reloaded.config.hf_neural_attn["options"] == {"impl": "auto", "terms": 3, "mode": "replace"}
+    assert reloaded.config.hf_neural_attn["options"] == {"terms": 3, "mode": "replace"}  # impl is not saved
 
 
 def test_image_from_scratch_with_the_neural_attention_paper_patch(assets, tmp_path):

@@ -4,7 +4,9 @@
 into ``hf_neural_attn/loading/`` (``make.py`` there is the script that wrote it, run against that commit): a
 full GPT-2 checkpoint patched with QANA, whose ``hf_neural_attn_loader.py`` imports
 ``hf_neural_attn.auto.PatchedCheckpointConfig``, and an adapter-only Neural Attention checkpoint on a tiny Llama.
-Each ``*_expected.pt`` holds the input ids and the logits the saved model gave.
+Each ``*_expected.pt`` holds the input ids and the logits the saved model gave. Both records carry the compute path
+(``impl``), which 0.1.0 saved and later versions leave out: it is read and ignored, and the model loads on the
+default path.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+from helpers import saved_record, scorer_impls
 from transformers import AutoModelForCausalLM
 
 import hf_neural_attn
@@ -28,6 +31,13 @@ def expected(name: str) -> dict[str, torch.Tensor]:
     return torch.load(SAVED / f"{name}_expected.pt", weights_only=True)
 
 
+def assert_saved_impl_ignored(model, saved_record: dict) -> None:
+    """The record on disk carries ``impl``; the loaded model's does not, and its scorers run the default path."""
+    assert saved_record["options"]["impl"] == "auto"
+    assert "impl" not in hf_neural_attn.patch_record(model).options
+    assert scorer_impls(model) == {"auto"}
+
+
 def logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
@@ -38,6 +48,7 @@ def test_a_full_checkpoint_of_0_1_0_loads_with_its_outputs():
     saved = expected("gpt2_qana_full")
     model = hf_neural_attn.from_pretrained(SAVED / "gpt2_qana_full")
     assert hf_neural_attn.patch_record(model).scorer == "qana"
+    assert_saved_impl_ignored(model, saved_record(SAVED / "gpt2_qana_full", "full"))
     torch.testing.assert_close(logits(model, saved["input_ids"]), saved["logits"], **TOLERANCE)
 
 
@@ -72,4 +83,5 @@ def test_an_adapter_of_0_1_0_loads_with_its_outputs():
     )
     record = hf_neural_attn.patch_record(model)
     assert (record.scorer, record.layers) == ("neural", (1,))
+    assert_saved_impl_ignored(model, saved_record(SAVED / "llama_neural_adapter", "adapter"))
     torch.testing.assert_close(logits(model, saved["input_ids"]), saved["logits"], **TOLERANCE)

@@ -8,7 +8,7 @@ from .base import ModelFamily
 from .bert import BertFamily, RobertaFamily
 from .gpt2 import GPT2Family
 from .llama import LlamaFamily
-from .llama_like import GemmaFamily, MistralFamily, Qwen2Family, Qwen3Family
+from .llama_like import LLAMA_LIKE
 from .phi3 import Phi3Family
 from .standard import StandardAttentionFamily, UnsupportedAttentionError
 from .standard_decoders import STANDARD_DECODERS
@@ -20,10 +20,7 @@ FAMILIES: dict[str, ModelFamily] = {
         LlamaFamily(),
         GPT2Family(),
         ViTFamily(),
-        MistralFamily(),
-        Qwen2Family(),
-        Qwen3Family(),
-        GemmaFamily(),
+        *LLAMA_LIKE,
         BertFamily(),
         RobertaFamily(),
         Phi3Family(),

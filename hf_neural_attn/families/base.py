@@ -9,11 +9,10 @@ masks) stays the model's own: the patch only swaps the attention function throug
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -31,6 +30,15 @@ class ModelFamily:
     attention_classes: ClassVar[tuple[type[nn.Module], ...]]
     # The config field the attention dropout probability comes from, named when its value is not a probability.
     attention_dropout_field: ClassVar[str] = "attention_dropout"
+
+    @classmethod
+    def described(cls, name: str, *attention_classes: type[nn.Module]) -> ModelFamily:
+        """This adapter as it is, serving the attention modules of ``attention_classes`` under ``name`` (its key in
+        ``FAMILIES``, recorded in checkpoints as their ``family``): the registry entry of a model family that needs
+        no code of its own, such as Mistral's (``LlamaFamily.described("mistral", MistralAttention)``). Its class is
+        made here, named after ``name`` (``"qwen3_moe"`` -> ``Qwen3MoeFamily``)."""
+        attributes = {"name": name, "attention_classes": attention_classes, "__module__": cls.__module__}
+        return type(f"{name.title().replace('_', '')}Family", (cls,), attributes)()
 
     def matches(self, module: nn.Module) -> bool:
         """Whether ``module`` is a self-attention module of this family (the ones that get a scorer)."""
@@ -165,11 +173,11 @@ def query_weight_std(module: nn.Module, weight: torch.Tensor) -> float:
     the scorer's parameters are then created on meta as well and drawn when the model is materialised
     (``Scorer._apply``). The init stays function-preserving either way: the std only sets the scale of the
     mirrored pairs, which cancel at any scale. (Offloaded weights are read for real: ``patch_model`` loads
-    them for the time it reads the geometry, see :func:`offloaded_weights_loaded`.)
+    them for the time it reads the geometry, see :func:`.offload.offloaded_weights_loaded`.)
 
     Raises:
         ValueError: the weights are on meta and accelerate's hooks sit on the module, but loading them did not
-            give them values (a hook of a kind :func:`offloaded_weights_loaded` does not know).
+            give them values (a hook of a kind :func:`.offload.offloaded_weights_loaded` does not know).
     """
     if not weight.is_meta:
         return float(weight.detach().float().std())
@@ -186,35 +194,3 @@ def query_weight_std(module: nn.Module, weight: torch.Tensor) -> float:
     if std is None and config is not None and hasattr(config, "get_text_config"):
         std = getattr(config.get_text_config(), "initializer_range", None)
     return float(std or _DEFAULT_INITIALIZER_RANGE)
-
-
-def _offloading_hooks(hook) -> list:
-    """The hooks inside accelerate hook ``hook`` that keep a module's tensors elsewhere (an ``AlignDevicesHook``
-    with ``offload=True`` and its ``weights_map``); ``SequentialHook`` is looked into."""
-    if hasattr(hook, "hooks"):
-        return [inner for part in hook.hooks for inner in _offloading_hooks(part)]
-    return [hook] if getattr(hook, "offload", False) and getattr(hook, "weights_map", None) is not None else []
-
-
-@contextlib.contextmanager
-def offloaded_weights_loaded(module: nn.Module) -> Iterator[None]:
-    """Within the block, the tensors accelerate offloaded from ``module`` and its submodules are loaded on their
-    execution device, as they are while the module runs; afterwards they go back to meta.
-
-    accelerate offloads a module's weights (``cpu_offload``, ``disk_offload``, ``dispatch_model``, and
-    transformers' ``from_pretrained(device_map=..., offload_folder=...)``) by leaving meta tensors in it and
-    an ``AlignDevicesHook`` that fills them from its ``weights_map`` just for each call of the module. Patching
-    reads the query weights (their std, dtype and device), so it loads them the same way for that moment.
-    Only hooks that offload are driven; others (a plain device alignment, ``cpu_offload_with_hook``'s hook,
-    which would move the whole model) are left alone.
-    """
-    loaded = []
-    try:
-        for part in module.modules():
-            for hook in _offloading_hooks(getattr(part, "_hf_hook", None)):
-                hook.pre_forward(part)
-                loaded.append((hook, part))
-        yield
-    finally:
-        for hook, part in reversed(loaded):
-            hook.post_forward(part, None)

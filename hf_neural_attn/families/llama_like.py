@@ -1,9 +1,10 @@
 """Decoders whose attention has Llama's layout: ``q_proj`` / ``k_proj`` / ``v_proj``, RoPE from the decoder's
 ``position_embeddings`` applied by their modeling module's ``apply_rotary_pos_emb``, grouped-query attention.
 
-The Llama adapter serves them as it is; each entry only names the attention class. Qwen3's per-head
-``q_norm`` applies to the model's own query (``s``); QANA's extra rows are not normalised. Mistral's and Qwen2's
-sliding windows come with the mask transformers builds.
+The Llama adapter serves them as it is; each entry only names the family and its attention class
+(:meth:`.base.ModelFamily.described`, as :mod:`.standard_decoders` names its entries). Qwen3's per-head ``q_norm``
+applies to the model's own query (``s``); QANA's extra rows are not normalised. Mistral's and Qwen2's sliding
+windows come with the mask transformers builds.
 """
 
 from __future__ import annotations
@@ -15,22 +16,9 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from .llama import LlamaFamily
 
-
-class MistralFamily(LlamaFamily):
-    name = "mistral"
-    attention_classes = (MistralAttention,)
-
-
-class Qwen2Family(LlamaFamily):
-    name = "qwen2"
-    attention_classes = (Qwen2Attention,)
-
-
-class Qwen3Family(LlamaFamily):
-    name = "qwen3"
-    attention_classes = (Qwen3Attention,)
-
-
-class GemmaFamily(LlamaFamily):
-    name = "gemma"
-    attention_classes = (GemmaAttention,)
+LLAMA_LIKE = [
+    LlamaFamily.described("mistral", MistralAttention),
+    LlamaFamily.described("qwen2", Qwen2Attention),
+    LlamaFamily.described("qwen3", Qwen3Attention),
+    LlamaFamily.described("gemma", GemmaAttention),
+]

@@ -13,7 +13,6 @@ from .standard import StandardAttentionFamily
 class Phi3Family(StandardAttentionFamily):
     name = "phi3"
     attention_classes = (Phi3Attention,)
-    generic = False
 
     def query_projection(self, module):
         rows = module.config.num_attention_heads * module.head_dim

@@ -63,7 +63,6 @@ class StandardAttentionFamily(ModelFamily):
 
     name = "standard"
     attention_classes: tuple[type[nn.Module], ...] = ()
-    generic = True  # warn that the model was patched through the generic path
 
     def __init__(self) -> None:
         # What the probe found for each module: whether its query turns under RoPE (not in NoPE layers), and
@@ -72,6 +71,12 @@ class StandardAttentionFamily(ModelFamily):
         self._probed: weakref.WeakKeyDictionary[nn.Module, tuple[int, int]] = weakref.WeakKeyDictionary()
         # Per module that turns its query under RoPE: the dimension each dimension turns with (see AttentionGeometry).
         self._rope_partner: weakref.WeakKeyDictionary[nn.Module, tuple[int, ...]] = weakref.WeakKeyDictionary()
+
+    @property
+    def generic(self) -> bool:
+        """Whether this is the generic fallback, which recognises modules by their layout alone and warns that the
+        model is not in the tested matrix; an entry that names its attention classes is tested."""
+        return not self.attention_classes
 
     # --- recognising modules -------------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Decoders with the standard attention plumbing that are tested by name (tests/test_families_generic.py).
 
-Each entry only names the attention class; :class:`.standard.StandardAttentionFamily` does the rest and its
-probe checks every module before patching. What each one exercises:
+Each entry only names the family and its attention class (:meth:`.base.ModelFamily.described`, as
+:mod:`.llama_like` names its entries); :class:`.standard.StandardAttentionFamily` does the rest and its probe checks
+every module before patching. What each one exercises:
 
 * OLMo: plain layout, no biases. OLMo2: ``q_norm`` / ``k_norm`` over the whole projection (before the
   head split).
@@ -31,25 +32,14 @@ from transformers.models.stablelm.modeling_stablelm import StableLmAttention
 
 from .standard import StandardAttentionFamily
 
-
-def described(name: str, *attention_classes) -> StandardAttentionFamily:
-    """An explicit, tested entry for models whose attention has the standard plumbing."""
-    family_class = type(
-        f"{name.title().replace('_', '')}Family",
-        (StandardAttentionFamily,),
-        {"name": name, "attention_classes": attention_classes, "generic": False, "__module__": __name__},
-    )
-    return family_class()
-
-
 STANDARD_DECODERS = [
-    described("olmo", OlmoAttention),
-    described("olmo2", Olmo2Attention),
-    described("granite", GraniteAttention),
-    described("mixtral", MixtralAttention),
-    described("qwen3_moe", Qwen3MoeAttention),
-    described("gemma3", Gemma3Attention),
-    described("stablelm", StableLmAttention),
-    described("cohere", CohereAttention),
-    described("smollm3", SmolLM3Attention),
+    StandardAttentionFamily.described("olmo", OlmoAttention),
+    StandardAttentionFamily.described("olmo2", Olmo2Attention),
+    StandardAttentionFamily.described("granite", GraniteAttention),
+    StandardAttentionFamily.described("mixtral", MixtralAttention),
+    StandardAttentionFamily.described("qwen3_moe", Qwen3MoeAttention),
+    StandardAttentionFamily.described("gemma3", Gemma3Attention),
+    StandardAttentionFamily.described("stablelm", StableLmAttention),
+    StandardAttentionFamily.described("cohere", CohereAttention),
+    StandardAttentionFamily.described("smollm3", SmolLM3Attention),
 ]

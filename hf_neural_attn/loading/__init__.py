@@ -3,9 +3,11 @@
 * :mod:`.files`: the caller's keywords split as transformers splits them, the config, the model class, the names
   tensors have on disk, safetensors reads;
 * :mod:`.checksums`: what an adapter records of its base model's weights;
-* :mod:`.load`: the record read and checked, and load -> patch -> fill, the one sequence every loader runs (the
-  only loading module that calls ``patch_model``);
+* :mod:`.rebuild`: the record read and checked, and load -> check -> patch -> fill, the one sequence every loader
+  runs, with the one check that the base model fits the record;
 * :mod:`.full` and :mod:`.adapters`: full checkpoints (``save_pretrained``) and adapter-only ones
-  (``save_adapter``); :mod:`.checkpoints` is ``from_pretrained``, which dispatches between them;
-* :mod:`.auto`: transformers' Auto classes load patched checkpoints patched.
+  (``save_adapter``); :mod:`.peft_adapters`: PEFT adapters over a patched checkpoint;
+* :mod:`.dispatch`: ``from_pretrained``, which tells the kinds apart and hands each to its loader;
+* :mod:`.auto` and :mod:`.plain_classes`: transformers' Auto classes, and its model classes' own
+  ``from_pretrained``, load patched checkpoints patched.
 """

@@ -48,7 +48,7 @@ from ..record import (
 )
 from .checksums import base_checksum_names, base_checksums, changed_base_tensors, loaded_parameter
 from .files import FILE_KWARGS, load_config, names_on_disk, read_tensors, unreadable_weights_are_errors
-from .load import check_model_fits_record, load_patched_model, read_record, warn_missing_base_weights
+from .rebuild import load_patched_model, read_record, warn_missing_base_weights
 
 ADAPTER_CONFIG_NAME = "hf_neural_attn_adapter.json"
 ADAPTER_WEIGHTS_NAME = "hf_neural_attn_adapter.safetensors"
@@ -219,9 +219,6 @@ def load_adapter_model(
         base_kwargs["revision"] = revision
     describe = f"The adapter {source}"
 
-    def check_base(model) -> None:
-        check_model_fits_record(model, record, f"{describe} (base model {base!r})")
-
     with _base_model_errors(source, base, revision):
         if os.path.isabs(base) and not os.path.isdir(base):
             raise FileNotFoundError("that folder does not exist on this machine.")
@@ -248,8 +245,8 @@ def load_adapter_model(
             hint=f"Its record patches attention layers {list(record.layers)}. The adapter was saved from another base "
             "model (another size, heads or layers), its record was edited, or it is incomplete; check "
             "base_model_name_or_path.",
+            misfit=lambda field, found: _other_base(f"{describe} (base model {base!r})", record, field, found),
             exact=True,
-            check_base=check_base,
         )
     # After the structural checks (family, layers, shapes), which say more; weights the base checkpoint lacks
     # are reported below as missing, with their own hint.
@@ -319,6 +316,18 @@ def _adapter_contents(
         "base_checksums": base_checksums(model),
     }
     return metadata, tensors
+
+
+def _other_base(describe: str, record: PatchRecord, field: str, found) -> ValueError:
+    """An adapter's words for a base model that does not fit its record (:func:`.rebuild.check_base_fits`): the
+    adapter was saved from another base model."""
+    messages = {
+        "family": f"was saved from a {record.family!r} model, but the base model is a {found!r} model; check "
+        "base_model_name_or_path.",
+        "layers": f"patches attention layers {list(record.layers)}, but the base model has {found}; it was saved "
+        "from another base model (check base_model_name_or_path).",
+    }
+    return ValueError(f"{describe} {messages[field]}")
 
 
 def _warn_if_base_was_trained(model: PreTrainedModel, base: str, revision: str | None) -> None:

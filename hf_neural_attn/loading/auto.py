@@ -31,9 +31,9 @@ from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
 from ..patched_config import base_config
+from ..patching import patch_model
 from ..record import PatchRecord
-from .checkpoints import from_pretrained
-from .load import apply_record
+from .dispatch import from_pretrained
 
 
 def _auto_model_classes() -> list[type[_BaseAutoModelClass]]:
@@ -105,7 +105,7 @@ def _loader_for(auto_class: type[_BaseAutoModelClass]) -> type:
             scorer = record.scorer_config()
             plain = base_config(config)
             model = _base_model_class(auto_class, plain)._from_config(plain, **kwargs)
-            return apply_record(model, record, scorer)
+            return patch_model(model, scorer, layers=list(record.layers))
 
     PatchedModelLoader.__name__ = PatchedModelLoader.__qualname__ = f"{auto_class.__name__}PatchedLoader"
     return PatchedModelLoader

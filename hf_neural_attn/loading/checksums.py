@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..families.base import offloaded_weights_loaded
+from ..families.offload import offloaded_weights_loaded
 from ..record import scorer_parameters
 
 # At most this many elements of each base tensor go into its checksum (evenly strided): training moves every

@@ -1,7 +1,7 @@
 """Files of a checkpoint: the caller's keywords split as transformers splits them, the config, the model class,
 the names tensors have on disk, and the safetensors reads.
 
-Nothing here builds or patches a model; :mod:`.load` does, with what these functions read.
+Nothing here builds or patches a model; :mod:`.rebuild` does, with what these functions read.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from transformers import AutoConfig, PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.utils import CONFIG_NAME, cached_file
 
-from ..record import PATCHED_MODEL_TYPE, RECORD_KEY
+from ..record import PATCHED_MODEL_TYPE, carries_record
 
 # Keyword arguments that locate files (on disk or on the Hub); shared by the config, weights and our reads.
 FILE_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
@@ -99,9 +99,7 @@ def saved_config_dict(
 
 def is_patched_config_dict(data: Any) -> bool:
     """Whether a config.json's content is a patched checkpoint's (also in the format before model_type was ours)."""
-    return isinstance(data, dict) and (
-        data.get("model_type") == PATCHED_MODEL_TYPE or isinstance(data.get(RECORD_KEY), dict)
-    )
+    return isinstance(data, dict) and (data.get("model_type") == PATCHED_MODEL_TYPE or carries_record(data))
 
 
 def check_source(path_or_repo_id) -> None:

@@ -3,18 +3,17 @@
 Saving needs nothing of ours: a patched model's safetensors hold its scorer weights (under ``...attn_scorer...``)
 and its config.json the patch record. Loading, transformers loads the base model (so ``dtype``, ``device_map``,
 ``revision``, ``token`` ... behave as usual), the recorded patch is applied again, and the scorer weights are read
-from the same safetensors files (:func:`.load.load_patched_model`).
+from the same safetensors files (:func:`.rebuild.load_patched_model`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..families import find_attention
 from ..patched_config import base_config
 from ..record import SCORER_ATTR, PatchRecord, damaged
 from .files import FILE_KWARGS, load_config, model_class_for, read_tensors
-from .load import load_patched_model, read_config_record
+from .rebuild import load_patched_model, read_config_record
 
 
 def load_full_checkpoint(source: str, model_class, impl: str | None, hf_kwargs: dict[str, Any]):
@@ -44,20 +43,19 @@ def load_full_checkpoint(source: str, model_class, impl: str | None, hf_kwargs: 
             f"Its config.json's record patches attention layers {list(record.layers)}. The checkpoint is incomplete, "
             "its config.json was edited, or its config.json and weights come from different models."
         ),
-        check_base=lambda base: check_record_fits(base, record, source),
+        misfit=lambda field, found: _edited_record(record, source, field, found),
         exact=True,
     )
     # transformers has logged its load report for the base model (missing, unexpected, mismatched weights).
     return (model, info) if output_loading_info else model
 
 
-def check_record_fits(model, record: PatchRecord, source: str) -> None:
-    """The base model a full checkpoint builds is of the recorded family and has the recorded layers: otherwise
-    its config.json's record was edited (the error names the field)."""
-    family, attention_modules, _ = find_attention(model)
-    if record.family not in (None, family.name):
-        problem = f"says {record.family!r}, but the model it builds is a {family.name!r} model"
-        raise damaged(source, "config.json", "family", problem)
-    if record.layers[-1] >= len(attention_modules):
-        problem = f"names attention layer {record.layers[-1]}, but the model has {len(attention_modules)}"
-        raise damaged(source, "config.json", "layers", problem)
+def _edited_record(record: PatchRecord, source: str, field: str, found) -> ValueError:
+    """A full checkpoint's words for a base model that does not fit its record (:func:`.rebuild.check_base_fits`):
+    the checkpoint builds its own base from its config.json, so the record there was edited (the error names the
+    field)."""
+    problems = {
+        "family": f"says {record.family!r}, but the model it builds is a {found!r} model",
+        "layers": f"names attention layer {record.layers[-1]}, but the model has {found}",
+    }
+    return damaged(source, "config.json", field, problems[field])

@@ -29,7 +29,7 @@ from typing import Any
 
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..record import BASE_LOAD_ATTR, PEFT_WRAPPER_PARTS, RECORD_KEY, SCORER_ATTR, is_patched
+from ..record import BASE_LOAD_ATTR, PEFT_WRAPPER_PARTS, SCORER_ATTR, carries_record, is_patched
 from .files import is_patched_config_dict, saved_config_dict
 
 _WRAPPED_ATTR = "_hf_neural_attn_wrapped"  # on the functions install() put in place, so a second install does nothing
@@ -59,7 +59,7 @@ def _routing_from_pretrained(original):
             )
         # Imported here: install() runs while transformers' modeling stack finishes importing, which may be in the
         # middle of one of the library's own imports, so this module imports no loader at its top.
-        from .checkpoints import from_pretrained as load_patched
+        from .dispatch import from_pretrained as load_patched
 
         return load_patched(pretrained_model_name_or_path, model_class=cls, **kwargs)
 
@@ -89,7 +89,7 @@ def is_patched_source(source, kwargs: dict[str, Any]) -> bool:
         return False
     config = kwargs.get("config")
     if isinstance(config, PretrainedConfig):
-        if getattr(config, RECORD_KEY, None) is not None:
+        if carries_record(config):
             return True
         # The Auto classes pass the config they read: for a patched checkpoint that is a patched config (above).
         # A config built by hand for a patched folder is checked where that is a file read (a local folder).

@@ -30,6 +30,7 @@ import torch
 
 from .._import_hooks import after_import, constant_when_compiled
 from .blockwise import blockwise_attention, blockwise_unsupported_reason
+from .choices import IMPL_OPTIONS as IMPL_OPTIONS  # the values of the impl option, re-exported
 from .chunked import chunked_attention
 from .dropout import DEFAULT_SOURCE as DEFAULT_DROPOUT_SOURCE
 from .dropout import AttentionDropout
@@ -37,9 +38,6 @@ from .grouped import repeat_kv
 from .masks import as_additive_mask, query_rows_seeing_all, rows_without_keys
 from .reference import reference_attention
 from .triton import TRITON_INSTALL_HINT, kernel_unsupported_reason, triton_attention, triton_unavailable_reason
-
-# The values of the ``impl`` option (ScorerConfig validates against them): a path choice, or "auto".
-IMPL_OPTIONS = ("auto", "reference", "chunked", "triton")
 
 # impl="auto" on CUDA picks the fused Triton kernels only once they are verified on a GPU (they have run
 # under Triton's CPU interpreter only). Until then CUDA gets the same rule as the CPU. The GPU work flips this.

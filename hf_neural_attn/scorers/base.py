@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import IMPL_OPTIONS
+from ..ops.choices import DEFAULT_IMPL, IMPL_OPTIONS
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
@@ -33,17 +33,21 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 INITS = ("default", "zero")
 
 
-def option(default: Any, help: str, *, choices=None, minimum: int | None = None, nullable: bool = False) -> Any:
+def option(
+    default: Any, help: str, *, choices=None, minimum: int | None = None, nullable: bool = False, runtime: bool = False
+) -> Any:
     """A scorer option: a dataclass field whose metadata declares its meaning and constraints once.
 
     ``help`` is the text shown by ``--help`` in the recipes and in the docs; ``choices`` the accepted values;
     ``minimum`` makes it an integer option of at least that value (numpy integers and 0-d integer tensors are
     accepted and stored as Python ints); ``nullable`` allows ``None``. An option whose default is a bool takes
-    only ``True`` or ``False``. :meth:`ScorerConfig.validate` checks these constraints, and the recipes build their
-    flags, resume checks and config-file keys from them.
+    only ``True`` or ``False``. ``runtime`` marks a setting of how the model runs rather than of the model (the
+    compute path ``impl``): :meth:`ScorerConfig.to_dict`, what a patch record saves, leaves it out.
+    :meth:`ScorerConfig.validate` checks these constraints, and the recipes build their flags, resume checks and
+    config-file keys from them.
     """
     metadata = {"help": help, "choices": tuple(choices) if choices is not None else None}
-    metadata.update(minimum=minimum, nullable=nullable)
+    metadata.update(minimum=minimum, nullable=nullable, runtime=runtime)
     return field(default=default, metadata=metadata)
 
 
@@ -63,12 +67,13 @@ class ScorerConfig:
     record_defaults: ClassVar[dict[str, Any]] = {}
 
     impl: str = option(
-        "auto",
+        DEFAULT_IMPL,
         "how scores become attention outputs: auto (the default) picks per call, the reference path for small "
         "score tensors and chunked above (see ops.resolve_impl); reference materialises the score matrix (the test "
         "oracle); chunked computes blocks of queries and recomputes them in backward (memory linear in n); triton "
         "runs fused CUDA kernels (QANA, Neural Attention with depth 1)",
         choices=IMPL_OPTIONS,
+        runtime=True,
     )
 
     def __post_init__(self) -> None:
@@ -107,8 +112,13 @@ class ScorerConfig:
         reproduces what was saved (:attr:`record_defaults`), not today's default."""
         return cls.from_options({**cls.record_defaults, **options})
 
-    def to_dict(self) -> dict[str, Any]:
-        return {name: _jsonable(getattr(self, name)) for name in self.option_names()}
+    def to_dict(self, *, runtime: bool = False) -> dict[str, Any]:
+        """The options a patch record saves: every option but the run-time ones (``impl``), unless ``runtime``."""
+        return {
+            item.name: _jsonable(getattr(self, item.name))
+            for item in self.option_fields()
+            if runtime or not item.metadata.get("runtime")
+        }
 
     def from_scratch_reason(self) -> str | None:
         """Why these options cannot keep a pretrained model's outputs (``patch_model`` warns with it), or None."""
@@ -338,7 +348,7 @@ class Scorer(nn.Module):
         return self.scores(query, key, extras, scaling)
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.config.to_dict().items())
+        return ", ".join(f"{k}={v}" for k, v in self.config.to_dict(runtime=True).items())
 
     def dot_product_view(self) -> Scorer:
         """This scorer reduced to the plain scaled dot product ``scaling * q . k`` of the queries and keys it is

@@ -1,9 +1,10 @@
-"""Load, patch, fill: the one sequence every loader runs, and the only loading module that calls ``patch_model``.
+"""Rebuilding a patched model from a checkpoint: the record read, then load, check, patch, fill, the one sequence
+every loader runs (:func:`load_patched_model`).
 
 A full checkpoint (:mod:`.full`) and an adapter-only one (:mod:`.adapters`) differ only in where the base weights,
-the config and the scorer tensors come from; both build their model with :func:`load_patched_model`. The Auto
-classes' ``from_config`` (:mod:`.auto`) patches a fresh model with :func:`apply_record`, the same record -> scorer
-config step.
+the config and the scorer tensors come from, and in the words they use when the base model does not fit the
+record (:func:`check_base_fits`, the one fit check). The Auto classes' ``from_config`` (:mod:`.auto`) patches a
+fresh model the same way, from the record's scorer config (:meth:`~hf_neural_attn.record.PatchRecord.scorer_config`).
 """
 
 from __future__ import annotations
@@ -19,54 +20,53 @@ from .._warnings import warn_user
 from ..families import find_attention
 from ..families.zero3 import full_shape, partitioned_weights_gathered
 from ..patching import patch_model
-from ..record import BASE_LOAD_ATTR, PEFT_WRAPPER_PARTS, RECORD_KEY, SCORER_ATTR, PatchRecord, scorer_parameters
+from ..record import BASE_LOAD_ATTR, PEFT_WRAPPER_PARTS, SCORER_ATTR, PatchRecord, scorer_parameters
 from ..scorers import ScorerConfig
 from .files import check_model_class_fits, names_on_disk, unreadable_weights_are_errors
 
 
 def read_record(data: Any, source: str, filename: str) -> PatchRecord:
-    """The checked patch record read from ``source``'s ``filename`` (config.json or an adapter's JSON), with a
+    """The checked patch record read from ``source``'s ``filename`` (an adapter's JSON; config.json:
+    :func:`read_config_record`), with a warning when a different major version of the library saved it."""
+    return _warn_if_other_version(PatchRecord.from_dict(data, source=source, filename=filename), source)
+
+
+def read_config_record(config, source: str) -> PatchRecord:
+    """The checked patch record of a checkpoint's config (``ValueError`` with a hint when it has none), with a
     warning when a different major version of the library saved it."""
-    record = PatchRecord.from_dict(data, source=source, filename=filename)
+    record = PatchRecord.of(config, source=source, filename="config.json")
+    if record is None:
+        raise ValueError(
+            f"{source} is not a hf_neural_attn checkpoint: its config.json has no hf_neural_attn record. "
+            "Load it with transformers and call hf_neural_attn.patch_model(model, ...) to patch it."
+        )
+    return _warn_if_other_version(record, source)
+
+
+def _warn_if_other_version(record: PatchRecord, source: str) -> PatchRecord:
     if record.version.split(".")[0] != __version__.split(".")[0]:
         warn_user(f"{source} was saved by hf_neural_attn {record.version}; this is {__version__}.")
     return record
 
 
-def read_config_record(config, source: str) -> PatchRecord:
-    """The checked patch record of a checkpoint's config (``ValueError`` with a hint when it has none)."""
-    data = getattr(config, RECORD_KEY, None)
-    if data is None:
-        raise ValueError(
-            f"{source} is not a hf_neural_attn checkpoint: its config.json has no hf_neural_attn record. "
-            "Load it with transformers and call hf_neural_attn.patch_model(model, ...) to patch it."
-        )
-    return read_record(data, source, "config.json")
+def check_base_fits(model, record: PatchRecord, misfit: Callable[[str, Any], Exception]) -> None:
+    """The base ``model`` loaded for ``record`` (not yet patched) is of the recorded family and has the recorded
+    layers: the one fit check of both kinds of checkpoint (the scorer tensors' shapes are checked when they are
+    filled, :func:`fill_scorer_weights`).
 
+    ``misfit(field, found)`` is the error the checkpoint's kind raises where the model contradicts the record's
+    ``field``: ``"family"`` (``found``: the model's family name) or ``"layers"`` (``found``: how many attention layers
+    it has). A full checkpoint builds its own base, so there the record was edited; an adapter was saved from
+    another base model.
 
-def apply_record(model, record: PatchRecord, scorer: ScorerConfig):
-    """Patch ``model`` (unpatched) as ``record`` says, with ``scorer``, the config ``record.scorer_config(impl)``
-    gave (read by the caller before anything heavy, so that a damaged record fails fast). Returns the model."""
-    return patch_model(model, scorer, layers=list(record.layers))
-
-
-def check_model_fits_record(model, record: PatchRecord, describe: str) -> None:
-    """The freshly loaded base ``model`` is of the recorded family and has the recorded layers (scorer tensor
-    shapes are checked when they are filled). ``describe`` starts the messages (e.g. "The adapter X")."""
-    try:
-        family, attention_modules, _ = find_attention(model)
-    except TypeError as error:
-        raise ValueError(f"{describe} cannot apply to the base model: {error}") from error
+    Raises:
+        TypeError: the model has no attention a family of this version serves (:func:`find_attention`).
+    """
+    family, attention_modules, _ = find_attention(model)
     if record.family not in (None, family.name):
-        raise ValueError(
-            f"{describe} was saved from a {record.family!r} model, but the base model is a {family.name!r} "
-            "model; check base_model_name_or_path."
-        )
+        raise misfit("family", family.name)
     if record.layers[-1] >= len(attention_modules):
-        raise ValueError(
-            f"{describe} patches attention layers {list(record.layers)}, but the base model has "
-            f"{len(attention_modules)}; it was saved from another base model (check base_model_name_or_path)."
-        )
+        raise misfit("layers", len(attention_modules))
 
 
 def fill_scorer_weights(
@@ -133,10 +133,11 @@ def load_patched_model(
     *,
     describe: str,
     hint: str,
+    misfit: Callable[[str, Any], Exception],
     exact: bool = False,
-    check_base: Callable[[Any], None] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """Load the base model, patch it as recorded and fill its scorer weights: the one sequence both loaders run.
+    """Load the base model, check that it fits the record, patch it as recorded and fill its scorer weights: the one
+    sequence both loaders run.
 
     Args:
         model_class: the transformers class to build; ``weights_source`` holds its base weights.
@@ -147,7 +148,7 @@ def load_patched_model(
         loading_kwargs: transformers' ``from_pretrained`` keywords (``dtype``, ``device_map``, ...).
         read_scorer_tensors: on-disk names wanted -> the tensors found under those names.
         describe, hint, exact: see :func:`fill_scorer_weights`.
-        check_base: called with the base model before it is patched (raise to refuse it).
+        misfit: the checkpoint kind's error for a base model that does not fit the record (:func:`check_base_fits`).
 
     Returns:
         (the patched model, transformers' loading info with the scorer weights not listed as unexpected).
@@ -179,12 +180,11 @@ def load_patched_model(
     model.__class__ = model_class
     if record.key_dim is not None:
         _refuse_offloading_narrow_keys(record, getattr(model, "hf_device_map", None), None)
-    if check_base is not None:
-        check_base(model)
+    check_base_fits(model, record, misfit)
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         # The fresh init is overwritten below: keep the caller's RNG stream and skip init warnings.
         warnings.simplefilter("ignore", UserWarning)
-        apply_record(model, record, scorer)
+        patch_model(model, scorer, layers=list(record.layers))
     disk_names = names_on_disk(model, scorer_parameters(model))
     all_names = {name for names in disk_names.values() for name in names}
     with unreadable_weights_are_errors(weights_source):

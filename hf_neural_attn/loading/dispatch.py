@@ -1,4 +1,4 @@
-"""``hf_neural_attn.from_pretrained``: one entry point for both kinds of patched checkpoint.
+"""``hf_neural_attn.from_pretrained``: one entry point for every kind of patched checkpoint, dispatched to its loader.
 
 A folder or Hub repo holding ``hf_neural_attn_adapter.json`` is an adapter-only checkpoint (:mod:`.adapters`); one
 holding a PEFT adapter (``adapter_config.json``, no config.json) over a patched checkpoint is loaded as transformers
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..ops import check_impl
 from .adapters import find_adapter_config, load_adapter_model
 from .files import check_model_class, check_source
 from .full import load_full_checkpoint
@@ -39,9 +40,9 @@ def from_pretrained(
             (e.g. the recorded local folder is on another machine). Its revision is then
             ``base_model_revision``, not the recorded one.
         base_model_revision: adapters only: the base model's revision, instead of the recorded one.
-        impl: the compute path to run (``"reference"``, ``"chunked"``, ``"triton"``, ``"auto"``) instead of the
-            recorded one. The path is a run-time choice: every path computes the same scores. A recorded
-            ``"triton"`` that cannot run here (no CUDA or no triton) loads as ``"auto"``, with a warning.
+        impl: how the loaded model computes attention (``"auto"``, the default, ``"reference"``, ``"chunked"``,
+            ``"triton"``), as in :func:`patch_model`. A run-time setting, which checkpoints do not save (every path
+            computes the same scores); an ``impl`` that older checkpoints recorded is ignored.
         **hf_kwargs: what transformers' ``from_pretrained`` takes: loading keywords (``dtype``, ``device_map``,
             ``revision``, ``token``, ``local_files_only``, ``ignore_mismatched_sizes``, ``output_loading_info``,
             ...) and config overrides (``num_labels=5``, ``output_hidden_states=True``: keywords that are config
@@ -55,7 +56,8 @@ def from_pretrained(
         scorer weights are not listed as unexpected).
 
     Raises:
-        ValueError: the folder is not a patched checkpoint (no ``hf_neural_attn`` record in its config),
+        ValueError: ``impl`` is not a compute path or is ``"triton"`` where Triton cannot run (checked before
+            any weight loads), the folder is not a patched checkpoint (no ``hf_neural_attn`` record in its config),
             the record is damaged (the message names the file and field), the scorer weights are missing or do
             not fit, or an adapter does not fit its base model (other family, fewer layers, other shapes, or base
             weights that changed since the adapter was saved).
@@ -63,6 +65,8 @@ def from_pretrained(
     """
     check_model_class(model_class)
     check_source(path_or_repo_id)
+    if impl is not None:
+        check_impl(impl)
     adapter_config_file = find_adapter_config(path_or_repo_id, hf_kwargs)
     if adapter_config_file is not None:
         return load_adapter_model(
