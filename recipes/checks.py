@@ -117,11 +117,13 @@ def _check_patch(args: argparse.Namespace) -> None:
     """The baseline takes no patch options; a scorer's options must make its config."""
     given_options = {name for name in scorer_flags() if getattr(args, name) is not None}
     if args.scorer == BASELINE:
-        given = sorted(given_options) + (["layers"] if args.layers is not None else [])
+        # Run-time options (--impl) also suit an already patched checkpoint, as --train_only_new_params and
+        # --scorer_learning_rate do; whether there is a patch is checked once the model is loaded
+        # (modeling.build_model).
+        given = sorted(name for name in given_options if not scorer_flags()[name].runtime)
+        given += ["layers"] if args.layers is not None else []
         if given:
             raise RecipeError(f"--scorer none (the baseline) takes no patch options, got {given}.")
-        # --train_only_new_params and --scorer_learning_rate also suit --scorer none with an already patched
-        # checkpoint; whether there is a patch is checked once the model is loaded (modeling.build_model).
         return
     try:
         SCORER_REGISTRY[args.scorer].config_class.from_options(scorer_options(args))

@@ -89,7 +89,7 @@ def main() -> None:
         with torch.no_grad():
             drift = (model(held_out).logits - base_logits).abs().max().item()
         print(
-            f"{scorer}: patched {len(model.config.hf_neural_attn['layers'])} layers, "
+            f"{scorer}: patched {len(hf_neural_attn.patch_record(model).layers)} layers, "
             f"+{sum(p.numel() for p in new.values())} parameters, max |logit change| at init = {drift:.1e}"
         )
         for name, parameter in model.named_parameters():

@@ -26,7 +26,7 @@ import torch
 
 import hf_neural_attn
 from recipes.errors import RecipeError
-from recipes.patch_flags import BASELINE, example_scorers, scorer_options
+from recipes.patch_flags import BASELINE, FLAG_FOR_OPTION, example_scorers, runtime_options, scorer_options
 from recipes.tasks import Task, get_task
 
 logger = logging.getLogger(__name__)
@@ -214,6 +214,7 @@ def build_model(
         for flag, given in (
             ("--train_only_new_params", args.train_only_new_params),
             ("--scorer_learning_rate", args.scorer_learning_rate is not None),
+            *((f"--{FLAG_FOR_OPTION.get(option, option)}", True) for option in runtime_options(args)),
         ):
             if given:
                 raise RecipeError(
@@ -240,7 +241,8 @@ def _load_pretrained(model_class, path: str, config, args: argparse.Namespace):
     try:
         if patch_record_of(config) is not None:
             # A checkpoint of a patched run: reload it with its patch and scorer weights.
-            model = hf_neural_attn.from_pretrained(path, config=config, **kwargs)
+            # Run-time options (--impl) are not in the record: they are the run's, given again each time.
+            model = hf_neural_attn.from_pretrained(path, config=config, **runtime_options(args), **kwargs)
             saved = _checkpoint_keys(path)
             new = {name for name in model.state_dict() if name not in saved}
         else:

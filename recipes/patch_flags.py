@@ -38,6 +38,9 @@ class ScorerFlag:
     choices: tuple | None
     help: str
     scorers: tuple[str, ...]  # the scorers that have this option
+    # A setting of how the model runs, not part of the model (``impl``): not saved with it, and also taken by a
+    # patched checkpoint loaded with --scorer none.
+    runtime: bool = False
 
 
 @functools.cache
@@ -67,6 +70,7 @@ def scorer_flags() -> dict[str, ScorerFlag]:
             choices=union,
             help=_joined_help(declarations),
             scorers=tuple(scorer for scorer, _, _ in declarations),
+            runtime=any(item.metadata.get("runtime") for _, item, _ in declarations),
         )
     return flags
 
@@ -110,6 +114,13 @@ def scorer_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         spec.option: getattr(args, flag) for flag, spec in scorer_flags().items() if getattr(args, flag) is not None
     }
+
+
+def runtime_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The run-time options that were given (``impl``): for ``hf_neural_attn.from_pretrained`` on a patched
+    checkpoint, whose record does not save them."""
+    given = scorer_options(args)
+    return {spec.option: given[spec.option] for spec in scorer_flags().values() if spec.runtime and spec.option in given}
 
 
 def patch_settings() -> tuple[str, ...]:

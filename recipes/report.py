@@ -37,9 +37,6 @@ METRIC_LABELS = {
     "spearmanr": "Spearman",
     "combined_score": "combined score",
 }
-# The option every patch description names, whatever its value: the scoring MLP's width, by which the papers name
-# their runs. The other options are named where they differ from their declared default.
-ALWAYS_DESCRIBED_OPTIONS = ("h",)
 # The run settings the model card's training table shows (where they are set).
 CARD_TRAINING_SETTINGS = (
     "learning_rate",
@@ -174,19 +171,13 @@ def as_patch_record(patch: hf_neural_attn.PatchRecord | Mapping[str, Any] | None
 
 
 def describe_patch(patch: hf_neural_attn.PatchRecord | Mapping[str, Any] | None) -> str:
-    """A patch in one line, for titles and logs: ``qana, h=4, layers=[0, 1]``, ``neural, h=4, proj_dim=2,
-    mode=replace, layers=[0]``. The scorer's declared options in their order: the width always, the others where
-    the record's value is not the declared default; options the model decides (default ``"auto"``) are left out."""
+    """A patch in one line, for titles and logs: ``qana, h=4, layers=[0, 1]``; the options named are those the
+    scorer's config names itself by (``summary_options``)."""
     record = as_patch_record(patch)
     if record is None:
         return "none (baseline)"
-    parts = [record.scorer]
-    for item in SCORERS[record.scorer].config_class.option_fields():
-        if item.name not in record.options or item.default == "auto":
-            continue
-        value = record.options[item.name]
-        if item.name in ALWAYS_DESCRIBED_OPTIONS or value != item.default:
-            parts.append(f"{item.name}={value}")
+    summary = SCORERS[record.scorer].config_class.summary_options
+    parts = [record.scorer, *(f"{label}={record.options.get(option)}" for option, label in summary)]
     parts.append(f"layers={list(record.layers)}")
     return ", ".join(parts)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import tiny_model
 from recipes_helpers import (  # fresh_accelerate_state: an autouse fixture
     ROOT,
     fresh_accelerate_state,  # noqa: F401
@@ -25,7 +26,7 @@ from recipes_helpers import (  # fresh_accelerate_state: an autouse fixture
 
 import hf_neural_attn
 from hf_neural_attn.scorers import SCORERS, NeuralAttentionConfig
-from recipes import hub, modeling, tasks
+from recipes import hub, modeling, report, tasks
 from recipes.args import build_parser, parse_args
 from recipes.compare import baseline_args
 from recipes.config_files import load_config_file
@@ -266,3 +267,21 @@ def test_the_demo_data_can_be_selected_by_name(tmp_path):
 def test_an_image_run_names_no_text_tokenizer():
     assert "ByT5" not in modeling.describe_source(parse_args(["--task", "image"]))
     assert "ByT5Tokenizer" in modeling.describe_source(parse_args(["--task", "clm"]))
+
+
+@pytest.mark.parametrize(
+    ("scorer", "options", "layers", "line"),
+    [
+        ("qana", {"h": 8, "skip": False}, [0, 1], "qana, h=8, layers=[0, 1]"),
+        ("neural", {"h": 4, "proj_dim": 2, "mode": "replace"}, [0], "neural, h=4, d'=2, mode=replace, layers=[0]"),
+        ("nsea", {"mode": "replace", "terms": 2}, [1], "nsea, h=None, layers=[1]"),
+    ],
+)
+def test_a_patch_is_named_in_one_line_by_the_options_its_scorer_names(tmp_path, scorer, options, layers, line):
+    # Titles of reports and cards and the run's log; what all_results.json holds reads back the same.
+    family = "bert" if scorer == "nsea" else "gpt2"  # NSEA scores non-causal attention only
+    model = hf_neural_attn.patch_model(tiny_model(family), scorer, layers=layers, **options)
+    record = hf_neural_attn.patch_record(model)
+    assert report.describe_patch(record) == line
+    assert report.describe_patch(json.loads(json.dumps(record.to_dict()))) == line
+    assert report.describe_patch(None) == "none (baseline)"

@@ -209,9 +209,11 @@ def test_gate_schedule_refuses_a_model_without_gates_even_when_the_options_canno
     assert not out.exists()
 
 
-def test_train_only_new_params_without_any_patch_is_refused(assets, tmp_path):
-    with pytest.raises(RecipeError, match="--train_only_new_params needs a patch"):
-        finetune_in_process(tmp_path / "run", *clm_flags(assets, "--scorer", "none", "--train_only_new_params"))
+@pytest.mark.parametrize("flags", [["--train_only_new_params"], ["--impl", "chunked"]], ids=["train_only_new", "impl"])
+def test_a_patch_flag_without_any_patch_is_refused(assets, tmp_path, flags):
+    # --scorer none takes these for a patched checkpoint; an unpatched model has nothing they could apply to.
+    with pytest.raises(RecipeError, match=f"{flags[0]} needs a patch"):
+        finetune_in_process(tmp_path / "run", *clm_flags(assets, "--scorer", "none", *flags))
 
 
 @pytest.mark.parametrize("overrides", list(BAD_OVERRIDES))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import scorer_impls
 from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fixtures
     clm_flags,
     finetune_in_process,
@@ -285,16 +286,22 @@ def test_gradient_accumulation_set_by_the_accelerate_config_is_used_and_recorded
     assert results["total_train_batch_size"] == 4
 
 
-def test_a_patched_checkpoint_can_keep_training_only_its_new_parameters(assets, tmp_path):
+def test_a_patched_checkpoint_can_keep_training_only_its_new_parameters(assets, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     first = tmp_path / "first"
     finetune_in_process(first, *clm_flags(assets, "--scorer", "neural", "--proj_dim", "2"))
     second = tmp_path / "second"
+    # --impl is the run's, not the checkpoint's (the record does not save it): it reaches the reloaded scorers.
     flags = clm_flags(assets, "--scorer", "none", "--train_only_new_params", "--attention_map_layer", "none")
+    flags += ["--impl", "chunked"]
     flags[flags.index("--model_name_or_path") + 1] = str(first)
+    loaded = []
+    load = hf_neural_attn.from_pretrained
+    monkeypatch.setattr(hf_neural_attn, "from_pretrained", lambda *a, **k: loaded.append(load(*a, **k)) or loaded[-1])
     results = finetune_in_process(second, *flags)
     assert results["patch"]["scorer"] == "neural"
+    assert len(loaded) == 1 and scorer_impls(loaded[0]) == {"chunked"}
     # A reloaded patch is tracked too; --attention_map_layer none skips only the maps.
     assert (second / scorer_plots.SCORER_PLOT_FILE).is_file() and not (
         second / scorer_plots.ATTENTION_PLOT_FILE

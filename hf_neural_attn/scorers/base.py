@@ -65,6 +65,9 @@ class ScorerConfig:
     # Options added after checkpoints were written with a different behaviour: a patch record without the option
     # meant this value (see :meth:`from_record`).
     record_defaults: ClassVar[dict[str, Any]] = {}
+    # The options a patch is named by in one line (the recipes' report titles and logs), as (option, label):
+    # ``qana, h=4, layers=[0]``.
+    summary_options: ClassVar[tuple[tuple[str, str], ...]] = (("h", "h"),)
 
     impl: str = option(
         DEFAULT_IMPL,

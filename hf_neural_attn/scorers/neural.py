@@ -68,6 +68,7 @@ class NeuralAttentionConfig(MLPScorerConfig):
     scorer_name = "neural"
     # Checkpoints written before pair_input existed scored the concatenated pair.
     record_defaults: ClassVar[dict[str, str]] = {"pair_input": "concat"}
+    summary_options: ClassVar[tuple[tuple[str, str], ...]] = (("h", "h"), ("proj_dim", "d'"), ("mode", "mode"))
 
     proj_dim: int | None = option(
         None,

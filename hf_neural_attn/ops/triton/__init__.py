@@ -79,8 +79,8 @@ def triton_unavailable_reason(device: torch.device | str | None = None) -> str |
 
     ``device`` None asks about this machine (does torch see a CUDA device); a device asks about tensors on it (a
     CUDA device is taken as given, since the tensors are there, so the choice can be checked for any device). Every
-    question of whether Triton can run (patching with ``impl="triton"``, loading a checkpoint saved with it, the
-    path of one call) is answered here.
+    question of whether Triton can run (choosing ``impl="triton"`` in ``patch_model``, ``from_pretrained`` or
+    ``set_impl``, the path of one call) is answered here.
     """
     if not triton_available():
         return TRITON_INSTALL_HINT
