@@ -38,6 +38,7 @@ from ._version import __version__
 from ._warnings import warn_user
 from .families import FAMILIES, ModelFamily, find_attention
 from .families.offload import offloaded_weights_loaded
+from .families.quantized import activation_dtype
 from .families.zero3 import (
     partition_like,
     partitioned_weights_gathered,
@@ -130,11 +131,18 @@ def patch_model(
     # gathered the same way, and the new modules are partitioned like them once built (see families/zero3.py).
     new_scorers, narrow_projections, resolved = {}, {}, {}
     key_dim = getattr(config, "key_dim", None)
+    # A quantized base (bitsandbytes, torchao) keeps its projections in packed storage: the scorers are built in the
+    # dtype its activations run in (families/quantized.py).
+    quantized_dtype = activation_dtype(model)
+    if quantized_dtype is not None and key_dim is not None:
+        raise ValueError(_KEY_DIM_ON_QUANTIZED.format(key_dim=key_dim))
     for index in selected:
         module = attention_modules[index]
         with offloaded_weights_loaded(module), partitioned_weights_gathered(module.parameters()):
             scorer_type.check_module(config, module)
             geometry = family.geometry(module)
+            if quantized_dtype is not None:
+                geometry = dataclasses.replace(geometry, dtype=quantized_dtype)
             resolved[index] = config.resolved(geometry)
             new_scorers[index] = scorer_type(resolved[index], geometry)
             if key_dim is not None:
@@ -184,6 +192,14 @@ def patch_model(
     # transformers' own card writers (push_to_hub's, the Trainer's) add a model's model_tags to the cards they write.
     model.add_model_tags(checkpoint_tags(record.scorer))
     return model
+
+
+_KEY_DIM_ON_QUANTIZED = (
+    "hf_neural_attn cannot patch a quantized model with key_dim={key_dim}: key_dim replaces the query and key "
+    "projections by narrower ones trained from scratch, which a quantized base cannot hold. Leave key_dim out (the "
+    "scorers train beside the quantized projections), or build the model in float to train key_dim from scratch. The "
+    "model was not changed."
+)
 
 
 def _check_attention_dropout(config: PretrainedConfig, family: ModelFamily) -> None:

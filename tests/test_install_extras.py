@@ -24,6 +24,8 @@ EXTRAS = [
     "triton",
     "sentence_transformers",
     "deepspeed",
+    "bitsandbytes",
+    "torchao",
 ]
 
 

@@ -21,6 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .._import_hooks import constant_when_compiled
 from ..scorers import AttentionGeometry
+from .quantized import dense_weight
 
 
 class ModelFamily:
@@ -144,9 +145,10 @@ def rotation(module: nn.Module, cos: torch.Tensor, sin: torch.Tensor) -> Callabl
 def linear_query_geometry(
     query_proj: nn.Linear, num_heads: int, num_kv_heads: int, head_dim: int, *, module: nn.Module | None = None
 ) -> AttentionGeometry:
-    """Geometry of an attention module whose queries come from a separate ``nn.Linear``. ``module``, the
-    attention module, lends its config to :func:`query_weight_std` when the weights are on meta."""
-    weight = query_proj.weight
+    """Geometry of an attention module whose queries come from a separate ``nn.Linear`` (or the bitsandbytes or
+    torchao layer that quantized one: its weights are read dequantized, :func:`.quantized.dense_weight`). ``module``,
+    the attention module, lends its config to :func:`query_weight_std` when the weights are on meta."""
+    weight = dense_weight(query_proj)
     return AttentionGeometry(
         hidden_size=query_proj.in_features,
         num_heads=num_heads,

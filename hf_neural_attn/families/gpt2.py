@@ -1,12 +1,15 @@
-"""GPT-2: fused c_attn (Conv1D, weight (hidden, 3*hidden)), learned absolute positions (no RoPE).
+"""GPT-2: fused c_attn (Conv1D, weight (hidden, 3*hidden); a bitsandbytes Linear (3*hidden, hidden) when quantized),
+learned absolute positions (no RoPE).
 Only self-attention is patched; cross-attention modules keep their original scoring."""
 
 from __future__ import annotations
 
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+from transformers.pytorch_utils import Conv1D
 
 from ..scorers import AttentionGeometry
 from .base import ModelFamily, query_weight_std
+from .quantized import dense_weight
 
 
 class GPT2Family(ModelFamily):
@@ -26,8 +29,12 @@ class GPT2Family(ModelFamily):
         )
 
     def geometry(self, module):
-        # Conv1D stores (in, out); the query is the first embed_dim output columns.
-        query_weight = module.c_attn.weight[:, : module.embed_dim]
+        # Conv1D stores (in, out): the query is the first embed_dim output columns. bitsandbytes replaces c_attn by its
+        # own Linear, (out, in): the first embed_dim rows.
+        if isinstance(module.c_attn, Conv1D):
+            query_weight = module.c_attn.weight[:, : module.embed_dim]
+        else:
+            query_weight = dense_weight(module.c_attn)[: module.embed_dim]
         return AttentionGeometry(
             hidden_size=module.embed_dim,
             num_heads=module.num_heads,

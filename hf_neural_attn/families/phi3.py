@@ -15,6 +15,4 @@ class Phi3Family(StandardAttentionFamily):
     attention_classes = (Phi3Attention,)
 
     def query_projection(self, module):
-        rows = module.config.num_attention_heads * module.head_dim
-        bias = module.qkv_proj.bias
-        return module.qkv_proj.weight[:rows], None if bias is None else bias[:rows]
+        return module.qkv_proj, module.config.num_attention_heads * module.head_dim

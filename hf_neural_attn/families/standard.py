@@ -43,6 +43,7 @@ from transformers import AttentionInterface, PretrainedConfig
 
 from ..scorers import AttentionGeometry
 from .base import ModelFamily, call_argument, forward_parameters, query_weight_std, rotation
+from .quantized import dense_weight
 
 PROBE_IMPLEMENTATION = "hf_neural_attn_probe"
 PROBE_TOKENS = 5
@@ -110,9 +111,16 @@ class StandardAttentionFamily(ModelFamily):
 
     # --- the description --------------------------------------------------------------------------------
 
-    def query_projection(self, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The weight (out, hidden) and bias of the rows that produce the module's queries."""
-        return module.q_proj.weight, module.q_proj.bias
+    def query_projection(self, module: nn.Module) -> tuple[nn.Module, int | None]:
+        """The linear layer that produces the module's queries (an ``nn.Linear``, or the bitsandbytes or torchao layer
+        that quantized one), and how many of its leading output rows are the query: None for all of them (Phi-3's
+        fused ``qkv_proj`` carries keys and values after them)."""
+        return module.q_proj, None
+
+    def query_weight(self, module: nn.Module) -> torch.Tensor:
+        """The (query rows, hidden) weights of the module's queries, dequantized where they are quantized."""
+        layer, rows = self.query_projection(module)
+        return dense_weight(layer)[:rows]
 
     def head_dim(self, module: nn.Module) -> int:
         config = module.config
@@ -129,13 +137,14 @@ class StandardAttentionFamily(ModelFamily):
 
     def geometry(self, module: nn.Module) -> AttentionGeometry:
         heads, kv_heads = self._probed.get(module) or self.probe(module)
-        weight, bias = self.query_projection(module)
+        layer, _ = self.query_projection(module)
+        weight = self.query_weight(module)
         return AttentionGeometry(
-            hidden_size=weight.shape[1],
+            hidden_size=layer.in_features,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=self.head_dim(module),
-            query_bias=bias is not None,
+            query_bias=layer.bias is not None,
             query_weight_std=query_weight_std(module, weight),
             dtype=weight.dtype,
             device=weight.device,
@@ -172,10 +181,11 @@ class StandardAttentionFamily(ModelFamily):
                 f"{label} uses attention sinks (a learned per-head logit joined to every softmax), which "
                 "hf_neural_attn's scorers do not implement; patching it would change the model's outputs."
             )
-        weight, bias = self.query_projection(module)
+        layer, rows = self.query_projection(module)
+        weight = self.query_weight(module)
         head_dim, rotary_dim = self.head_dim(module), self.rotary_dim(module)
         generator = torch.Generator().manual_seed(0)
-        hidden = torch.randn(1, PROBE_TOKENS, weight.shape[1], generator=generator).to(weight)
+        hidden = torch.randn(1, PROBE_TOKENS, layer.in_features, generator=generator).to(weight)
         angles = torch.rand(1, PROBE_TOKENS, rotary_dim, generator=generator).to(weight) * 6.28
         unrotated = _record_call(module, hidden, (torch.ones_like(angles), torch.zeros_like(angles)), label)
         rotated = _record_call(module, hidden, (angles.cos(), angles.sin()), label)
@@ -193,7 +203,9 @@ class StandardAttentionFamily(ModelFamily):
                 f"{heads} heads x {head_dim}: the projection carries more than the query (output gates?), "
                 "which hf_neural_attn cannot widen."
             )
-        if not any(_close(query, candidate) for candidate in _query_candidates(module, hidden, weight, bias, head_dim)):
+        # The query as the module's own projection computes it (a quantized one included), its query rows kept.
+        projected = layer(hidden)[..., :rows]
+        if not any(_close(query, candidate) for candidate in _query_candidates(module, projected, head_dim)):
             raise UnsupportedAttentionError(
                 f"{label}'s query is not its query projection of hidden_states (optionally through its own "
                 "q_norm), so hf_neural_attn cannot tell what QANA's extra query rows should read."
@@ -313,10 +325,10 @@ def _record_call(module: nn.Module, hidden: torch.Tensor, position_embeddings: t
     return {**calls[0], "position_embeddings": position_embeddings}
 
 
-def _query_candidates(module, hidden, weight, bias, head_dim):
-    """What the unrotated query may be: the projection (clamped where the config sets ``clip_qkv``), or the
-    module's own query norm of it (per head or over the whole projection), as (batch, heads, seq, head_dim)."""
-    projected = nn.functional.linear(hidden, weight, bias)
+def _query_candidates(module, projected, head_dim):
+    """What the unrotated query may be, given the query projection of the probe's hidden states (batch, seq, rows):
+    the projection (clamped where the config sets ``clip_qkv``), or the module's own query norm of it (per head or
+    over the whole projection), as (batch, heads, seq, head_dim)."""
     clip = getattr(module.config, "clip_qkv", None)  # OLMo clamps q, k, v before anything else
     for projection in (projected,) if clip is None else (projected, projected.clamp(-clip, clip)):
         per_head = projection.view(*projection.shape[:2], -1, head_dim)

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import torch
 
 from ..families.offload import offloaded_weights_loaded
+from ..families.quantized import is_quantized
 from ..record import scorer_parameters
 
 # At most this many elements of each base tensor go into its checksum (evenly strided): training moves every
@@ -22,11 +23,15 @@ def base_checksum_names(model) -> list[str]:
     """A few base parameters that see the usual ways of training a base (full fine-tuning, merged LoRA, training
     the top or bottom layers): the first and the last of each kind (names with the layer numbers taken out:
     ``model.layers.#.self_attn.q_proj.weight``), so every module type, and the first and last layer, are covered.
-    A change confined to middle layers goes unseen: a cheap check, not a proof."""
+    A change confined to middle layers goes unseen: a cheap check, not a proof.
+
+    Quantized tensors (bitsandbytes, torchao) are left out: a quantized copy of a weight never equals the weight it was
+    made from, so neither side could be checked against the other; the float tensors of a quantized model (embeddings,
+    norms) still are."""
     scorers = set(scorer_parameters(model))
     chosen: dict[str, list[str]] = {}
-    for name, _ in model.named_parameters():
-        if name not in scorers:
+    for name, parameter in model.named_parameters():
+        if name not in scorers and not is_quantized(parameter):
             kind = chosen.setdefault(re.sub(r"\.\d+\.", ".#.", name), [name])
             kind[1:] = [name] if name != kind[0] else []
     return [name for names in chosen.values() for name in names]
@@ -73,13 +78,13 @@ def _parameter_checksum(model, name: str, dtype: torch.dtype | None = None) -> s
 
 def changed_base_tensors(model, recorded: Mapping[str, Mapping[str, str]]) -> list[str]:
     """The recorded base tensors whose values in ``model`` differ from the recorded checksums. Tensors the model
-    lacks, or holds at a lower precision than recorded (then they cannot be compared), are skipped."""
+    lacks, holds at a lower precision than recorded or holds quantized (then they cannot be compared) are skipped."""
     parameters = dict(model.named_parameters())
     changed = []
     for name, entry in recorded.items():
         dtype = getattr(torch, str(entry.get("dtype")), None)
         parameter = parameters.get(name)
-        if parameter is None or not isinstance(dtype, torch.dtype):
+        if parameter is None or not isinstance(dtype, torch.dtype) or is_quantized(parameter):
             continue
         comparable = parameter.dtype == dtype or (
             parameter.is_floating_point()

@@ -10,6 +10,7 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -171,7 +172,7 @@ def names_on_disk(model, parameters: Mapping[str, torch.Tensor]) -> dict[str, li
     against each other's checkpoints. The first candidate is the name a full checkpoint of ``model`` uses."""
     model_name_of = {id(tensor): name for name, tensor in parameters.items()}
     saved_as = {name: [] for name in parameters}
-    for disk_name, tensor in revert_weight_conversion(model, dict(parameters)).items():
+    for disk_name, tensor in _saved_names(model, dict(parameters)).items():
         if id(tensor) in model_name_of:
             saved_as[model_name_of[id(tensor)]].append(disk_name)
     prefix = f"{getattr(model, 'base_model_prefix', '')}."
@@ -182,6 +183,28 @@ def names_on_disk(model, parameters: Mapping[str, torch.Tensor]) -> dict[str, li
             names += [n.removeprefix(prefix) if n.startswith(prefix) else prefix + n for n in names]
         candidates[name] = list(dict.fromkeys(names))
     return candidates
+
+
+def _saved_names(model, parameters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``parameters`` under the names transformers' ``save_pretrained`` of ``model`` gives them (its
+    ``revert_weight_conversion``).
+
+    Some of the converters a load attaches have no reverse: torchao's, which assembles each weight of a pre-quantized
+    checkpoint from its parts, makes transformers' own ``save_pretrained`` of such a model raise
+    ``NotImplementedError`` too. They act on the base's quantized weights, never on the scorers' names, so those are
+    reverted here without them (the renamings a family's checkpoints use still apply)."""
+    try:
+        return revert_weight_conversion(model, parameters)
+    except NotImplementedError:
+        reversible = []
+        for conversion in getattr(model, "_weight_conversions", None) or []:
+            try:
+                conversion.reverse_transform()
+            except NotImplementedError:
+                continue
+            reversible.append(conversion)
+        stand_in = SimpleNamespace(_weight_conversions=reversible, config=model.config)
+        return revert_weight_conversion(stand_in, parameters)
 
 
 def read_tensors(

@@ -1,0 +1,122 @@
+"""Quantized base models: what the patch reads of a weight that bitsandbytes or torchao quantized.
+
+A patch reads a base model's query projection for three facts: its width (``in_features``), the standard deviation
+of its weights (the scale new query rows are drawn at, :func:`.base.query_weight_std`) and the dtype its activations
+run in (the scorers are built in it). A quantized projection keeps its weights in a storage none of those can be read
+from directly:
+
+===================================  ==============================================  =================================
+quantized by                         the weight                                      read here
+===================================  ==============================================  =================================
+bitsandbytes 4-bit (NF4, FP4)         ``Params4bit``: packed ``uint8`` of shape           ``dequantize_4bit`` with its
+                                     ``(numel / 2, 1)``, a ``quant_state`` beside it     ``quant_state`` (double
+                                                                                     quantization included)
+bitsandbytes 8-bit (LLM.int8)         ``Int8Params``: ``int8`` rows, a scale per row      ``int8_vectorwise_dequant``
+                                     (``SCB``)
+torchao (int8/int4 weight-only,       a tensor subclass that reports the float dtype      its own ``dequantize()``
+int8 dynamic, ...)                    and refuses most ops (``std`` among them)
+===================================  ==============================================  =================================
+
+Everything here reads a dequantized *copy*: the base's quantized weights are never changed (they stay quantized and
+bit-identical through patching and training; the scorers are new float modules beside them). A weight of another
+integer storage, from a quantizer the library does not know (GPTQ, AWQ, HQQ, ...), is refused by name
+(:func:`check_readable`) before the model changes.
+
+The dtype: a quantized model's activations run in the dtype of its float parameters (embeddings, norms; what
+``model.dtype`` reports, and what ``prepare_model_for_kbit_training`` casts to float32), and bitsandbytes' layers
+return their output in the dtype of their input, whatever ``bnb_4bit_compute_dtype`` their matmul runs in. So that is
+the dtype the scorers are built in (:func:`activation_dtype`), never the packed storage's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# The library that quantized a weight, by the top-level package of its tensor class.
+BITSANDBYTES = "bitsandbytes"
+TORCHAO = "torchao"
+KNOWN_QUANTIZERS = (BITSANDBYTES, TORCHAO)
+
+
+class UnreadableQuantizationError(ValueError):
+    """A base model's weights are quantized in a storage the patch cannot read."""
+
+
+def quantizer_of(weight: torch.Tensor) -> str | None:
+    """``"bitsandbytes"`` or ``"torchao"`` for a weight one of them quantized, None for a plain tensor (of any dtype:
+    :func:`check_readable` says whether a plain integer tensor can be read)."""
+    package = type(weight).__module__.split(".", 1)[0]
+    return package if package in KNOWN_QUANTIZERS else None
+
+
+def is_quantized(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` holds quantized storage (of a known quantizer, or an integer tensor of an unknown one)."""
+    return quantizer_of(weight) is not None or not (weight.is_floating_point() or weight.is_meta)
+
+
+def check_readable(layer: nn.Module, weight: torch.Tensor, what: str) -> None:
+    """Raise :class:`UnreadableQuantizationError` when ``weight`` (of ``layer``, described as ``what``) is quantized in a
+    storage this module cannot dequantize. Called before a patch changes anything."""
+    if quantizer_of(weight) is not None or weight.is_floating_point() or weight.is_meta:
+        return
+    raise UnreadableQuantizationError(
+        f"hf_neural_attn cannot read {what}: {type(layer).__name__}.weight is a {type(weight).__name__} of "
+        f"{weight.dtype} storage from a quantizer it does not know. It patches models quantized by bitsandbytes "
+        "(load_in_4bit, NF4 or FP4, double quantization; load_in_8bit) and torchao (TorchAoConfig), and float models: "
+        "load the base with one of those (docs/qlora.md). The model was not changed."
+    )
+
+
+def dense_weight(layer: nn.Module) -> torch.Tensor:
+    """The weight of the linear ``layer`` as a float tensor of its logical shape (``(out_features, in_features)`` for
+    ``nn.Linear`` and the bitsandbytes and torchao layers that replace it): the weight itself when it is not quantized
+    (on meta too), a dequantized copy otherwise, detached.
+
+    Raises:
+        UnreadableQuantizationError: the weight is quantized by a library this module does not know.
+    """
+    weight = layer.weight
+    quantizer = quantizer_of(weight)
+    if quantizer is None:
+        check_readable(layer, weight, "its query weights")
+        return weight
+    with torch.no_grad():
+        if quantizer == TORCHAO:
+            return weight.dequantize()
+        import bitsandbytes.functional as bnb_functional  # only reached with a weight bitsandbytes made
+
+        quant_state = getattr(weight, "quant_state", None)
+        if quant_state is not None:  # Params4bit (NF4 or FP4; a nested state under double quantization)
+            return bnb_functional.dequantize_4bit(weight.data, quant_state)
+        scales = getattr(weight, "SCB", None)
+        if scales is None:
+            scales = getattr(getattr(layer, "state", None), "SCB", None)  # older releases keep the row scales on the layer's state
+        if weight.dtype == torch.int8 and scales is not None:  # Int8Params after quantization
+            return bnb_functional.int8_vectorwise_dequant(weight.data, scales)
+        if weight.is_floating_point():  # not quantized yet (moved to a device quantizes it)
+            return weight.detach()
+    raise UnreadableQuantizationError(
+        f"hf_neural_attn cannot read the weights of {type(layer).__name__}: a bitsandbytes {type(weight).__name__} "
+        f"with {weight.dtype} storage and neither a 4-bit quant_state nor 8-bit row scales. The model was not changed."
+    )
+
+
+def quantized_weights(model: nn.Module) -> dict[str, str]:
+    """Name -> quantizer of every quantized parameter of ``model`` (empty for a float model)."""
+    return {
+        name: quantizer_of(parameter) or type(parameter).__name__
+        for name, parameter in model.named_parameters()
+        if is_quantized(parameter)
+    }
+
+
+def activation_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype a quantized ``model``'s activations run in: that of its first float parameter that is not quantized
+    (its embeddings, usually; transformers' ``model.dtype``). None when the model is not quantized: its projections'
+    own dtype is then the one (see the module docstring)."""
+    parameters = list(model.parameters())
+    if not any(is_quantized(parameter) for parameter in parameters):
+        return None
+    floats = (parameter.dtype for parameter in parameters if parameter.is_floating_point() and not is_quantized(parameter))
+    return next(floats, torch.get_default_dtype())
