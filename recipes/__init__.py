@@ -14,6 +14,8 @@ root (``pip install -e ".[recipes]"`` first): ``accelerate launch -m recipes.fin
   data; ``patch_flags.py``: the scorer flags, generated from the library's scorer registry and configs (no scorer
   is named in the recipes); ``errors.py``: ``RecipeError``, which every room raises.
 * ``modeling.py``: building the model with the task's head, and the patch.
+* ``qlora.py``: a quantized base (bitsandbytes, torchao) and LoRA adapters beside the scorers: the flags, their
+  checks, the ``quantization_config``, PEFT's wrapping, and what the card says of them.
 * ``checkpointing.py``: atomic Accelerate checkpoints and resuming.
 * ``hub.py``: deciding quickly whether the Hugging Face Hub is reachable (else: offline mode); the push check.
 * ``report.py``: ``all_results.json``, the model card, the training plot, evaluation curves, the Hub upload.
@@ -25,7 +27,8 @@ root (``pip install -e ".[recipes]"`` first): ``accelerate launch -m recipes.fin
 * ``harness.py``: evaluation with lm-evaluation-harness.
 * ``demo.py``, ``plot_example.py``: the one-minute API tour and the pictures of docs/plots.md.
 
-The imports run one way: ``tasks``, ``patch_flags`` and ``config_files`` import no other room (only ``errors``);
+The imports run one way: ``tasks``, ``patch_flags``, ``config_files`` and ``qlora`` import no other room (only
+``errors``);
 ``checks``, ``modeling`` and ``report`` build on the first two; ``args`` on ``checks`` and ``config_files``;
 ``finetune`` on all of these; ``sweep`` on ``finetune``; ``compare`` on ``sweep`` (tests/test_architecture.py
 checks that there is no circle).

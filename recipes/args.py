@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Collection
 from typing import Any
 
-from recipes import tasks
+from recipes import qlora, tasks
 from recipes.checks import validate_args
 from recipes.config_files import check_config_values, config_path, load_config_file
 from recipes.patch_flags import (
@@ -94,6 +94,7 @@ def build_parser(
         ("training", (_training_flags, _output_flags)),
         (harness_title, (_harness_flags,)),
         ("attention patch (hf_neural_attn)", (_patch_flags,)),
+        ("quantized base and LoRA (QLoRA)", (qlora.declare_flags,)),
     )
     for title, declare in groups:
         add = recorder.adder(parser.add_argument_group(title))

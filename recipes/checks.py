@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from hf_neural_attn.scorers import SCORERS as SCORER_REGISTRY
-from recipes import tasks
+from recipes import qlora, tasks
 from recipes.errors import RecipeError
 from recipes.patch_flags import (
     BASELINE,
@@ -60,6 +60,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     _check_training_state(args)
     _check_patch(args)
     _check_gate_schedule(args)
+    qlora.check_args(args)
 
 
 def _check_model_source(args: argparse.Namespace) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recipes import checkpointing, harness, hub, modeling, report, scorer_plots
+from recipes import checkpointing, harness, hub, modeling, qlora, report, scorer_plots
 from recipes.args import build_parser, parse_args
 from recipes.checks import harness_tasks
 from recipes.errors import RecipeError
@@ -70,7 +70,7 @@ SECRET_SETTINGS = ("hub_token",)
 
 def resume_settings() -> tuple[str, ...]:
     """Every setting a checkpoint must share with the run resuming it."""
-    return (*RESUME_RUN_SETTINGS, *patch_settings())
+    return (*RESUME_RUN_SETTINGS, *patch_settings(), *qlora.QLORA_SETTINGS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -623,7 +623,7 @@ def write_outputs(state: TrainingRun) -> dict[str, Any]:
         state_dict=state_dict,
     )
     plots = draw_scorer_plots(state, unwrapped) if state.track_scorers and accelerator.is_main_process else {}
-    results = collect_results(state, type(unwrapped).__name__, final, plots)
+    results = collect_results(state, type(qlora.transformers_model(unwrapped)).__name__, final, plots)
     history = {"train_loss": progress.train_loss, "evaluations": progress.evaluations}
     output = Path(args.output_dir)
     if accelerator.is_main_process:

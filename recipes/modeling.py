@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 import hf_neural_attn
+from recipes import qlora
 from recipes.errors import RecipeError
 from recipes.patch_flags import BASELINE, FLAG_FOR_OPTION, example_scorers, runtime_options, scorer_options
 from recipes.tasks import Task, get_task
@@ -193,6 +194,7 @@ def build_model(
         bundle.from_scratch = False
         bundle.base_model = None if os.path.isdir(path) else path
         bundle.model, bundle.new_parameters = _load_pretrained(model_class, path, config, args)
+        qlora.check_quantized(bundle.model, args)
 
     model = bundle.model
     bundle.new_parameters |= task.adapt_model(model, preprocessor)
@@ -222,6 +224,8 @@ def build_model(
                     "--model_name_or_path (with --scorer none)."
                 )
 
+    # A quantized base: every weight frozen and the float ones in float32, as PEFT prepares one for training.
+    model = bundle.model = qlora.prepare_quantized(model, args)
     if args.train_only_new_params:
         if bundle.from_scratch:
             raise RecipeError(
@@ -231,6 +235,8 @@ def build_model(
         trainable = set(hf_neural_attn.scorer_parameters(model)) | bundle.new_parameters
         for name, parameter in model.named_parameters():
             parameter.requires_grad_(name in trainable)
+    # --lora_r: the model trains through PEFT's wrapper (LoRA, the scorers and a new head in full).
+    bundle.model = qlora.add_lora(model, args, bundle.new_parameters)
     return bundle
 
 
@@ -238,6 +244,9 @@ def _load_pretrained(model_class, path: str, config, args: argparse.Namespace):
     """Load pretrained weights into the task's class; returns the model and its freshly initialised names."""
     config.architectures = [model_class.__name__]
     kwargs = {"dtype": torch.float32, "ignore_mismatched_sizes": args.ignore_mismatched_sizes}
+    quantization = qlora.quantization_config(args)
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
     try:
         if patch_record_of(config) is not None:
             # A checkpoint of a patched run: reload it with its patch and scorer weights.
@@ -281,5 +290,5 @@ def count_parameters(model) -> dict[str, int]:
 
     total = sum(numel(p) for p in model.parameters())
     trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
-    added = sum(numel(p) for p in hf_neural_attn.scorer_parameters(model).values())
+    added = sum(numel(p) for p in qlora.patch_parameters(model).values())
     return {"total": total, "trainable": trainable, "added_by_patch": added}

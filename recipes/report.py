@@ -14,6 +14,8 @@ from typing import Any
 
 import hf_neural_attn
 from hf_neural_attn.scorers import SCORERS
+from recipes import qlora
+from recipes.patch_flags import BASELINE
 from recipes.tasks import Task, get_task
 
 logger = logging.getLogger(__name__)
@@ -198,12 +200,17 @@ def model_card(results: dict[str, Any], output_dir: str | os.PathLike) -> str:
     # A patched run is a full patched checkpoint: transformers' Auto classes load it (with the library imported, or
     # trust_remote_code=True through its loader file), so library_name says transformers, as for any remote-code
     # checkpoint, and the tags name the library, the scorer and custom_code (docs/api.md). A baseline is plain.
+    # A LoRA run's folder is PEFT's adapter: PEFT loads it, onto the base (patched, and quantized as in training).
     kind = results["task_kind"]
-    tags = [LIBRARY_NAME, patch.scorer, "custom_code", kind, "nonlinear-attention"] if patch else [kind, "baseline"]
+    lora = qlora.describe_lora(settings)
+    # A LoRA run's adapter folder holds no loader file of its own: no custom_code tag.
+    loader_tags = [] if lora else ["custom_code"]
+    tags = [LIBRARY_NAME, patch.scorer, *loader_tags, kind, "nonlinear-attention"] if patch else [kind, "baseline"]
+    tags += qlora.hub_tags(settings)
     card_data = ModelCardData(
         base_model=results.get("base_model"),
         datasets=[data["dataset_name"]] if data["hub_dataset"] else None,
-        library_name="transformers",
+        library_name="peft" if lora else "transformers",
         metrics=index_metrics,
         model_name=Path(output_dir).resolve().name if not settings.get("hub_model_id") else settings["hub_model_id"],
         pipeline_tag=results["pipeline_tag"],
@@ -223,6 +230,7 @@ def model_card(results: dict[str, Any], output_dir: str | os.PathLike) -> str:
         if patch
         else ("as an unpatched baseline (attention unchanged) for `hf_neural_attn` comparisons")
     )
+    change += _how_adapted(settings)
     title = f"{results['model_class']} with {describe_patch(patch)} — {task.dataset_label}"
     content = f"""---
 {card_data.to_yaml()}
@@ -252,6 +260,19 @@ This model was {origin} {change}, with the `recipes/finetune.py` recipe.
 {_loading_snippet(results, task, patch)}"""
     # Round-trip through ModelCard so the metadata is validated the way the Hub validates it.
     return str(ModelCard(content))
+
+
+def _how_adapted(settings: dict[str, Any]) -> str:
+    """The card's words for LoRA adapters and a quantized base, where the run had them (else nothing)."""
+    adapted = [
+        f"{label} ({text})"
+        for label, text in (
+            ("LoRA adapters", qlora.describe_lora(settings)),
+            ("the base quantized", qlora.describe_quantization(settings)),
+        )
+        if text
+    ]
+    return ", through " + " on ".join(adapted) if adapted else ""
 
 
 def _eval_results(results: dict[str, Any], task: Task, metrics: list[str]) -> list:
@@ -285,6 +306,8 @@ def _loading_snippet(results: dict[str, Any], task: Task, patch: hf_neural_attn.
     """The card's "How to load": the model (with the library where it is patched) and its preprocessor."""
     repo = results["settings"].get("hub_model_id") or "path/to/this/folder"
     processor_class, processor_name = task.preprocessor_class, task.preprocessor_noun
+    if qlora.describe_lora(results["settings"]):
+        return _adapter_loading_snippet(results, task, patch, repo)
     if patch:
         imports = f"import hf_neural_attn\nfrom transformers import {processor_class}"
         model_line = f'model = hf_neural_attn.from_pretrained("{repo}")  # {results["model_class"]}, patch re-applied'
@@ -299,12 +322,37 @@ def _loading_snippet(results: dict[str, Any], task: Task, patch: hf_neural_attn.
     )
 
 
+def _adapter_loading_snippet(
+    results: dict[str, Any], task: Task, patch: hf_neural_attn.PatchRecord | None, repo: str
+) -> str:
+    """How to load a LoRA run's adapter: the base as the run loaded it (quantized the same way), patched as the run
+    patched it, then PEFT's adapter (the LoRA matrices and the trained scorers) onto it."""
+    settings = results["settings"]
+    base = settings.get("model_name_or_path")
+    imports, transformers_names, quantization = qlora.quantization_snippet(settings)
+    keywords = f", quantization_config={quantization}" if quantization else ""
+    model_class = results["model_class"]
+    names = ", ".join(dict.fromkeys([task.preprocessor_class, model_class, *transformers_names]))
+    lines = [*imports, "import hf_neural_attn", "from peft import PeftModel", f"from transformers import {names}", ""]
+    if patch and settings.get("scorer") == BASELINE:  # the run fine-tuned a patched checkpoint: it loads patched
+        lines.append(f'base = hf_neural_attn.from_pretrained("{base}"{keywords})')
+    else:
+        lines.append(f'base = {model_class}.from_pretrained("{base}"{keywords})')
+        if patch:
+            options = "".join(f", {key}={value!r}" for key, value in patch.options.items())
+            lines.append(f'hf_neural_attn.patch_model(base, "{patch.scorer}", layers={list(patch.layers)}{options})')
+    lines.append(f'model = PeftModel.from_pretrained(base, "{repo}")  # LoRA and the trained scorers')
+    lines.append(f'{task.preprocessor_noun} = {task.preprocessor_class}.from_pretrained("{repo}")')
+    code = "\n".join(lines)
+    return f"```bash\npip install {LIBRARY_NAME} peft\n```\n\n```python\n{code}\n```\n"
+
+
 def _patch_rows(results: dict[str, Any], patch: hf_neural_attn.PatchRecord | None) -> str:
     """The card's patch table: scorer, layers, every option, the new parameters, the gate schedule."""
     settings = results["settings"]
     rows = "| setting | value |\n|---|---|\n"
     if not patch:
-        return rows + "| scorer | none (unpatched baseline) |\n"
+        return rows + "| scorer | none (unpatched baseline) |\n" + _trained_rows(settings)
     rows += f"| scorer | `{patch.scorer}` |\n| layers | {list(patch.layers)} |\n"
     for key, value in patch.options.items():
         rows += f"| {key} | {value} |\n"
@@ -312,6 +360,15 @@ def _patch_rows(results: dict[str, Any], patch: hf_neural_attn.PatchRecord | Non
     if settings.get("gate_schedule") not in (None, "learned"):
         schedule = describe_gate_schedule(settings["gate_schedule"], settings.get("gate_warmup_steps"))
         rows += f"| gate α schedule | {schedule} |\n"
+    return rows + _trained_rows(settings)
+
+
+def _trained_rows(settings: dict[str, Any]) -> str:
+    """The card's rows on the base's weights (quantized or not) and on what trained (all, the new parameters, LoRA)."""
+    quantization, lora = qlora.describe_quantization(settings), qlora.describe_lora(settings)
+    rows = f"| base weights | {quantization or 'full precision'} |\n"
+    if lora:
+        return rows + f"| LoRA | {lora} |\n| trained | LoRA adapters and the new parameters |\n"
     trained = "new parameters only" if settings.get("train_only_new_params") else "all parameters"
     return rows + f"| trained | {trained} |\n"
 

@@ -51,7 +51,12 @@ def _torchao(config_name: str, **options):
 
 
 SCHEMES = [
-    Scheme("bnb-nf4", "bitsandbytes", _bitsandbytes(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)),
+    # BitsAndBytesConfig's own default 4-bit type is FP4: NF4 is named.
+    Scheme(
+        "bnb-nf4",
+        "bitsandbytes",
+        _bitsandbytes(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32),
+    ),
     Scheme(
         "bnb-fp4-double",
         "bitsandbytes",

@@ -116,7 +116,7 @@ def test_the_scorers_take_the_dtype_of_the_base_activations_not_of_its_storage(b
     from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
     pytest.importorskip("bitsandbytes", reason="pip install 'hf-neural-attn[quantization]'")
-    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
     inputs = model_inputs("llama")
 
     def load():

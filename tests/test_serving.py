@@ -178,3 +178,24 @@ def test_transformers_serve_without_trust_refuses_the_checkpoint(checkpoint):
     )
     assert result.returncode != 0
     assert "trust_remote_code=True" in result.stdout + result.stderr
+
+
+def test_the_library_command_serves_the_scorers_on_a_base_it_quantizes_to_4_bit(checkpoint):
+    """``--quantization bnb-4bit``: the server loads the float patched checkpoint with bitsandbytes' 4-bit config; the
+    base is quantized, the scorers stay float with their saved weights, and the answers are those of the same model
+    loaded so in this process (which differ from the quantized base's without the scorers)."""
+    pytest.importorskip("bitsandbytes", reason="pip install 'hf-neural-attn[quantization]'")
+    from transformers import AutoTokenizer, BitsAndBytesConfig
+
+    folder, _ = checkpoint
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    # What transformers serve's --quantization bnb-4bit asks for (its model manager's BitsAndBytesConfig).
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    model = hf_neural_attn.from_pretrained(folder, quantization_config=config).eval()
+    expected = {prompt: complete(model, tokenizer, prompt) for prompt in PROMPTS}
+    hf_neural_attn.unpatch_model(model)
+    assert expected != {prompt: complete(model, tokenizer, prompt) for prompt in PROMPTS}, (
+        "the scorers must change a completion on the 4-bit base, or this test could not tell a served base apart"
+    )
+    with server(LIBRARY_SERVE, folder, "--quantization", "bnb-4bit") as url:
+        assert_serves_the_scorers(url, folder, expected)

@@ -1,0 +1,309 @@
+"""A quantized base and LoRA for the recipes: QLoRA with the scorers.
+
+The flags are those of Hugging Face's scripts (TRL's ``ModelConfig``): ``--load_in_4bit`` / ``--load_in_8bit`` with
+``--bnb_4bit_quant_type``, ``--bnb_4bit_use_double_quant`` and ``--bnb_4bit_compute_dtype`` for bitsandbytes,
+``--torchao`` for torchao's weight-only and dynamic schemes, and ``--lora_r`` (LoRA on, its rank), ``--lora_alpha``,
+``--lora_dropout``, ``--lora_target_modules``. How a run uses them:
+
+1. the pretrained base loads quantized (:func:`quantization_config`);
+2. the task's head and the patch go on as for any run;
+3. a quantized base is prepared as PEFT prepares one for k-bit training (``prepare_model_for_kbit_training``: every
+   weight frozen, float parameters in float32);
+4. with ``--lora_r``, LoRA wraps the projections and the scorers (and a newly initialised head) train in full as
+   PEFT's ``modules_to_save`` (:func:`add_lora`); without it, ``--train_only_new_params`` trains the scorers alone.
+
+A quantized base cannot be fine-tuned in full (its integer weights take no gradient): such a run needs ``--lora_r``
+or ``--train_only_new_params``, which :func:`check_args` says before anything loads. The output of a LoRA run is
+PEFT's adapter (the LoRA matrices and the trained scorers); its card says how to load it onto the patched base.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import hf_neural_attn
+from recipes.errors import RecipeError
+
+INSTALL = "pip install 'hf-neural-attn[quantization]'"
+BNB_4BIT_QUANT_TYPES = ("nf4", "fp4")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+# --torchao: the scheme's name -> (torchao config class, its options). int4 weight-only is torchao's Intx config,
+# which runs on the CPU as on CUDA (its Int4WeightOnlyConfig packs for CUDA kernels only).
+TORCHAO_SCHEMES: dict[str, tuple[str, dict[str, Any]]] = {
+    "int8_weight_only": ("Int8WeightOnlyConfig", {}),
+    "int4_weight_only": ("IntxWeightOnlyConfig", {"weight_dtype": torch.int4}),
+    "int8_dynamic": ("Int8DynamicActivationInt8WeightConfig", {}),
+}
+DEFAULT_LORA_TARGETS = "all-linear"
+# The settings that shape the base and what trains: a resumed run must share them (recipes.finetune).
+QLORA_SETTINGS = (
+    "load_in_4bit",
+    "load_in_8bit",
+    "bnb_4bit_quant_type",
+    "bnb_4bit_use_double_quant",
+    "bnb_4bit_compute_dtype",
+    "torchao",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+)
+
+
+def declare_flags(add: Callable[..., Any]) -> None:
+    """The quantization and LoRA flags (``add`` is argparse's ``add_argument`` of the flag group)."""
+    add("--load_in_4bit", action="store_true", help="Load the pretrained base in 4-bit with bitsandbytes (QLoRA).")
+    add("--load_in_8bit", action="store_true", help="Load the pretrained base in 8-bit with bitsandbytes (LLM.int8).")
+    add("--bnb_4bit_quant_type", type=str, default="nf4", choices=BNB_4BIT_QUANT_TYPES, help="4-bit data type.")
+    add(
+        "--bnb_4bit_use_double_quant",
+        action="store_true",
+        help="4-bit: quantize the quantization constants too (about 0.4 bits per weight less).",
+    )
+    add(
+        "--bnb_4bit_compute_dtype",
+        type=str,
+        default="float32",
+        choices=COMPUTE_DTYPES,
+        help="4-bit: the dtype its matmuls run in (the activations and the scorers keep the model's float32).",
+    )
+    add(
+        "--torchao",
+        type=str,
+        default=None,
+        choices=tuple(TORCHAO_SCHEMES),
+        help="Load the pretrained base quantized by torchao with this scheme (its nn.Linear layers).",
+    )
+    add("--lora_r", type=int, default=None, help="Train LoRA adapters of this rank beside the scorers (QLoRA).")
+    add("--lora_alpha", type=int, default=None, help="LoRA scaling alpha (default: 2 x --lora_r).")
+    add("--lora_dropout", type=float, default=0.05, help="Dropout on the LoRA adapters' input.")
+    add(
+        "--lora_target_modules",
+        type=str,
+        default=DEFAULT_LORA_TARGETS,
+        help='The layers LoRA adapts: "all-linear" (default: every linear layer but the output head), or '
+        'comma-separated module names such as "q_proj,v_proj" (GPT-2: "c_attn").',
+    )
+
+
+def quantizes(args: argparse.Namespace) -> bool:
+    return bool(args.load_in_4bit or args.load_in_8bit or args.torchao)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The quantization and LoRA flags fit each other and the run (no model or data needed)."""
+    if args.load_in_4bit and args.load_in_8bit:
+        raise RecipeError("Give --load_in_4bit or --load_in_8bit, not both.")
+    if args.torchao and (args.load_in_4bit or args.load_in_8bit):
+        raise RecipeError("Quantize with bitsandbytes (--load_in_4bit/--load_in_8bit) or --torchao, not both.")
+    four_bit_options = [
+        flag
+        for flag, default in (
+            ("bnb_4bit_quant_type", "nf4"),
+            ("bnb_4bit_use_double_quant", False),
+            ("bnb_4bit_compute_dtype", "float32"),
+        )
+        if getattr(args, flag) != default
+    ]
+    if four_bit_options and not args.load_in_4bit:
+        raise RecipeError(f"--{four_bit_options[0]} sets up 4-bit loading: add --load_in_4bit.")
+    if args.lora_r is None:
+        lora_options = [flag for flag in ("lora_alpha",) if getattr(args, flag) is not None]
+        lora_options += ["lora_dropout"] if args.lora_dropout != 0.05 else []
+        lora_options += ["lora_target_modules"] if args.lora_target_modules != DEFAULT_LORA_TARGETS else []
+        if lora_options:
+            raise RecipeError(f"--{lora_options[0]} sets up LoRA: add --lora_r (the adapters' rank, e.g. 16).")
+    else:
+        if args.lora_r < 1 or (args.lora_alpha is not None and args.lora_alpha < 1):
+            raise RecipeError("--lora_r and --lora_alpha must be at least 1.")
+        if not 0 <= args.lora_dropout < 1:
+            raise RecipeError(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}.")
+        if args.train_only_new_params:
+            raise RecipeError(
+                "--lora_r trains LoRA adapters beside the scorers, --train_only_new_params the scorers alone: give one."
+            )
+    if quantizes(args):
+        if not args.model_name_or_path:
+            raise RecipeError(
+                f"--{quantization_flag(args)} quantizes a pretrained base: pass --model_name_or_path (a model built "
+                "from scratch trains in full precision)."
+            )
+        if args.lora_r is None and not args.train_only_new_params:
+            raise RecipeError(
+                f"A base loaded with --{quantization_flag(args)} cannot be fine-tuned in full (its quantized weights "
+                "take no gradient): add --lora_r 16 (QLoRA: LoRA adapters and the scorers train) or "
+                "--train_only_new_params (the scorers train)."
+            )
+
+
+def quantization_flag(args: argparse.Namespace) -> str:
+    """The flag that asked for quantization, for messages."""
+    if args.torchao:
+        return f"torchao {args.torchao}"
+    return "load_in_4bit" if args.load_in_4bit else "load_in_8bit"
+
+
+def quantization_config(args: argparse.Namespace):
+    """The ``quantization_config`` the base loads with, or None. A missing library is a RecipeError with the
+    install command."""
+    if not quantizes(args):
+        return None
+    library = "torchao" if args.torchao else "bitsandbytes"
+    try:
+        __import__(library)
+    except ImportError:
+        raise RecipeError(f"--{quantization_flag(args)} needs {library}: {INSTALL}") from None
+    if args.torchao:
+        import torchao.quantization
+        from transformers import TorchAoConfig
+
+        name, options = TORCHAO_SCHEMES[args.torchao]
+        return TorchAoConfig(getattr(torchao.quantization, name)(**options))
+    from transformers import BitsAndBytesConfig
+
+    if args.load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=args.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant,
+        bnb_4bit_compute_dtype=getattr(torch, args.bnb_4bit_compute_dtype),
+    )
+
+
+def describe_quantization(settings: dict[str, Any]) -> str | None:
+    """The base's quantization in words, from a run's settings (logs, the model card), or None."""
+    if settings.get("torchao"):
+        return f"torchao {settings['torchao'].replace('_', '-')}"
+    if settings.get("load_in_8bit"):
+        return "bitsandbytes 8-bit (LLM.int8)"
+    if settings.get("load_in_4bit"):
+        double = ", double quantization" if settings.get("bnb_4bit_use_double_quant") else ""
+        return (
+            f"bitsandbytes 4-bit {str(settings.get('bnb_4bit_quant_type')).upper()}{double}, "
+            f"matmuls in {settings.get('bnb_4bit_compute_dtype')}"
+        )
+    return None
+
+
+def describe_lora(settings: dict[str, Any]) -> str | None:
+    """The LoRA adapters in words, from a run's settings, or None."""
+    if settings.get("lora_r") is None:
+        return None
+    alpha = settings.get("lora_alpha") or 2 * settings["lora_r"]
+    return (
+        f"r={settings['lora_r']}, alpha={alpha}, dropout={settings.get('lora_dropout')}, "
+        f"on {settings.get('lora_target_modules')}"
+    )
+
+
+def check_quantized(model, args: argparse.Namespace) -> None:
+    """A base loaded with quantization flags has quantized layers: torchao quantizes ``nn.Linear`` layers only, and
+    some models have none where it matters (GPT-2's projections are ``Conv1D``): a run that silently trained a float
+    model would mislead."""
+    if not quantizes(args):
+        return
+    quantized = [name for name, module in model.named_modules() if _has_quantized_weight(module)]
+    if not quantized:
+        raise RecipeError(
+            f"--{quantization_flag(args)} quantized no layer of {type(model).__name__}: torchao quantizes nn.Linear "
+            "layers, and this model's projections are of another kind (GPT-2's are Conv1D). Use --load_in_4bit or "
+            "--load_in_8bit (bitsandbytes converts them), or drop the flag."
+        )
+
+
+def _has_quantized_weight(module) -> bool:
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and (
+        type(weight).__module__.split(".", 1)[0] in ("bitsandbytes", "torchao") or not weight.is_floating_point()
+    )
+
+
+def prepare_quantized(model, args: argparse.Namespace):
+    """PEFT's preparation of a quantized base for training (every weight frozen, float parameters in float32);
+    gradient checkpointing is the recipe's own (non-reentrant), so not turned on here."""
+    if not quantizes(args):
+        return model
+    from peft import prepare_model_for_kbit_training
+
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def add_lora(model, args: argparse.Namespace, new_parameters: set[str]):
+    """``model`` wrapped by PEFT with LoRA adapters (``--lora_r``), its scorers and the modules holding
+    ``new_parameters`` (a newly initialised head) trained in full as ``modules_to_save``; ``model`` when no LoRA is
+    asked for."""
+    if args.lora_r is None:
+        return model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise RecipeError("--lora_r needs peft: pip install 'hf-neural-attn[peft]'") from None
+    to_save = hf_neural_attn.peft_modules_to_save(model) if hf_neural_attn.is_patched(model) else []
+    to_save += sorted({name.rpartition(".")[0] for name in new_parameters if "." in name} - set(to_save))
+    targets = args.lora_target_modules
+    config = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha or 2 * args.lora_r,
+        lora_dropout=args.lora_dropout,
+        target_modules=targets if targets == DEFAULT_LORA_TARGETS else [t.strip() for t in targets.split(",")],
+        modules_to_save=to_save or None,
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as error:  # no module matched the targets, say
+        raise RecipeError(f"LoRA cannot wrap {type(model).__name__}: {error}") from error
+
+
+def patch_parameters(model) -> dict[str, torch.nn.Parameter]:
+    """The parameters the patch added, each once: under PEFT's ``modules_to_save`` a scorer is held twice, the copy
+    that trains and the frozen original kept for the adapters' off switch; the originals are left out."""
+    return {
+        name: parameter
+        for name, parameter in hf_neural_attn.scorer_parameters(model).items()
+        if ".original_module." not in f".{name}"
+    }
+
+
+def hub_tags(settings: dict[str, Any]) -> list[str]:
+    """The Hub's tags for a run's quantization and adapters (the ones it shows for such repos)."""
+    tags = ["lora"] if settings.get("lora_r") is not None else []
+    if settings.get("torchao"):
+        tags.append("torchao")
+    elif settings.get("load_in_4bit") or settings.get("load_in_8bit"):
+        tags += ["bitsandbytes", "4-bit" if settings.get("load_in_4bit") else "8-bit"]
+    return tags
+
+
+def quantization_snippet(settings: dict[str, Any]) -> tuple[list[str], list[str], str | None]:
+    """What loads a base quantized as the run loaded it, for the model card's loading code: the import lines beside
+    transformers', the names imported from transformers, and the ``quantization_config`` expression (``None`` when the
+    run did not quantize)."""
+    if settings.get("torchao"):
+        name, options = TORCHAO_SCHEMES[settings["torchao"]]
+        arguments = ", ".join(f"{key}={_code(value)}" for key, value in options.items())
+        imports = [f"from torchao.quantization import {name}"] + (["import torch"] if "torch." in arguments else [])
+        return imports, ["TorchAoConfig"], f"TorchAoConfig({name}({arguments}))"
+    if settings.get("load_in_8bit"):
+        return [], ["BitsAndBytesConfig"], "BitsAndBytesConfig(load_in_8bit=True)"
+    if settings.get("load_in_4bit"):
+        arguments = (
+            f'load_in_4bit=True, bnb_4bit_quant_type="{settings.get("bnb_4bit_quant_type")}", '
+            f"bnb_4bit_use_double_quant={bool(settings.get('bnb_4bit_use_double_quant'))}, "
+            f"bnb_4bit_compute_dtype=torch.{settings.get('bnb_4bit_compute_dtype')}"
+        )
+        return ["import torch"], ["BitsAndBytesConfig"], f"BitsAndBytesConfig({arguments})"
+    return [], [], None
+
+
+def _code(value: Any) -> str:
+    return f"torch.{str(value).removeprefix('torch.')}" if isinstance(value, torch.dtype) else repr(value)
+
+
+def transformers_model(model):
+    """The transformers model inside PEFT's wrapper (or ``model`` itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
