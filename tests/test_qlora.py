@@ -150,3 +150,26 @@ def test_the_library_save_paths_refuse_a_peft_wrapped_quantized_model_by_name(ba
         hf_neural_attn.save_adapter(model, tmp_path / "adapter")
     with pytest.raises(ValueError, match="peft_model.save_pretrained"):
         model.get_base_model().save_pretrained(tmp_path / "full")
+
+
+def test_the_qlora_benchmark_measures_a_step_and_decoded_tokens_of_each_configuration(tmp_path):
+    """benchmarks/qlora.py's measurement on its tiny preset, in this process (its numbers are in docs/benchmarks.md):
+    every configuration trains a step and decodes tokens, the patched ones with their scorers trainable. Its times
+    are not checked here: they depend on the machine."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "qlora.py"
+    spec = importlib.util.spec_from_file_location("qlora_benchmark", path)
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    benchmark.save_base("tiny", tmp_path)
+    args = argparse.Namespace(batch=1, seq=8, prompt=4, lora_r=2, compute_dtype="float32")
+    for variant in benchmark.VARIANTS:
+        measured = benchmark.Measured(str(tmp_path), variant, args)
+        assert isinstance(measured.train_step(), float) and len(measured.decode_tokens(2)) == 2
+        assert (measured.scorer_parameters > 0) == (variant != "none"), variant
+    rows = [dict.fromkeys(("step_s", "step_ratio", "token_ms", "token_ratio", "peak_mb", "peak_ratio"), 1.0)]
+    rows[0].update(preset="tiny", variant="qana", peak_over_mb=0.0, scorer_parameters=10, floor_mb=0.0)
+    assert "| tiny | qana |" in benchmark.table(rows)
