@@ -156,7 +156,9 @@ def build_optimizer(model, args: argparse.Namespace):
     groups: dict[tuple[bool, bool], list] = {}
     for name, parameter in model.named_parameters():
         if parameter.requires_grad:
-            groups.setdefault((name in scorer_names, parameter.ndim >= 2), []).append(parameter)
+            # The whole tensor's rank: under DeepSpeed ZeRO-3 every parameter's own is its 1-d empty placeholder's.
+            matrix = len(hf_neural_attn.full_shape(parameter)) >= 2
+            groups.setdefault((name in scorer_names, matrix), []).append(parameter)
     param_groups = []
     for (is_scorer, decay), parameters in sorted(groups.items()):
         group = {"params": parameters, "weight_decay": args.weight_decay if decay else 0.0}

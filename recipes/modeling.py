@@ -277,7 +277,7 @@ def _checkpoint_keys(path: str) -> set[str]:
 
 def count_parameters(model) -> dict[str, int]:
     def numel(parameter) -> int:  # DeepSpeed ZeRO-3 leaves each process an empty placeholder of the whole tensor
-        return getattr(parameter, "ds_numel", parameter.numel())
+        return hf_neural_attn.full_shape(parameter).numel()
 
     total = sum(numel(p) for p in model.parameters())
     trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
