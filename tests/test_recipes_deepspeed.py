@@ -30,6 +30,7 @@ from recipes_helpers import (
 from transformers import GPT2LMHeadModel
 
 import hf_neural_attn
+from recipes.export import export_checkpoint
 
 pytest.importorskip("deepspeed", reason="the DeepSpeed tests need it: pip install 'hf-neural-attn[deepspeed]'")
 pytestmark = pytest.mark.deepspeed
@@ -221,6 +222,13 @@ def test_zero3_is_one_job_matches_ddp_resumes_and_saves_a_patched_checkpoint(wor
     base = GPT2LMHeadModel.from_pretrained(workspace["gpt2"]).state_dict()
     saved = hf_neural_attn.from_pretrained(zero3).state_dict()
     assert [name for name, tensor in base.items() if not torch.equal(saved[name], tensor)] == []
+
+    # save_state under ZeRO-3 writes DeepSpeed's partitioned checkpoint: no model checkpoint, and the error says so;
+    # its export (DeepSpeed's zero_to_fp32 gathers it) is the run's saved model, tensor for tensor.
+    with pytest.raises(ValueError, match="is a training-state folder.*python -m recipes.export"):
+        hf_neural_attn.from_pretrained(zero3 / "step_6")
+    exported = hf_neural_attn.from_pretrained(export_checkpoint(zero3 / "step_6", tmp_path / "exported")).state_dict()
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[name], saved[name]) for name in saved)
 
     # save_state under ZeRO-3 (DeepSpeed's partitioned checkpoint) resumes to the uninterrupted run's end.
     check(
