@@ -14,9 +14,12 @@ one process, so a machine whose speed drifts slows them all alike (interleaved).
 
 ``--compiled`` adds a compiled row per configuration, each model compiled the same way, as ``generate`` compiles
 decoding: a static cache and the forward under ``torch.compile(fullgraph=True)`` (a ``CompileConfig``; on a CPU
-``generate`` compiles only when told to, which the script does). Its decode time per token is
-``(generate(n + 1 tokens) - generate(1 token)) / n``, the prefill (eager in both) cancelling out; it includes
-``generate``'s own per-token work, as a user's decoding does. Compilation happens in a warm-up before the rounds.
+``generate`` compiles only when told to, which the script does). One ``generate`` of ``n + 1`` tokens is timed step
+by step: a stopping criterion, which ``generate`` calls once per token as it picks it, stamps the time
+(:class:`StepClock`). The prefill is the time to the first token (eager), and the decode time per token the time
+from the first token to the last over the ``n`` steps between them: it includes ``generate``'s own per-token work,
+as a user's decoding does, and nothing else (a difference of two separately timed calls, as earlier versions took
+it, drifts to zero or below on a loaded machine). Compilation happens in a warm-up before the rounds.
 
 Reports the median over ``--rounds`` of the prefill time and of the time per decoded token, both as ratios to the
 unpatched model (transformers' SDPA) of the same mode, and what the patch adds per layer and token. Writes a
@@ -69,38 +72,52 @@ def build(args, scorer: str):
 
 
 def compiled_generation(decode_steps: int, max_cache_len: int):
-    """What ``generate`` needs to decode compiled: greedy, a static cache of ``max_cache_len`` and a
-    ``CompileConfig(fullgraph=True)`` that also compiles on a CPU. Returns the configs for 1 and ``decode_steps + 1``
-    new tokens, over one cache length: their prefills then do the same work, which the decode time subtracts."""
+    """What ``generate`` needs to decode compiled: greedy, ``decode_steps + 1`` new tokens, a static cache of
+    ``max_cache_len`` and a ``CompileConfig(fullgraph=True)`` that also compiles on a CPU."""
     from transformers import CompileConfig, GenerationConfig
 
     compile_config = CompileConfig(fullgraph=True, dynamic=False)
     compile_config._compile_all_devices = True  # generate compiles on accelerators only unless told (a CPU here)
+    return GenerationConfig(
+        max_new_tokens=decode_steps + 1, min_new_tokens=decode_steps + 1, do_sample=False,
+        cache_implementation="static", max_cache_len=max_cache_len, compile_config=compile_config, pad_token_id=0,
+        eos_token_id=None,
+    )  # fmt: skip
 
-    def config(new_tokens: int) -> GenerationConfig:
-        return GenerationConfig(
-            max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-            max_cache_len=max_cache_len, compile_config=compile_config, pad_token_id=0, eos_token_id=None,
-        )  # fmt: skip
 
-    return config(1), config(decode_steps + 1)
+def step_clock():
+    """A :class:`~transformers.StoppingCriteria` that never stops ``generate`` and stamps ``time.perf_counter()``
+    each time ``generate`` calls it: once per new token, right after the step that picked it. ``stamps[0]`` ends
+    the prefill; ``stamps[i] - stamps[i - 1]`` is decode step ``i``."""
+    import torch
+    from transformers import StoppingCriteria
+
+    class StepClock(StoppingCriteria):
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return StepClock()
 
 
 def measure(args, prompt: int) -> dict[str, dict[str, float]]:
     """Per configuration: the median prefill seconds and seconds per decoded token (eager, and compiled as
-    ``<name> compiled`` with ``--compiled``)."""
+    ``<name> compiled`` with ``--compiled``), and how many decode steps each round timed."""
     import torch
 
     models = {scorer: build(args, scorer) for scorer in ["none", *args.scorers]}
     ids = torch.randint(0, models["none"].config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(1))
     names = list(models) + ([f"{name} compiled" for name in models] if args.compiled else [])
-    samples = {name: {"prefill_s": [], "decode_s": []} for name in names}
+    samples = {name: {"prefill_s": [], "decode_s": [], "decode_steps": []} for name in names}
 
     # transformers 5.24 renamed the KV cache argument and output field from past_key_values to cache; the old name
     # still works there but warns on every call.
     cache_name = "cache" if "cache" in inspect.signature(type(models["none"]).forward).parameters else "past_key_values"
 
-    def one(model) -> tuple[float, float]:
+    def one(model) -> tuple[float, float, int]:
         started = time.perf_counter()
         out = model(ids, use_cache=True)
         prefill = time.perf_counter() - started
@@ -109,18 +126,19 @@ def measure(args, prompt: int) -> dict[str, dict[str, float]]:
         for _ in range(args.decode_steps):
             out = model(token, use_cache=True, **{cache_name: cache})
             cache, token = out[cache_name], out.logits[:, -1:].argmax(-1)
-        return prefill, (time.perf_counter() - started) / args.decode_steps
+        return prefill, (time.perf_counter() - started) / args.decode_steps, args.decode_steps
 
     if args.compiled:
-        prefill_only, full = compiled_generation(args.decode_steps, prompt + args.decode_steps + 1)
+        generation = compiled_generation(args.decode_steps, prompt + args.decode_steps + 1)
 
-    def compiled(model) -> tuple[float, float]:
+    def compiled(model) -> tuple[float, float, int]:
+        from transformers import StoppingCriteriaList
+
+        clock = step_clock()
         started = time.perf_counter()
-        model.generate(ids, generation_config=prefill_only)
-        prefill = time.perf_counter() - started
-        started = time.perf_counter()
-        model.generate(ids, generation_config=full)
-        return prefill, (time.perf_counter() - started - prefill) / args.decode_steps
+        model.generate(ids, generation_config=generation, stopping_criteria=StoppingCriteriaList([clock]))
+        steps = len(clock.stamps) - 1
+        return clock.stamps[0] - started, (clock.stamps[-1] - clock.stamps[0]) / steps, steps
 
     runs = [(name, model, one) for name, model in models.items()]
     runs += [(f"{name} compiled", model, compiled) for name, model in models.items()] if args.compiled else []
@@ -129,9 +147,10 @@ def measure(args, prompt: int) -> dict[str, dict[str, float]]:
             run(model)  # warm-up (and compilation)
         for _ in range(args.rounds):
             for name, model, run in runs:
-                prefill, decode = run(model)
+                prefill, decode, steps = run(model)
                 samples[name]["prefill_s"].append(prefill)
                 samples[name]["decode_s"].append(decode)
+                samples[name]["decode_steps"].append(steps)
     return {name: {key: statistics.median(values) for key, values in by.items()} for name, by in samples.items()}
 
 

@@ -202,12 +202,12 @@ def _unscored_implementation(module: nn.Module) -> str:
     ``set_attn_implementation`` last chose) or, without one, the implementation it was patched over."""
     if not hasattr(module, FALLBACK_ATTR):
         raise RuntimeError(
-            f"{type(module).__name__} runs attn_implementation={ATTN_IMPLEMENTATION!r} but was not patched. "
-            "Either it was built by its plain class from a patched model's or checkpoint's config (e.g. "
-            "LlamaForCausalLM(config)), which builds the unpatched model: load the checkpoint with "
-            "hf_neural_attn.from_pretrained(path) or any from_pretrained after `import hf_neural_attn`, or build "
-            "it with AutoModel*.from_config, which patches it; or the name was set by hand (use "
-            "hf_neural_attn.patch_model)."
+            f"{type(module).__name__} runs attn_implementation={ATTN_IMPLEMENTATION!r} but was not patched: the name "
+            "was set by hand on a config that carries no patch, or the model was built from a patched config before "
+            "hf_neural_attn was imported, or as a part inside another model. Patch it with "
+            "hf_neural_attn.patch_model(model, scorer); load a patched checkpoint with "
+            "hf_neural_attn.from_pretrained(path) (or any from_pretrained after `import hf_neural_attn`); a model "
+            "built from a patched model's config, by its class or AutoModel*.from_config, is patched like it."
         )
     patched_over = getattr(module, FALLBACK_ATTR)[1]
     return runnable_base(base_implementation(getattr(module, "config", None)) or patched_over)

@@ -174,6 +174,17 @@ def patched_config_class(base_class: type[PretrainedConfig]) -> type[PretrainedC
     return patched
 
 
+def base_config_as_recorded(config: PretrainedConfig, memo: dict[int, Any] | None = None) -> PretrainedConfig:
+    """:func:`base_config` of a config carrying a record, for a model to be patched as the record says: where the
+    config names no implementation of its own (one read from a checkpoint's config.json, which names ours), the copy
+    runs the record's base (:attr:`PatchRecord.base_to_run`), as the loaders run it."""
+    plain = base_config(config, memo)
+    record = PatchRecord.of(config)
+    if plain.__dict__.get("_attn_implementation_internal") is None and record is not None and record.base_to_run:
+        plain.__dict__["_attn_implementation_internal"] = record.base_to_run
+    return plain
+
+
 def make_patched(config: PretrainedConfig) -> None:
     """Switch ``config`` (a private copy) to its patched class, in place."""
     if not is_patched_config(config):
@@ -187,13 +198,35 @@ def make_unpatched(config: PretrainedConfig) -> None:
     remove_record(config)
 
 
-def base_config(config: PretrainedConfig) -> PretrainedConfig:
+def implementation_under_patch(config: PretrainedConfig) -> str:
+    """The attention implementation a model with ``config`` runs where the patch does not score, and would run
+    unpatched: what ``patch_model`` records as the base. A patched config's base (the model it came from was patched
+    over it, or ``set_attn_implementation`` chose it since); a plain config's own implementation. Never the patch's
+    own name: a plain config that says ``"hf_neural_attn"`` (set by hand) has no base of its own, and runs eager
+    under the patch, as a patched config without a base does."""
+    if is_patched_config(config):
+        return config.base_attn_implementation
+    implementation = config._attn_implementation
+    return implementation if implementation not in (None, ATTN_IMPLEMENTATION) else "eager"
+
+
+def model_type_under_patch(config: PretrainedConfig) -> str:
+    """The model type of the unpatched model a model with ``config`` is (what ``patch_model`` records as the base
+    type): never the patch's own, which a plain config class keeps when it reads a patched config.json."""
+    model_type = config.model_type
+    return type(config).model_type if model_type == PATCHED_MODEL_TYPE else model_type
+
+
+def base_config(config: PretrainedConfig, memo: dict[int, Any] | None = None) -> PretrainedConfig:
     """A copy of ``config`` as the unpatched model's config: plain base class, no record, and its own
-    ``_attn_implementation`` (a patched config keeps the base model's underneath)."""
-    plain = copy.deepcopy(config)
+    ``_attn_implementation`` (a patched config keeps the base model's underneath). ``memo``: ``copy.deepcopy``'s,
+    which then maps each sub-config to its copy."""
+    plain = copy.deepcopy(config, memo)
     make_unpatched(plain)
     if plain.__dict__.get("_attn_implementation_internal") == ATTN_IMPLEMENTATION:
         plain.__dict__["_attn_implementation_internal"] = None  # set by hand or read from a plain class load
+    if plain.__dict__.get("model_type") == PATCHED_MODEL_TYPE:
+        del plain.__dict__["model_type"]  # read from a patched config.json by the plain class: its class's again
     return plain
 
 

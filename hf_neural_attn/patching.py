@@ -48,7 +48,13 @@ from .families.zero3 import (
 from .model_cards import checkpoint_tags
 from .ops import check_impl
 from .ops.dropout import check_probability
-from .patched_config import make_patched, make_unpatched
+from .patched_config import (
+    base_config_as_recorded,
+    implementation_under_patch,
+    make_patched,
+    make_unpatched,
+    model_type_under_patch,
+)
 from .record import (
     ADDED_MODULE_ATTR,
     EXTRAS_KWARG,
@@ -159,14 +165,14 @@ def patch_model(
             f"{from_scratch}: the patched model's outputs differ from the original's from the start. This option is "
             "for training from scratch (the papers' ablations); leave it out to fine-tune a pretrained model."
         )
-    base_implementation = model.config._attn_implementation or "eager"
+    base_implementation = implementation_under_patch(model.config)
     record = PatchRecord(
         scorer=config.scorer_name,
         options=config.to_dict(),
         layers=tuple(selected),
         family=family.name,
         base_attn_implementation=base_implementation,
-        base_model_type=model.config.model_type,
+        base_model_type=model_type_under_patch(model.config),
         version=__version__,
     )
     # From here on the model changes; nothing below can fail on user input.
@@ -332,14 +338,52 @@ def _normalise_layers(layers, num_layers: int) -> list[int]:
     return sorted(set(selected))
 
 
-def _adopt_private_configs(model: nn.Module) -> None:
-    """Give ``model`` its own deep copy of its config (and of every sub-config its modules hold).
+def patch_as_recorded(model: PreTrainedModel, config: PretrainedConfig) -> PreTrainedModel:
+    """Patch ``model``, just built from ``config`` (a patched model's, or a patched checkpoint's) or from a plain copy
+    of it, as the record ``config`` carries says: the same scorer, options and layers, with freshly initialised
+    scorers, as any model built from a config is freshly initialised. The one rule for a model built from a patched
+    config, whichever way it was built: ``AutoModel*.from_config(config)`` (:mod:`hf_neural_attn.loading.auto`) and
+    the model's own class, ``LlamaForCausalLM(config)`` (:mod:`hf_neural_attn.loading.plain_classes`).
+
+    A model built from ``config`` itself shares it, and its modules run ``"hf_neural_attn"`` without scorers: it
+    gets a plain copy of the config first, on the base implementation ``config`` runs (the record's where it names
+    none, as a config read from a checkpoint does), so that the patch records that base and ``config``, with the model
+    it came from, stays as it was.
+
+    Raises:
+        ValueError: ``config`` carries no record, or one that does not read (:func:`recorded_patch`).
+    """
+    scorer, layers = recorded_patch(config)  # read first: a record that does not read leaves the model as it was
+    if model.config is config:
+        _adopt_private_configs(model, unpatched=True)
+    return patch_model(model, scorer, layers=layers)
+
+
+def recorded_patch(config: PretrainedConfig) -> tuple[ScorerConfig, list[int]]:
+    """The scorer config and layers of the patch ``config``'s record describes.
+
+    Raises:
+        ValueError: ``config`` carries no record, or one that does not read (the record's own message).
+    """
+    record = PatchRecord.of(config)
+    if record is None:
+        raise ValueError(
+            f"{type(config).__name__} carries no hf_neural_attn record, so there is no patch to apply; build the model "
+            "with its plain transformers class."
+        )
+    return record.scorer_config(), list(record.layers)
+
+
+def _adopt_private_configs(model: nn.Module, *, unpatched: bool = False) -> None:
+    """Give ``model`` its own deep copy of its config (and of every sub-config its modules hold); ``unpatched``: the
+    top config as the unpatched model's, on the base its record names
+    (:func:`~hf_neural_attn.patched_config.base_config_as_recorded`).
 
     In transformers 5 a model keeps the config object it was built from, and models built from one object share
     it. Patching writes into the config, so without a copy it would patch (and break) every sibling model.
     """
     memo: dict[int, Any] = {}
-    model.config = copy.deepcopy(model.config, memo)
+    model.config = base_config_as_recorded(model.config, memo) if unpatched else copy.deepcopy(model.config, memo)
     for module in model.modules():
         for name, value in list(vars(module).items()):
             if isinstance(value, PretrainedConfig) and id(value) in memo:

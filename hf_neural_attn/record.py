@@ -61,9 +61,24 @@ def known_implementations() -> list[str]:
     return ["eager", *(name for name in ALL_ATTENTION_FUNCTIONS.valid_keys() if not name.startswith(ours))]
 
 
-def damaged(source: str, filename: str, field_name: str | None, problem: str) -> ValueError:
-    """The error for a damaged patch record, naming the file it came from and the field."""
+# The layout of the saved record, numbered: a reader knows which fields and options to expect from it. Records
+# without the number are format 1 (hf_neural_attn 0.1.0 before it was written): their options may hold the run-time
+# ``impl``, which format 2 leaves out. Raise it whenever the saved layout changes, and read the older ones in
+# PatchRecord.from_dict.
+RECORD_FORMAT = 2
+
+
+def damaged(source: str, filename: str | None, field_name: str | None, problem: str) -> ValueError:
+    """The error for a damaged patch record, naming the file it came from and the field. ``filename`` None: the
+    record a config object in memory carries, which no file holds now (it was set or changed on the config, or read
+    from a file whose name the config does not keep): the message then blames no file."""
     where = f"field {field_name!r} of " if field_name else ""
+    if filename is None:
+        return ValueError(
+            f"The hf_neural_attn record that {source} carries (config.{RECORD_KEY}) is not valid: {where}the record "
+            f"{problem}. patch_model and the loaders write that record; it was changed since, or read from a "
+            "config.json that was. Patch the model again, or load it again from an intact checkpoint."
+        )
     return ValueError(
         f"The hf_neural_attn record in {source}/{filename} is damaged: {where}the record {problem}. "
         "Save the model (or adapter) again with hf_neural_attn, or restore the file."
@@ -84,8 +99,10 @@ class PatchRecord:
             ``"sdpa"``, ...): its unscored modules keep running it, and ``unpatch_model`` restores it.
         base_model_type: the config's ``model_type`` before the patch (``"llama"``); a saved config.json says
             ``"hf_neural_attn"`` instead, and this is how it is rebuilt.
-        version: the hf_neural_attn version that made the patch.
-        origin: where the record was read from, ``(source, filename)``, for error messages; not saved.
+        version: the hf_neural_attn version that made the patch. (The layout of the saved mapping is numbered
+            apart from it, :data:`RECORD_FORMAT`: one version can read and write several.)
+        origin: where the record was read from, ``(source, filename)`` (filename None: a config in memory), for
+            error messages; not saved.
     """
 
     scorer: str
@@ -95,22 +112,25 @@ class PatchRecord:
     base_attn_implementation: str | None = None
     base_model_type: str | None = None
     version: str = __version__
-    origin: tuple[str, str] | None = field(default=None, compare=False, repr=False)
+    origin: tuple[str, str | None] | None = field(default=None, compare=False, repr=False)
 
     # The fields a saved record must have; the others were added later and may be absent.
     REQUIRED: ClassVar[tuple[str, ...]] = ("scorer", "options", "layers", "version")
     OPTIONAL_NAMES: ClassVar[tuple[str, ...]] = ("family", "base_attn_implementation", "base_model_type")
 
     @classmethod
-    def from_dict(cls, data: Any, *, source: str = "this model", filename: str = "config.json") -> PatchRecord:
-        """The record a saved mapping holds, checked field by field.
+    def from_dict(cls, data: Any, *, source: str = "this model", filename: str | None = "config.json") -> PatchRecord:
+        """The record a saved mapping holds, checked field by field, in the layout its ``format`` number names
+        (:data:`RECORD_FORMAT`; none: format 1). ``filename`` None: the mapping a config object in memory carries.
 
         Raises:
             ValueError: a field is missing or malformed (the message names ``source``/``filename`` and the field),
-                or the scorer is one this version of the library does not have.
+                the record is of a format this version does not know (a newer version wrote it), or the scorer is
+                one this version of the library does not have.
         """
         if not isinstance(data, Mapping):
             raise damaged(source, filename, None, f"must be a mapping with {list(cls.REQUIRED)}, got {data!r}")
+        record_format = _record_format(data, source, filename)
         for name in cls.REQUIRED:
             if name not in data:
                 raise damaged(source, filename, name, f"lacks it (expected {list(cls.REQUIRED)})")
@@ -124,6 +144,10 @@ class PatchRecord:
             )
         if not isinstance(options, Mapping) or not all(isinstance(key, str) for key in options):
             raise damaged(source, filename, "options", f"must be a mapping of option names to values, got {options!r}")
+        saved_runtime = sorted(set(options) & _runtime_options(scorer))
+        if saved_runtime and record_format >= 2:
+            problem = f"holds run-time options {saved_runtime}, which records of format {record_format} leave out"
+            raise damaged(source, filename, "options", problem)
         if not (
             isinstance(layers, list) and layers and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
         ):
@@ -150,10 +174,11 @@ class PatchRecord:
         return cls(scorer, dict(options), tuple(layers), **names, version=version, origin=(source, filename))
 
     @classmethod
-    def of(cls, model_or_config: Any, *, source: str | None = None, filename: str = RECORD_KEY) -> PatchRecord | None:
+    def of(cls, model_or_config: Any, *, source: str | None = None, filename: str | None = None) -> PatchRecord | None:
         """The record a model's config, a config, or a config.json's content (a mapping) carries, or None. A record
-        that does not read is an error naming ``source``/``filename`` (default: the config; it was edited, or
-        written by a newer version)."""
+        that does not read is an error naming ``source``/``filename``: the file it was read from, where the caller
+        names one; by default the config in memory, whose record was changed since it was written (or written by a
+        newer version)."""
         config = model_or_config
         if not isinstance(config, Mapping):  # a model answers with its config
             config = getattr(config, "config", config)
@@ -168,16 +193,27 @@ class PatchRecord:
         setattr(config, RECORD_KEY, self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
-        """The mapping saved in config.json (and in an adapter's JSON)."""
+        """The mapping saved in config.json (and in an adapter's JSON), in the current :data:`RECORD_FORMAT` (a
+        record read from an older format is written in the current one: without run-time options)."""
+        runtime = _runtime_options(self.scorer)
         return {
+            "format": RECORD_FORMAT,
             "scorer": self.scorer,
-            "options": dict(self.options),
+            "options": {name: value for name, value in self.options.items() if name not in runtime},
             "layers": list(self.layers),
             "family": self.family,
             "base_attn_implementation": self.base_attn_implementation,
             "base_model_type": self.base_model_type,
             "version": self.version,
         }
+
+    @property
+    def base_to_run(self) -> str | None:
+        """The base implementation a model rebuilt from this record runs unless told otherwise: the recorded one
+        where every machine runs it (eager, SDPA); None for a flash or flex base, which needs its kernels (the model
+        then takes transformers' default), or where the record predates the field."""
+        base = self.base_attn_implementation
+        return base if base in ("eager", "sdpa") else None
 
     @property
     def key_dim(self) -> int | None:
@@ -198,7 +234,7 @@ class PatchRecord:
             ValueError: the options do not describe a scorer of this kind (a damaged record, naming where it was
                 read), or ``impl`` is not a compute path.
         """
-        source, filename = self.origin or ("this model", "config.json")
+        source, filename = self.origin or ("this model's config", None)
         config_class = SCORERS[self.scorer].config_class
         try:
             config = config_class.from_record(dict(self.options))
@@ -206,6 +242,30 @@ class PatchRecord:
             problem = f"does not describe a {self.scorer!r} scorer: {str(error).rstrip('.')}"
             raise damaged(source, filename, "options", problem) from error
         return dataclasses.replace(config, impl=impl if impl is not None else DEFAULT_IMPL)
+
+
+def _record_format(data: Mapping[str, Any], source: str, filename: str | None) -> int:
+    """The ``format`` number of a saved record (1 where it has none: written before the number was).
+
+    Raises:
+        ValueError: not a positive whole number (damaged), or above :data:`RECORD_FORMAT` (a newer version wrote it).
+    """
+    record_format = data.get("format", 1)
+    if isinstance(record_format, bool) or not isinstance(record_format, int) or record_format < 1:
+        raise damaged(source, filename, "format", f"must be a record format number, got {record_format!r}")
+    if record_format > RECORD_FORMAT:
+        where = f"{source}/{filename}" if filename else source
+        raise ValueError(
+            f"The hf_neural_attn record in {where} is of format {record_format}, written by a newer version of "
+            f"hf_neural_attn; this version ({__version__}) reads record formats 1 to {RECORD_FORMAT}. Upgrade "
+            "hf_neural_attn (pip install -U hf-neural-attn) to load it."
+        )
+    return record_format
+
+
+def _runtime_options(scorer: str) -> set[str]:
+    """The options of ``scorer`` that are run-time settings (``impl``), which records of format 2 on leave out."""
+    return {item.name for item in SCORERS[scorer].config_class.option_fields() if item.metadata.get("runtime")}
 
 
 def patch_record(model: nn.Module) -> PatchRecord | None:

@@ -2,7 +2,10 @@
 
 A checkpoint ``<output_dir>/step_<N>`` (or ``epoch_<N>``) holds what ``accelerator.save_state`` writes
 (model, optimizer, scheduler, RNG states, gradient scaler) plus ``trainer_state.json``: the training
-progress and the loss and evaluation history, so a resumed run continues the same curves.
+progress and the loss and evaluation history, so a resumed run continues the same curves. Its ``model_files/``
+holds the model's config and preprocessor, what ``python -m recipes.export`` rebuilds the model from around the
+checkpoint's weights (a training-state folder is not a model checkpoint: ``save_state`` writes the weights in the
+backend's own layout, without a config).
 
 Every process writes into a hidden temporary folder ``.<name>.partial``; only when all of them are done
 does the main process write ``trainer_state.json`` last and rename the folder to its final name (an atomic
@@ -17,6 +20,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,7 @@ from .errors import RecipeError
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+MODEL_FILES = "model_files"  # the model's config.json and preprocessor, beside the weights save_state writes
 CHECKPOINT_PATTERN = re.compile(r"^(step|epoch)_(\d+)$")
 
 
@@ -52,8 +57,16 @@ class TrainingProgress:
         return cls(**{key: values[key] for key in cls.__dataclass_fields__ if key in values})
 
 
-def save_checkpoint(accelerator, output_dir: str | os.PathLike, name: str, progress: TrainingProgress) -> Path:
-    """Save the full training state as ``output_dir/name``, atomically. Called by every process."""
+def save_checkpoint(
+    accelerator,
+    output_dir: str | os.PathLike,
+    name: str,
+    progress: TrainingProgress,
+    write_model_files: Callable[[Path], None] | None = None,
+) -> Path:
+    """Save the full training state as ``output_dir/name``, atomically. Called by every process;
+    ``write_model_files(folder)`` (the main process's) writes the model's config and preprocessor into
+    :data:`MODEL_FILES`."""
     output_dir = Path(output_dir)
     final = output_dir / name
     partial = output_dir / f".{name}.partial"
@@ -68,6 +81,8 @@ def save_checkpoint(accelerator, output_dir: str | os.PathLike, name: str, progr
         hook.remove()
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        if write_model_files is not None:
+            write_model_files(partial / MODEL_FILES)
         state_path = partial / STATE_FILE
         with open(state_path, "w") as handle:
             json.dump(progress.to_json(), handle, indent=1)

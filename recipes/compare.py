@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from recipes.args import build_parser, parse_args, parse_values, split_own_flags
-from recipes.errors import RecipeError
+from recipes.errors import RecipeError, refuse
 from recipes.patch_flags import BASELINE, example_scorers
 from recipes.report import HISTORY_FILE, RESULTS_FILE, describe_patch, plot_evaluation_curves, scorer_section
 from recipes.sweep.plan import (
@@ -244,8 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                 delattr(args, name)
             compare(args, known.no_difference_below, known.seeds)
     except RecipeError as error:
-        print(f"compare.py: error: {error}", file=sys.stderr)
-        return 2
+        return refuse("compare.py", error)
     return 0
 
 

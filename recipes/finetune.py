@@ -38,7 +38,7 @@ import torch
 from recipes import checkpointing, harness, hub, modeling, qlora, report, scorer_plots
 from recipes.args import build_parser, parse_args
 from recipes.checks import harness_tasks
-from recipes.errors import RecipeError
+from recipes.errors import RecipeError, refuse
 from recipes.patch_flags import GATE_SETTINGS, describe_gated_scorers, patch_settings
 from recipes.tasks import Task, get_task
 
@@ -87,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(parse_args(argv))
     except RecipeError as error:
-        print(f"finetune.py: error: {error}", file=sys.stderr)
-        return 2
+        return refuse("finetune.py", error)
     return 0
 
 
@@ -156,7 +155,9 @@ def build_optimizer(model, args: argparse.Namespace):
     groups: dict[tuple[bool, bool], list] = {}
     for name, parameter in model.named_parameters():
         if parameter.requires_grad:
-            groups.setdefault((name in scorer_names, parameter.ndim >= 2), []).append(parameter)
+            # The whole tensor's rank: under DeepSpeed ZeRO-3 every parameter's own is its 1-d empty placeholder's.
+            matrix = len(hf_neural_attn.full_shape(parameter)) >= 2
+            groups.setdefault((name in scorer_names, matrix), []).append(parameter)
     param_groups = []
     for (is_scorer, decay), parameters in sorted(groups.items()):
         group = {"params": parameters, "weight_decay": args.weight_decay if decay else 0.0}
@@ -495,7 +496,14 @@ def save_checkpoint(state: TrainingRun, name: str) -> None:
     accelerator, progress = state.accelerator, state.progress
     progress.pending_loss = accelerator.gather(state.running[None]).sum(0).tolist()
     progress.runtime_s = time.time() - state.started
-    checkpointing.save_checkpoint(accelerator, state.args.output_dir, name, progress)
+    unwrapped = accelerator.unwrap_model(state.model)
+
+    def write_model_files(folder: Path) -> None:  # what recipes.export rebuilds the model from
+        unwrapped.config.architectures = [type(unwrapped).__name__]  # as the model's save_pretrained records it
+        unwrapped.config.save_pretrained(folder)
+        state.preprocessor.save_pretrained(folder)
+
+    checkpointing.save_checkpoint(accelerator, state.args.output_dir, name, progress, write_model_files)
     if accelerator.is_main_process:
         checkpointing.prune_checkpoints(state.args.output_dir, state.args.checkpoints_total_limit)
     accelerator.wait_for_everyone()

@@ -68,11 +68,12 @@ def load_config(args: argparse.Namespace, task: Task):
     if config.model_type not in task.model_classes():
         raise RecipeError(
             f"The model ({config.model_type}, from {describe_source(args)}) cannot take --task {args.task}: "
-            f"transformers has no {task.head_description} for model type {config.model_type!r}. {task.head_hint}"
+            f"transformers has no class with {task.head_description} for model type {config.model_type!r}. "
+            f"{task.head_hint}"
         )
     if args.config_overrides:  # the model's own checks of the overridden values, before any data or weights load
         build_skeleton(copy.deepcopy(config), task, f"with --config_overrides {args.config_overrides!r}")
-    record = patch_record_of(config)
+    record = patch_record_of(config, source=args.model_name_or_path or args.config_name)
     if record is not None and args.scorer != BASELINE:
         raise RecipeError(
             f"{args.model_name_or_path} is already patched (scorer {record.scorer!r}, layers {list(record.layers)}). "
@@ -141,10 +142,11 @@ def build_skeleton(config, task: Task, what: str):
         ) from None
 
 
-def patch_record_of(config) -> hf_neural_attn.PatchRecord | None:
-    """The patch record a checkpoint's config carries (it was saved by a patched run), or None."""
+def patch_record_of(config, source: str | None = None) -> hf_neural_attn.PatchRecord | None:
+    """The patch record a checkpoint's config carries (it was saved by a patched run), or None; ``source``: the
+    folder or Hub repo whose config.json it was read from, which a damaged record's message names."""
     try:
-        return hf_neural_attn.PatchRecord.of(config)
+        return hf_neural_attn.PatchRecord.of(config, source=source, filename="config.json" if source else None)
     except ValueError as error:
         raise RecipeError(str(error)) from error
 
@@ -248,7 +250,7 @@ def _load_pretrained(model_class, path: str, config, args: argparse.Namespace):
     if quantization is not None:
         kwargs["quantization_config"] = quantization
     try:
-        if patch_record_of(config) is not None:
+        if patch_record_of(config, source=path) is not None:
             # A checkpoint of a patched run: reload it with its patch and scorer weights.
             # Run-time options (--impl) are not in the record: they are the run's, given again each time.
             model = hf_neural_attn.from_pretrained(path, config=config, **runtime_options(args), **kwargs)
@@ -286,7 +288,7 @@ def _checkpoint_keys(path: str) -> set[str]:
 
 def count_parameters(model) -> dict[str, int]:
     def numel(parameter) -> int:  # DeepSpeed ZeRO-3 leaves each process an empty placeholder of the whole tensor
-        return getattr(parameter, "ds_numel", parameter.numel())
+        return hf_neural_attn.full_shape(parameter).numel()
 
     total = sum(numel(p) for p in model.parameters())
     trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)

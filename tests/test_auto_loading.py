@@ -167,14 +167,35 @@ def test_trusting_the_loader_file_with_the_library_installed_loads_patched(llama
     assert name == "LlamaForCausalLM" and float(error) <= TOL
 
 
-def test_a_plain_model_set_to_the_patch_name_by_hand_fails_loudly(llama_checkpoint):
-    """A model of the plain class built from a patched config (not loaded, not patched) cannot run as if patched."""
+def test_a_plain_config_class_reading_a_patched_config_builds_a_patched_model(llama_checkpoint, tmp_path):
+    """``LlamaConfig.from_pretrained`` of a patched folder (not AutoConfig) keeps the record, and the file's
+    ``model_type`` and ``attn_implementation`` (ours): the model built from it is patched as the record says, over
+    the recorded base, and records the base model type, so it saves and loads as any patched model."""
     folder, inputs, *_ = llama_checkpoint
+    model = LlamaForCausalLM(LlamaConfig.from_pretrained(folder)).eval()
+    assert hf_neural_attn.is_patched(model)
+    record = hf_neural_attn.patch_record(model)
+    assert (record.scorer, record.layers, record.base_model_type) == ("qana", (1,), "llama")
+    assert record.base_attn_implementation == json.loads((folder / "config.json").read_text())["hf_neural_attn"][
+        "base_attn_implementation"
+    ]
+    model.save_pretrained(tmp_path)
+    torch.testing.assert_close(
+        hf_neural_attn.from_pretrained(tmp_path)(**inputs).logits, model(**inputs).logits, rtol=0, atol=TOL
+    )
+
+
+def test_a_plain_model_set_to_the_patch_name_by_hand_fails_loudly_and_patches_over_eager():
+    """A config without the record, set to the patch's name by hand: the model cannot run as if patched, and a patch
+    records the base it then runs (eager), not the patch's own name."""
     hf_neural_attn.patch_model(tiny_llama(), "qana")  # the attention function is registered once a patch exists
-    model = LlamaForCausalLM(LlamaConfig.from_pretrained(folder))  # the file's attn_implementation: ours
+    model = tiny_llama(attn_implementation="hf_neural_attn")
     assert not hf_neural_attn.is_patched(model)
-    with pytest.raises(RuntimeError, match="hf_neural_attn.from_pretrained"):
-        model(**inputs)
+    with pytest.raises(RuntimeError, match="set by hand on a config that carries no patch"):
+        model(**model_inputs("llama"))
+    hf_neural_attn.patch_model(model, "qana")
+    assert hf_neural_attn.patch_record(model).base_attn_implementation == "eager"
+    model(**model_inputs("llama"))
 
 
 def test_checkpoints_saved_before_the_patched_model_type_still_load(llama_checkpoint, tmp_path):

@@ -29,7 +29,9 @@ def test_train_step_benchmark_interleaved_default_row(tmp_path):
         for dropout in ("config", "zero")
         for scorer, impl in (("none", "sdpa"), ("neural", "default"))
     }
-    assert all(row["timed"] == "interleaved" and row["time_s"] > 0 and row["peak_bytes"] > 0 for row in results)
+    # What was measured, not how fast: a timing is no pass condition (a loaded machine makes any of them odd).
+    assert all(row["timed"] == "interleaved" and isinstance(row["time_s"], float) for row in results)
+    assert all(row["peak_bytes"] > 0 for row in results)
     table = (tmp_path / "train_step_gpt2.md").read_text()
     assert "timed interleaved" in table and "GPT-2 from its default config" in table
     # 1 x 2 heads x 40 x 40 x h=4 scores: well under the threshold, so the default materialises them, with
@@ -53,7 +55,11 @@ def test_inference_benchmark_reports_prefill_and_decode_eager_and_compiled(tmp_p
     run_benchmark("inference.py", *flags, "--compiled", tmp_path=tmp_path)
     results = json.loads((tmp_path / "inference.json").read_text())["results"]["16"]
     assert set(results) == {"none", "qana", "none compiled", "qana compiled"}
-    assert all(times["prefill_s"] > 0 and times["decode_s"] > 0 for times in results.values())
+    # Every row timed its 2 decode steps themselves: the compiled ones through generate's per-token stamps (3 tokens,
+    # the first ending the prefill), not as a difference of two generate calls. No timing is a pass condition.
+    for times in results.values():
+        assert set(times) == {"prefill_s", "decode_s", "decode_steps"} and times["decode_steps"] == 2, times
+        assert isinstance(times["prefill_s"], float) and isinstance(times["decode_s"], float)
     table = (tmp_path / "inference.md").read_text()
     assert "| 16 | none |" in table and "| 16 | qana |" in table and "µs |" in table
     # Each mode's ratios are to the unpatched model of that mode.

@@ -22,6 +22,7 @@ from helpers import (
 from safetensors.torch import load_file
 
 import hf_neural_attn
+from hf_neural_attn.record import RECORD_FORMAT
 
 PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt"}
 
@@ -37,6 +38,10 @@ def test_save_pretrained_writes_safetensors_and_the_patch_record(tmp_path):
     assert record["options"] == model.config.hf_neural_attn["options"]
     assert record["options"]["proj_dim"] == 2 and record["options"]["h"] == 3
     assert record["version"] == hf_neural_attn.__version__
+    # The layout's own number, apart from the package version (records of 0.1.0 with and without impl share that):
+    # the loaders read it (a newer one is refused, tests/test_damaged_checkpoints.py; none is format 1, whose records
+    # still load, tests/test_saved_checkpoints.py).
+    assert record["format"] == RECORD_FORMAT == 2 and "impl" not in record["options"]
     saved = load_file(folder / "model.safetensors")
     assert set(hf_neural_attn.scorer_parameters(model)) <= set(saved)
 

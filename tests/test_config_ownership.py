@@ -10,7 +10,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from helpers import family_names, model_inputs, perturb_scorers, tiny_model
+from helpers import family_case, family_names, model_inputs, perturb_scorers, tiny_model
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
@@ -142,3 +142,70 @@ def test_a_single_layer_may_be_a_0d_tensor():
     _, model, _, _ = _siblings("llama")
     hf_neural_attn.patch_model(model, "qana", layers=torch.tensor(1))
     assert model.config.hf_neural_attn["layers"] == [1]
+
+
+def _outputs(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What the tiny model of a family returns: logits, or the bare encoder's hidden states (BERT)."""
+    output = model(**inputs)
+    return output.logits if "logits" in output else output.last_hidden_state
+
+
+@pytest.mark.parametrize("family", family_names(mirrored=True))
+def test_a_model_built_by_its_class_from_a_patched_config_is_patched_like_it(family, tmp_path):
+    """``type(model)(model.config)``, as transformers' tests build a fresh model (an assistant for assisted decoding):
+    patched as the config's record says, with fresh scorers, like ``AutoModel*.from_config(model.config)``; it owns
+    its config, records the base implementation its source runs (never the patch's own name), switches, saves and
+    loads as any patched model; the source model and its config stay as they were."""
+    source = hf_neural_attn.patch_model(tiny_model(family), "neural", h=2)
+    perturb_scorers(source)
+    source.set_attn_implementation("eager")  # a base other than transformers' default (SDPA)
+    inputs = model_inputs(family)
+    before, config_before = _outputs(source, inputs), source.config.to_dict()
+
+    torch.manual_seed(1)
+    twin = type(source)(source.config).eval()
+    assert hf_neural_attn.is_patched(twin) and twin.config is not source.config
+    assert hf_neural_attn.patch_record(twin) == hf_neural_attn.patch_record(source)
+    assert twin.config.base_attn_implementation == "eager"
+    assert {id(p) for p in hf_neural_attn.scorer_parameters(twin).values()}.isdisjoint(
+        id(p) for p in hf_neural_attn.scorer_parameters(source).values()
+    )
+    if family_case(family).causal:  # the same rule through the Auto class
+        auto = AutoModelForCausalLM.from_config(source.config)
+        assert hf_neural_attn.patch_record(auto) == hf_neural_attn.patch_record(twin)
+    with pytest.raises(ValueError, match="already patched with scorer 'neural'"):
+        hf_neural_attn.patch_model(twin, "qana")
+
+    perturb_scorers(twin, seed=5)
+    over_eager = _outputs(twin, inputs)
+    twin.set_attn_implementation("sdpa")
+    assert hf_neural_attn.patch_record(twin).base_attn_implementation == "sdpa"
+    torch.testing.assert_close(_outputs(twin, inputs), over_eager, rtol=0, atol=1e-4)  # eager vs SDPA rounding
+    twin.save_pretrained(tmp_path / "twin")
+    reloaded = hf_neural_attn.from_pretrained(tmp_path / "twin").eval()
+    assert hf_neural_attn.patch_record(reloaded).base_attn_implementation == "sdpa"
+    torch.testing.assert_close(_outputs(reloaded, inputs), _outputs(twin, inputs), rtol=0, atol=TOL)
+
+    # Unpatched and patched again: the record names the base it runs.
+    hf_neural_attn.unpatch_model(twin)
+    hf_neural_attn.patch_model(twin, "qana", h=2)
+    assert hf_neural_attn.patch_record(twin).base_attn_implementation == "sdpa"
+    twin.save_pretrained(tmp_path / "repatched")
+    assert hf_neural_attn.patch_record(hf_neural_attn.from_pretrained(tmp_path / "repatched")).scorer == "qana"
+
+    assert source.config.to_dict() == config_before and source.config.base_attn_implementation == "eager"
+    torch.testing.assert_close(_outputs(source, inputs), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", family_names(mirrored=True, causal=True))
+def test_assisted_decoding_with_an_assistant_built_from_the_patched_config_equals_greedy(family):
+    """transformers' test_assisted_decoding_matches_greedy_search with its random assistant,
+    ``model_class(config)``: the target's live scorers decide every token, whatever the assistant drafts."""
+    model = hf_neural_attn.patch_model(tiny_model(family), "qana", h=2)
+    perturb_scorers(model, std=1.0)
+    torch.manual_seed(3)
+    assistant = type(model)(model.config).eval()
+    prompt = model_inputs(family, batch=1, seq=6)["input_ids"]
+    settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    greedy = model.generate(prompt, **settings)
+    assert torch.equal(model.generate(prompt, assistant_model=assistant, **settings), greedy)

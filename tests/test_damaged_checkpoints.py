@@ -93,6 +93,7 @@ BAD_FIELD_VALUES = {
     "version": 1,
     "family": 5,
     "base_attn_implementation": ["sdpa"],
+    "format": "two",
 }
 
 DAMAGES = [
@@ -130,11 +131,23 @@ DAMAGES = [
         in_record(lambda record: record["options"].update(h="x")),
         r"{record} is damaged: field 'options'.*h must be a positive integer",
     ),
-    # impl, which records no longer hold, is still checked where older ones carry it (then ignored).
+    # impl, which records no longer hold, is still checked where older ones (format 1: no format number) carry it
+    # (then ignored); a record of the current format holding it is damaged.
     Damage(
         "option-impl",
-        in_record(lambda record: record["options"].update(impl=7)),
+        in_record(lambda record: (record.pop("format"), record["options"].update(impl=7))),
         r"{record} is damaged: field 'options'.*impl",
+    ),
+    Damage(
+        "option-impl-in-format-2",
+        in_record(lambda record: record["options"].update(impl="auto")),
+        r"{record} is damaged: field 'options'.*run-time options \['impl'\], which records of format 2 leave out",
+    ),
+    # A record format this version does not know: a newer version wrote it, which is no damage.
+    Damage(
+        "format-newer",
+        in_record(lambda record: record.update(format=99)),
+        r"{record} is of format 99, written by a newer version of hf_neural_attn; .* reads record formats 1 to 2",
     ),
     # The JSON around the record.
     Damage("no-class", in_record_file(lambda content, _: content.update(architectures=None)), r"architectures"),

@@ -143,3 +143,16 @@ def test_setting_the_attention_name_by_hand_without_patching_is_a_clear_error():
     model.config._attn_implementation = "hf_neural_attn"
     with pytest.raises(RuntimeError, match="was not patched.*patch_model"):
         logits(model, model_inputs("llama"))
+
+
+def test_a_record_changed_in_memory_is_not_blamed_on_a_file():
+    """The record on a config object (written by patch_model, changed since) is no file's: its message names the
+    config and what to do, not a file to restore."""
+    model = hf_neural_attn.patch_model(tiny_llama(), "qana")
+    model.config.hf_neural_attn["layers"] = "all"
+    with pytest.raises(ValueError) as error:
+        hf_neural_attn.patch_record(model)
+    message = str(error.value)
+    assert "this model's config (LlamaConfigWithNeuralAttn) carries (config.hf_neural_attn) is not valid" in message
+    assert "field 'layers'" in message and "Patch the model again" in message
+    assert "restore the file" not in message and "/hf_neural_attn" not in message

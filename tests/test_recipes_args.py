@@ -114,7 +114,8 @@ def bad_input_cases(assets, tmp_path):
         ),
         "image model for a text task": (
             ["--task", "clm", "--model_name_or_path", str(assets["vit"])],
-            "cannot take --task clm",
+            "cannot take --task clm: transformers has no class with a causal language-modeling head for model type "
+            "'vit'. Use a decoder",
         ),
         "text model for images": (
             [
@@ -125,7 +126,8 @@ def bad_input_cases(assets, tmp_path):
                 "--train_dir",
                 str(assets["images_train"]),
             ],
-            "cannot take --task image",
+            "cannot take --task image: transformers has no class with an image-classification head for model type "
+            "'gpt2'.",
         ),
         "push without a repository": (["--task", "clm", "--push_to_hub"], "--push_to_hub needs --hub_model_id"),
         "layer out of range": (

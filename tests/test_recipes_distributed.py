@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from recipes_helpers import (
     FINETUNE,
     ROOT,
@@ -30,6 +31,9 @@ from recipes_helpers import (
     write_image_folders,
     write_text_files,
 )
+
+import hf_neural_attn
+from recipes.export import export_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +102,8 @@ def test_two_processes_give_the_metrics_of_one(kind, workspace, tmp_path):
     # torchrun; with no GPU the recipe's Accelerator runs on CPU and Accelerate joins the processes with DDP
     # over gloo. Each process takes half the batch: the same examples per step as the single process.
     half = ["--per_device_train_batch_size", str(batch // 2), "--output_dir", str(two)]
+    if kind == "clm":  # a checkpoint at the last step, exported below
+        half += ["--checkpointing_steps", "6"]
     check(run_recipe([*flags, *half], env, launcher=accelerate_launcher()))
 
     single, double = read_results(one), read_results(two)
@@ -118,6 +124,12 @@ def test_two_processes_give_the_metrics_of_one(kind, workspace, tmp_path):
     for a, b in zip(history_one["train_loss"], history_two["train_loss"], strict=True):
         assert a[0] == b[0] and b[1] == pytest.approx(a[1], rel=1e-4)
     assert [e["step"] for e in history_one["evaluations"]] == [e["step"] for e in history_two["evaluations"]]
+    if kind == "clm":
+        # The DDP checkpoint (its weights under the wrapper's module. names) exports to the run's saved model.
+        assert export_checkpoint(two / "step_6", tmp_path / "exported") == tmp_path / "exported"
+        exported = hf_neural_attn.from_pretrained(tmp_path / "exported").state_dict()
+        saved = hf_neural_attn.from_pretrained(two).state_dict()
+        assert exported.keys() == saved.keys() and all(torch.equal(exported[n], saved[n]) for n in saved)
 
 
 def test_resume_after_sigkill_ends_with_the_uninterrupted_metrics(workspace, tmp_path):
@@ -164,3 +176,16 @@ def test_resume_after_sigkill_ends_with_the_uninterrupted_metrics(workspace, tmp
     assert resumed["train_steps"] == reference["train_steps"] == 240
     assert read_history(killed) == read_history(uninterrupted)
     assert not list(killed.glob(".*.partial")), "a half-written checkpoint was left behind after the resumed run"
+
+
+def test_a_refusal_under_accelerate_launch_reaches_the_launchers_summary(tmp_path):
+    """docs/recipes.md, "Bad input": under `accelerate launch` every process refuses with the one-line message and exit
+    code 2; the launcher (torch's elastic agent) then fails the job its own way, torch's ChildFailedError and exit
+    code 1, and its summary shows the message rather than a pointer to torch's docs."""
+    missing = tmp_path / "missing.txt"
+    flags = ["--task", "clm", "--train_file", str(missing), "--output_dir", str(tmp_path / "out")]
+    process = run_recipe(flags, offline_env(tmp_path / "hf_home"), launcher=accelerate_launcher())
+    message = f"finetune.py: error: --train_file {missing} does not exist."
+    assert process.returncode == 1, process.stderr[-3000:]
+    assert "ChildFailedError" in process.stderr and "exitcode  : 2" in process.stderr
+    assert f"traceback : {message}" in process.stderr, process.stderr[-3000:]

@@ -346,3 +346,26 @@ def test_checkpoints_of_tied_embeddings_are_saved_without_warnings(from_scratch_
         with safe_open(out / checkpoint / "model.safetensors", framework="pt") as weights:
             names = set(weights.keys())
             assert "transformer.wte.weight" in names and "lm_head.weight" not in names
+
+
+def test_a_training_state_checkpoint_is_named_as_such_and_exports_to_the_model(from_scratch_command_line, tmp_path):
+    """``hf_neural_attn.from_pretrained`` of a run's step_N says what the folder is and the command that makes a
+    checkpoint of it; that command (``python -m recipes.export``) saves the model of the last step: the run's own
+    saved model, tensor for tensor (the tied output weight tied again), with its tokenizer."""
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    from recipes.export import main as export
+
+    out, _ = from_scratch_command_line
+    with pytest.raises(ValueError, match=r"step_2 is a training-state folder.*not a model checkpoint") as error:
+        hf_neural_attn.from_pretrained(out / "step_2")
+    assert f"python -m recipes.export {out / 'step_2'} <new folder>" in str(error.value)
+
+    assert export([str(out / "step_2"), str(tmp_path / "model")]) == 0
+    exported, final = GPT2LMHeadModel.from_pretrained(tmp_path / "model"), GPT2LMHeadModel.from_pretrained(out)
+    assert exported.lm_head.weight is exported.transformer.wte.weight
+    final_state = final.state_dict()
+    assert all(torch.equal(tensor, final_state[name]) for name, tensor in exported.state_dict().items())
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "model")) == len(AutoTokenizer.from_pretrained(out))
+    # Not into a folder holding something already.
+    assert export([str(out / "step_1"), str(tmp_path / "model")]) == 2

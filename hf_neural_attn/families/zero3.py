@@ -41,8 +41,12 @@ def _zero():
 
 
 def full_shape(parameter: torch.Tensor) -> torch.Size:
-    """The shape of the whole tensor (a partitioned parameter's own ``shape`` is its empty local placeholder's)."""
-    return parameter.ds_shape if is_partitioned(parameter) else parameter.shape
+    """The shape of ``parameter``'s whole tensor, the same on every process: what every question about a parameter's
+    size asks (is it new, resized, a matrix; how many elements). A DeepSpeed ZeRO-3 partitioned parameter's own
+    ``shape`` is its empty local placeholder's, ``(0,)``; its whole shape is ``ds_shape``. FSDP2's sharded
+    parameters (DTensors), weights offloaded by accelerate and meta tensors report their whole shape themselves.
+    (FSDP1 flattens the parameters it wraps: ask before it wraps the model, as the recipes do.)"""
+    return torch.Size(parameter.ds_shape) if is_partitioned(parameter) else parameter.shape
 
 
 @contextlib.contextmanager

@@ -30,9 +30,8 @@ from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPI
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
-from ..patched_config import base_config
-from ..patching import patch_model
-from ..record import PatchRecord
+from ..patched_config import base_config, base_config_as_recorded
+from ..patching import patch_as_recorded, recorded_patch
 from .dispatch import from_pretrained
 
 
@@ -95,17 +94,10 @@ def _loader_for(auto_class: type[_BaseAutoModelClass]) -> type:
 
         @classmethod
         def _from_config(cls, config, **kwargs):
-            # The record is read (and its scorer config built) before the model, so a damaged one fails fast.
-            record = PatchRecord.of(config)
-            if record is None:
-                raise ValueError(
-                    f"{type(config).__name__} carries no hf_neural_attn record, so there is no patch to apply; build "
-                    "the model with its plain transformers class."
-                )
-            scorer = record.scorer_config()
-            plain = base_config(config)
+            recorded_patch(config)  # read before the model is built: no record, or a damaged one, fails fast
+            plain = base_config_as_recorded(config)
             model = _base_model_class(auto_class, plain)._from_config(plain, **kwargs)
-            return patch_model(model, scorer, layers=list(record.layers))
+            return patch_as_recorded(model, config)
 
     PatchedModelLoader.__name__ = PatchedModelLoader.__qualname__ = f"{auto_class.__name__}PatchedLoader"
     return PatchedModelLoader

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..ops import check_impl
 from .adapters import find_adapter_config, load_adapter_model
-from .files import check_model_class, check_source
+from .files import check_model_class, check_not_training_state, check_source
 from .full import load_full_checkpoint
 from .peft_adapters import load_peft_adapter_model, peft_adapter_base
 
@@ -57,14 +57,16 @@ def from_pretrained(
 
     Raises:
         ValueError: ``impl`` is not a compute path or is ``"triton"`` where Triton cannot run (checked before
-            any weight loads), the folder is not a patched checkpoint (no ``hf_neural_attn`` record in its config),
-            the record is damaged (the message names the file and field), the scorer weights are missing or do
-            not fit, or an adapter does not fit its base model (other family, fewer layers, other shapes, or base
-            weights that changed since the adapter was saved).
+            any weight loads), the folder is a training state (Accelerate's ``save_state``: the message says how
+            to make a checkpoint of it), the folder is not a patched checkpoint (no ``hf_neural_attn`` record in
+            its config), the record is damaged (the message names the file and field), the scorer weights are
+            missing or do not fit, or an adapter does not fit its base model (other family, fewer layers, other
+            shapes, or base weights that changed since the adapter was saved).
         OSError: an adapter's base model cannot be loaded (the message says how to point at it).
     """
     check_model_class(model_class)
     check_source(path_or_repo_id)
+    check_not_training_state(path_or_repo_id)
     if impl is not None:
         check_impl(impl)
     adapter_config_file = find_adapter_config(path_or_repo_id, hf_kwargs)

@@ -118,6 +118,30 @@ def check_source(path_or_repo_id) -> None:
         )
 
 
+def check_not_training_state(path_or_repo_id) -> None:
+    """A local folder that Accelerate's ``save_state`` wrote (its random states beside the weights, no config.json) is
+    a training state, not a checkpoint: the error says so and how to get the model out of it (transformers would
+    say only that it finds no ``model_type``)."""
+    folder = os.path.expanduser(os.fspath(path_or_repo_id))
+    if not os.path.isdir(folder) or os.path.isfile(os.path.join(folder, CONFIG_NAME)):
+        return
+    names = set(os.listdir(folder))
+    if not any(name.startswith("random_states") and name.endswith(".pkl") for name in names):
+        return
+    if "trainer_state.json" in names:  # a checkpoint of hf_neural_attn's recipes (recipes/checkpointing.py)
+        how = f"`python -m recipes.export {folder} <new folder>` saves its model, with its tokenizer, as one"
+    else:
+        how = (
+            "load it into the model it was trained from with `accelerator.load_state(folder)` and save that model "
+            "with `save_pretrained`"
+        )
+    raise ValueError(
+        f"{path_or_repo_id} is a training-state folder, written by Accelerate's save_state to resume training (the "
+        "weights in the training backend's own layout, with optimizer, scheduler and random states), not a model "
+        f"checkpoint: it has no config.json. Resume training from it, or make a checkpoint of it: {how}."
+    )
+
+
 def check_model_class(model_class) -> None:
     """``model_class`` (the caller's ``model_class=``) is a transformers model class, or None."""
     if model_class is not None and not (isinstance(model_class, type) and issubclass(model_class, PreTrainedModel)):

@@ -1,4 +1,5 @@
-"""A transformers model class's own ``from_pretrained`` and ``save_pretrained``, on patched checkpoints and models.
+"""A transformers model class's own ``from_pretrained``, ``save_pretrained`` and constructor, on patched checkpoints,
+models and configs.
 
 transformers builds what it is asked for: ``LlamaForCausalLM.from_pretrained(path)`` builds a ``LlamaForCausalLM``
 from ``path/config.json`` whatever model type the file names, and an explicit ``attn_implementation=`` overrides the
@@ -16,6 +17,12 @@ next anyway; for a Hub repo it is one more cached-file lookup), and a local fold
 without the record is. The library's own loaders build the base model through classes marked with
 :data:`~hf_neural_attn.record.BASE_LOAD_ATTR`, which pass straight through.
 
+A model built by its class from a patched model's or checkpoint's config (``LlamaForCausalLM(patched.config)``, as
+transformers' own tests build an assistant model for assisted decoding) is patched as that config's record says,
+with fresh scorers, as ``AutoModelForCausalLM.from_config(patched.config)`` gives it
+(:func:`~hf_neural_attn.patching.patch_as_recorded`): ``post_init``, which every transformers model calls at the end
+of its ``__init__``, does it for the outermost model being built.
+
 ``save_pretrained`` of a patched model whose scorers PEFT still wraps (``get_peft_model(model).get_base_model()
 .save_pretrained(path)``) would write the scorer tensors under PEFT's wrapper names, a checkpoint nothing can load
 patched: it is refused, with the calls that save what was trained.
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from typing import Any
 
 from transformers import PretrainedConfig, PreTrainedModel
@@ -36,8 +44,14 @@ _WRAPPED_ATTR = "_hf_neural_attn_wrapped"  # on the functions install() put in p
 
 
 def install() -> None:
-    """Wrap ``PreTrainedModel.from_pretrained`` and ``save_pretrained`` (once; see the module docstring)."""
-    for name, wrap in (("from_pretrained", _routing_from_pretrained), ("save_pretrained", _checked_save_pretrained)):
+    """Wrap ``PreTrainedModel.from_pretrained``, ``save_pretrained`` and ``post_init`` (once; see the module
+    docstring)."""
+    wraps = (
+        ("from_pretrained", _routing_from_pretrained),
+        ("save_pretrained", _checked_save_pretrained),
+        ("post_init", _patching_post_init),
+    )
+    for name, wrap in wraps:
         current = PreTrainedModel.__dict__[name]
         function = current.__func__ if isinstance(current, classmethod) else current
         if getattr(function, _WRAPPED_ATTR, False):
@@ -64,6 +78,34 @@ def _routing_from_pretrained(original):
         return load_patched(pretrained_model_name_or_path, model_class=cls, **kwargs)
 
     return from_pretrained
+
+
+def _patching_post_init(original):
+    @functools.wraps(original)
+    def post_init(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        # Cheap for every other model: only a config carrying the record is looked at further.
+        if carries_record(self.config) and not is_patched(self) and not _built_inside_another_model(self):
+            from ..patching import patch_as_recorded
+
+            patch_as_recorded(self, self.config)
+        return result
+
+    return post_init
+
+
+def _built_inside_another_model(model) -> bool:
+    """Whether ``model`` is a part another model's ``__init__`` is building (``LlamaModel`` inside
+    ``LlamaForCausalLM``): the model being built is the outermost, and it is patched once, whole, at the end of its
+    own ``__init__`` (transformers calls ``post_init`` last in every model's ``__init__``, parts first)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__":
+            builder = frame.f_locals.get("self")
+            if builder is not model and isinstance(builder, PreTrainedModel):
+                return True
+        frame = frame.f_back
+    return False
 
 
 def _checked_save_pretrained(original):

@@ -169,8 +169,8 @@ def load_patched_model(
         raise TypeError(
             f"attn_implementation must name an attention implementation ('eager', 'sdpa', ...), got {asked!r}."
         )
-    if record.base_attn_implementation in ("eager", "sdpa") and not told:
-        loading_kwargs["attn_implementation"] = record.base_attn_implementation
+    if record.base_to_run is not None and not told:
+        loading_kwargs["attn_implementation"] = record.base_to_run
     if record.key_dim is not None:
         _refuse_offloading_narrow_keys(record, loading_kwargs.get("device_map"), loading_kwargs.get("offload_folder"))
     with unreadable_weights_are_errors(weights_source):

@@ -50,7 +50,7 @@ import sys
 
 from recipes.args import build_parser, split_own_flags
 from recipes.config_files import CONFIG_EXTENSIONS
-from recipes.errors import RecipeError
+from recipes.errors import RecipeError, refuse
 from recipes.sweep.plan import GRIDS, NOT_ACCEPTED_FLAGS, build_plan, check_run_folders
 from recipes.sweep.report import SWEEP_TABLE, write_report
 from recipes.sweep.run import is_main_process, run_sweep
@@ -101,6 +101,5 @@ def main(argv: list[str] | None = None) -> int:
             print((plan.root / SWEEP_TABLE).read_text())
             print("Wrote " + ", ".join(str(path) for path in written.values()))
     except RecipeError as error:
-        print(f"sweep: error: {error}", file=sys.stderr)
-        return 2
+        return refuse("sweep", error)
     return 0

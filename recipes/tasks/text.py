@@ -11,6 +11,7 @@ import logging
 import os
 from typing import Any
 
+import hf_neural_attn
 from recipes.errors import RecipeError
 from recipes.tasks.base import Task
 
@@ -105,7 +106,8 @@ class TextTask(Task):
     def adapt_model(self, model, tokenizer) -> set[str]:
         """Grow the embeddings to a tokenizer with more tokens; the resized matrices have new rows to learn, so they
         stay trainable under --train_only_new_params."""
-        if len(tokenizer) <= model.get_input_embeddings().weight.shape[0]:
+        # The whole matrix's rows: under DeepSpeed ZeRO-3 the weight's own shape is each process's empty placeholder.
+        if len(tokenizer) <= hf_neural_attn.full_shape(model.get_input_embeddings().weight)[0]:
             return set()
         model.resize_token_embeddings(len(tokenizer))
         resized = [model.get_input_embeddings(), model.get_output_embeddings()]
