@@ -260,3 +260,12 @@ def test_unpatching_a_quantized_model_gives_back_the_quantized_base(base_folders
     perturb_scorers(model)
     hf_neural_attn.unpatch_model(model)
     assert torch.equal(outputs(model, inputs), original)
+
+
+def test_a_4_bit_weight_reports_its_whole_shape_not_its_packed_storage(base_folders):
+    """``hf_neural_attn.full_shape``, what every size question of the recipes asks (parameter counts, weight decay):
+    bitsandbytes keeps a 4-bit (out, in) weight as (out * in / 2, 1) bytes."""
+    model = quantized_model(base_folders, "llama", "bnb-nf4")
+    projection = model.model.layers[0].self_attn.q_proj
+    assert projection.weight.shape != (projection.out_features, projection.in_features)
+    assert hf_neural_attn.full_shape(projection.weight) == (projection.out_features, projection.in_features)

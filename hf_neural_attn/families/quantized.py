@@ -68,6 +68,13 @@ def check_readable(layer: nn.Module, weight: torch.Tensor, what: str) -> None:
     )
 
 
+def logical_shape(weight: torch.Tensor) -> torch.Size:
+    """The shape of the weight ``weight`` stands for: a bitsandbytes 4-bit weight's own ``shape`` is its packed storage's,
+    ``(numel / 2, 1)``, and its ``quant_state`` keeps the weight's; any other tensor's own shape."""
+    quant_state = getattr(weight, "quant_state", None) if quantizer_of(weight) == BITSANDBYTES else None
+    return torch.Size(quant_state.shape) if quant_state is not None else weight.shape
+
+
 def dense_weight(layer: nn.Module) -> torch.Tensor:
     """The weight of the linear ``layer`` as a float tensor of its logical shape (``(out_features, in_features)`` for
     ``nn.Linear`` and the bitsandbytes and torchao layers that replace it): the weight itself when it is not quantized

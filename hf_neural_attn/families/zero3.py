@@ -26,6 +26,8 @@ import sys
 from collections.abc import Iterable, Iterator
 
 import torch
+
+from .quantized import logical_shape
 from torch import nn
 
 
@@ -45,8 +47,10 @@ def full_shape(parameter: torch.Tensor) -> torch.Size:
     size asks (is it new, resized, a matrix; how many elements). A DeepSpeed ZeRO-3 partitioned parameter's own
     ``shape`` is its empty local placeholder's, ``(0,)``; its whole shape is ``ds_shape``. FSDP2's sharded
     parameters (DTensors), weights offloaded by accelerate and meta tensors report their whole shape themselves.
-    (FSDP1 flattens the parameters it wraps: ask before it wraps the model, as the recipes do.)"""
-    return torch.Size(parameter.ds_shape) if is_partitioned(parameter) else parameter.shape
+    (FSDP1 flattens the parameters it wraps: ask before it wraps the model, as the recipes do.) A bitsandbytes 4-bit
+    weight's own shape is its packed storage's, ``(numel / 2, 1)``: its whole shape is the weight's
+    (:func:`.quantized.logical_shape`)."""
+    return torch.Size(parameter.ds_shape) if is_partitioned(parameter) else logical_shape(parameter)
 
 
 @contextlib.contextmanager
