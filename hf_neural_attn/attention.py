@@ -12,6 +12,9 @@ cross-attention row whose encoder input is all padding). The scored path accepts
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 from torch import nn
 from transformers import AttentionInterface
@@ -19,7 +22,17 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from .families import FAMILIES, ModelFamily
 from .families.offload import offloaded_weights_loaded
+from .families.parallelism import (
+    attention_across_ranks,
+    check_context_parallel_scorer,
+    check_no_sequence_parallelism,
+    context_parallel_shards,
+    refuse_unscored_under_context_parallelism,
+    sharded_heads,
+    sharded_parameters_local,
+)
 from .ops import scored_attention, zero_rows_without_keys
+from .ops.dropout import DropoutPlacement, draw_seed
 from .ops.masks import as_additive_mask
 from .ops.packed import PACKING_KWARGS, packed_sequences, sequence_block, sequence_mask
 from .patched_config import is_patched_config
@@ -96,9 +109,12 @@ def _attention(
     for a module the patch does not score. Shapes as there; ``extras`` is the scorer's per-query inputs."""
     need_weights = wants_attention_weights(kwargs)
     scorer: Scorer | None = getattr(module, SCORER_ATTR, None)
+    context_shards = context_parallel_shards()
     if scorer is None:
         implementation = _unscored_implementation(module)
         family_name = getattr(module, FALLBACK_ATTR)[0]
+        if context_shards is not None:
+            refuse_unscored_under_context_parallelism(implementation, module)
         if need_weights and implementation != "eager":
             # Only the eager path returns probabilities. It adds its mask to the logits, so it gets the
             # additive form of the mask this call carries (which may be SDPA's boolean one, or None for causal);
@@ -120,25 +136,46 @@ def _attention(
         )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    mask = _scoring_mask(attention_mask, query, key, is_causal)
+    check_no_sequence_parallelism()
     family = FAMILIES.get(getattr(module, FALLBACK_ATTR)[0], ModelFamily)  # named in a dropout value's error
+    score = functools.partial(
+        scored_attention,
+        scorer,
+        scaling=scaling,
+        dropout=dropout,
+        dropout_source=f"config.{family.attention_dropout_field}",
+        training=module.training,
+        need_weights=need_weights,
+    )
+    heads = sharded_heads(scorer, query.shape[1])
+    placement = None
+    if module.training and dropout > 0 and (heads is not None or context_shards is not None):
+        # A part of an attention computed in parts drops what the whole would: one seed for the whole, the heads'
+        # and rows' places in it.
+        first_head, total_heads = heads if heads is not None else (0, query.shape[1])
+        placement = DropoutPlacement(draw_seed(), first_head, total_heads)
     # The paths read the scorer's parameters without calling it as a module, so when accelerate offloaded the
-    # scorer (a model patched, then dispatched with offloading) its tensors are loaded here for the call.
-    with offloaded_weights_loaded(scorer):
-        return scored_attention(
-            scorer,
-            query,
-            key,
-            value,
-            mask,
-            scaling=scaling,
-            dropout=dropout,
-            dropout_source=f"config.{family.attention_dropout_field}",
-            training=module.training,
-            extras=extras,
-            is_causal=is_causal,
-            need_weights=need_weights,
-        )
+    # scorer (a model patched, then dispatched with offloading) its tensors are loaded here for the call; a scorer
+    # tensor parallelism sharded reads its shards as local tensors.
+    with offloaded_weights_loaded(scorer), sharded_parameters_local(scorer):
+        if context_shards is None:
+            mask = _scoring_mask(attention_mask, query, key, is_causal)
+            return score(query, key, value, mask, extras=extras, is_causal=is_causal, dropout_placement=placement)
+        # Context parallelism: this process holds a slice of the sequence; its queries are scored against every
+        # process's keys, a block of queries at a time with the keys its positions see.
+        check_context_parallel_scorer(scorer)
+
+        def attend(rows, keys, values, rows_extras, first_position):
+            rows_placement = dataclasses.replace(placement, row_offset=first_position) if placement else None
+            return score(
+                rows, keys, values, None, extras=rows_extras, is_causal=is_causal, dropout_placement=rows_placement
+            )[0]
+
+        output = attention_across_ranks(
+            context_shards, query, key, value, attention_mask, extras, is_causal=is_causal, need_weights=need_weights,
+            attend=attend,
+        )  # fmt: skip
+        return output, None
 
 
 def wants_attention_weights(kwargs: dict) -> bool:

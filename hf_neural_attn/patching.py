@@ -38,6 +38,7 @@ from ._version import __version__
 from ._warnings import warn_user
 from .families import FAMILIES, ModelFamily, find_attention
 from .families.offload import offloaded_weights_loaded
+from .families.parallelism import forget_scorer_plan, shard_scorer, sharded_parameters_local, tensor_parallel_heads
 from .families.quantized import activation_dtype
 from .families.zero3 import (
     partition_like,
@@ -135,7 +136,7 @@ def patch_model(
     # are loaded while their module is read (as accelerate loads them for a call); the scorers are created on the
     # module's execution device and stay there, outside the offloading. Weights DeepSpeed ZeRO-3 partitioned are
     # gathered the same way, and the new modules are partitioned like them once built (see families/zero3.py).
-    new_scorers, narrow_projections, resolved = {}, {}, {}
+    new_scorers, narrow_projections, resolved, head_shards = {}, {}, {}, {}
     key_dim = getattr(config, "key_dim", None)
     # A quantized base (bitsandbytes, torchao) keeps its projections in packed storage: the scorers are built in the
     # dtype its activations run in (families/quantized.py).
@@ -153,6 +154,8 @@ def patch_model(
             new_scorers[index] = scorer_type(resolved[index], geometry)
             if key_dim is not None:
                 narrow_projections[index] = family.narrow_key_projections(module, key_dim)
+        # Under tensor parallelism the scorer shards with the module's heads, or the patch is refused here.
+        head_shards[index] = tensor_parallel_heads(model, module, new_scorers[index])
         partition_like(module, [new_scorers[index], *narrow_projections.get(index, {}).values()])
     # Options the model decides ("auto") are recorded as what was computed, so that a saved record does not depend
     # on the loading version's rule; where the layers differ (SmolLM3's layers without RoPE), "auto" stays.
@@ -190,6 +193,8 @@ def patch_model(
             family.use_narrow_keys(module, key_dim, narrow_projections[index])
             for projection in narrow_projections[index].values():
                 setattr(projection, ADDED_MODULE_ATTR, True)
+        if head_shards[index] is not None:
+            shard_scorer(model, module, scorer_module, head_shards[index], narrow_projections.get(index, {}))
         if scorer_type.needs_hidden_states:
             module.register_forward_pre_hook(partial(_add_query_extras, family), with_kwargs=True)
     for config_object in _configs(model, config_readers):
@@ -244,6 +249,7 @@ def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
         delattr(module, FALLBACK_ATTR)
     # The configs stay the model's private copies: handing the caller's shared object back is not possible
     # without undoing changes the caller may have made since. Their own implementation shows again.
+    forget_scorer_plan(model, SCORER_ATTR)
     for config_object in _configs(model, config_readers):
         make_unpatched(config_object)
     return model
@@ -404,7 +410,8 @@ def _add_query_extras(family: ModelFamily, module: nn.Module, args: tuple, kwarg
     """Forward pre-hook of a patched module whose scorer reads hidden states: compute its per-query inputs."""
     scorer: Scorer = getattr(module, SCORER_ATTR)
     hidden_states = family.hidden_states(module, args, kwargs)
-    with offloaded_weights_loaded(scorer):  # a scorer accelerate offloaded (patched, then dispatched)
+    # A scorer accelerate offloaded (patched, then dispatched); a scorer sharded by tensor parallelism.
+    with offloaded_weights_loaded(scorer), sharded_parameters_local(scorer):
         kwargs[EXTRAS_KWARG] = scorer.query_extras(hidden_states, family.rotary(module, args, kwargs))
     return args, kwargs
 

@@ -18,6 +18,7 @@ import torch
 from .._version import __version__
 from .._warnings import warn_user
 from ..families import find_attention
+from ..families.parallelism import copy_whole_tensor
 from ..families.zero3 import full_shape, partitioned_weights_gathered
 from ..patching import patch_model
 from ..record import BASE_LOAD_ATTR, PEFT_WRAPPER_PARTS, SCORER_ATTR, PatchRecord, scorer_parameters
@@ -116,10 +117,11 @@ def fill_scorer_weights(
             f"{describe} does not fit the recorded patch: {len(mismatched)} scorer tensor(s) have other shapes, "
             f"e.g. {mismatched[:2]}. {hint}"
         )
-    # Under DeepSpeed ZeRO-3 the parameters are gathered for the copy, and rank 0's copy is what they keep.
+    # Under DeepSpeed ZeRO-3 the parameters are gathered for the copy, and rank 0's copy is what they keep; under
+    # tensor parallelism each process copies its shard.
     with torch.no_grad(), partitioned_weights_gathered(expected.values(), modifier_rank=0):
         for name, parameter in expected.items():
-            parameter.copy_(tensors[name])
+            copy_whole_tensor(parameter, tensors[name])
 
 
 def load_patched_model(

@@ -33,7 +33,7 @@ from .blockwise import blockwise_attention, blockwise_unsupported_reason
 from .choices import IMPL_OPTIONS as IMPL_OPTIONS  # the values of the impl option, re-exported
 from .chunked import chunked_attention
 from .dropout import DEFAULT_SOURCE as DEFAULT_DROPOUT_SOURCE
-from .dropout import AttentionDropout
+from .dropout import AttentionDropout, DropoutPlacement
 from .grouped import repeat_kv
 from .masks import as_additive_mask, query_rows_seeing_all, rows_without_keys
 from .reference import reference_attention
@@ -217,6 +217,7 @@ def scored_attention(
     extras: Any = None,
     is_causal: bool = False,
     need_weights: bool = False,
+    dropout_placement: DropoutPlacement | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention with ``scorer``'s logits, on the path :func:`resolve_impl` picks for the call.
 
@@ -231,12 +232,14 @@ def scored_attention(
         dropout, training: attention dropout probability, applied in training mode (one seed per call,
             :mod:`.dropout`: every path drops the same entries for a seed). In training mode a value outside
             [0, 1] (or NaN) is a ``ValueError`` naming ``dropout_source`` (the config field it came from).
+        dropout_placement: this call is a part (some heads, a block of query rows) of an attention computed in parts
+            on several processes: it drops what the whole would drop there (:class:`.dropout.DropoutPlacement`).
 
     Returns:
         output (batch, q_len, heads, head_dim), the layout transformers' attention functions return,
         and the attention probabilities (batch, heads, q_len, kv_len) when the path keeps them.
     """
-    attention_dropout = AttentionDropout.for_call(dropout, training, dropout_source)
+    attention_dropout = AttentionDropout.for_call(dropout, training, dropout_source, dropout_placement)
     if not scorer.uses_softmax:
         groups = query.shape[1] // key.shape[1]
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)

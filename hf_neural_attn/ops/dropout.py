@@ -24,6 +24,7 @@ in a row. An entry is kept when its hash is at least ``round(p * 2^32)``: the ke
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +110,19 @@ def head_streams(batch: int, heads: int, device) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class DropoutPlacement:
+    """Where one call's probabilities sit in an attention computed in parts (tensor parallelism: this process's heads;
+    context parallelism: a block of the sequence's queries), so that each part drops what the whole computed at once
+    would: the whole's ``seed`` (drawn once, :func:`draw_seed`), this part's first head ``head_offset`` of
+    ``total_heads``, and its first query row ``row_offset`` (key columns are the whole's already)."""
+
+    seed: int
+    head_offset: int = 0
+    total_heads: int | None = None
+    row_offset: int = 0
+
+
+@dataclass(frozen=True)
 class AttentionDropout:
     """One call's attention dropout: probability ``p`` and the ``seed`` its masks are a function of.
 
@@ -121,25 +135,38 @@ class AttentionDropout:
     # Added to the streams of a call split into parts of the batch (ops: one sequence at a time), so that a part's
     # first sequence draws what it draws in the whole batch.
     batch_offset: int = 0
+    # Where this call sits in a whole computed in parts (DropoutPlacement): its heads among the whole's, its rows.
+    head_offset: int = 0
+    total_heads: int | None = None
+    row_offset: int = 0
 
     @classmethod
-    def for_call(cls, p: float, training: bool, source: str = DEFAULT_SOURCE) -> AttentionDropout | None:
-        """The dropout of a call with probability ``p`` in ``training`` mode, with a fresh seed; None when no entry
-        is dropped (eval mode, or ``p`` 0), as transformers' eager attention does. ``p`` is checked in training
-        mode (:func:`check_probability`, naming ``source``), where the unpatched attention would refuse it too."""
+    def for_call(
+        cls, p: float, training: bool, source: str = DEFAULT_SOURCE, placement: DropoutPlacement | None = None
+    ) -> AttentionDropout | None:
+        """The dropout of a call with probability ``p`` in ``training`` mode, with a fresh seed (or the ``placement``'s:
+        a part of a larger attention); None when no entry is dropped (eval mode, or ``p`` 0), as transformers' eager
+        attention does. ``p`` is checked in training mode (:func:`check_probability`, naming ``source``), where the
+        unpatched attention would refuse it too."""
         if not training:
             return None
         p = check_probability(p, source)
-        return cls(p, draw_seed()) if p > 0 else None
+        if p == 0:
+            return None
+        if placement is None:
+            return cls(p, draw_seed())
+        return cls(p, placement.seed, 0, placement.head_offset, placement.total_heads, placement.row_offset)
 
     def streams(self, batch: int, heads: int, device) -> torch.Tensor:
         """(batch, heads, 1, 1) int32 streams of probabilities laid out as (batch, heads, q, kv) (:func:`head_streams`
-        shifted by the part of the batch this call is)."""
-        return head_streams(batch, heads, device).add_(self.batch_offset * heads)
+        shifted by the part of the batch and of the heads this call is)."""
+        total = self.total_heads or heads
+        streams = head_streams(batch, total, device)[:, self.head_offset : self.head_offset + heads]
+        return streams.add(self.batch_offset * total)
 
     def for_sequence(self, index: int) -> AttentionDropout:
         """This dropout for sequence ``index`` of the batch alone."""
-        return AttentionDropout(self.p, self.seed, self.batch_offset + index)
+        return dataclasses.replace(self, batch_offset=self.batch_offset + index)
 
     def kept(self, probs: torch.Tensor, streams: torch.Tensor, row_start: int) -> torch.Tensor:
         """``probs`` (a block of rows from ``row_start``, every column from 0) with the dropped entries zeroed and
@@ -151,7 +178,8 @@ class AttentionDropout:
         self, streams: torch.Tensor, row_start: int, row_end: int, col_end: int, dtype: torch.dtype
     ) -> torch.Tensor:
         """A block's dropout as factors in ``dtype``: 1 / (1 - p) where kept, 0 where dropped."""
-        keep = keep_mask(self.seed, self.p, streams, row_start, row_end, col_end)
+        offset = self.row_offset
+        keep = keep_mask(self.seed, self.p, streams, row_start + offset, row_end + offset, col_end)
         # p = 1 keeps nothing, and its factors are all 0 (as F.dropout's), not 0 times an infinite scale.
         return keep.to(dtype).mul_(1.0 / (1.0 - self.p) if self.p < 1 else 0.0)
 

@@ -1,7 +1,7 @@
 """Scorer registry: adding a scorer is one module and one line here."""
 
 from .additive import AdditiveConfig, AdditiveScorer
-from .base import ACTIVATIONS, AttentionGeometry, MLPScorerConfig, Scorer, ScorerConfig
+from .base import ACTIVATIONS, AttentionGeometry, HeadLayout, MLPScorerConfig, Scorer, ScorerConfig
 from .exponential import HeaConfig, HeaScorer, NseaConfig, NseaScorer
 from .general import GeneralConfig, GeneralScorer
 from .neural import NeuralAttentionConfig, NeuralAttentionScorer
@@ -33,6 +33,7 @@ __all__ = [
     "GeneralScorer",
     "HeaConfig",
     "HeaScorer",
+    "HeadLayout",
     "MLPScorerConfig",
     "NeuralAttentionConfig",
     "NeuralAttentionScorer",

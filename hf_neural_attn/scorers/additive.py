@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..ops.grouped import group_heads, grouped_matmul
-from .base import ACTIVATIONS, AttentionGeometry, MLPScorerConfig, Scorer, option, redefault
+from .base import ACTIVATIONS, AttentionGeometry, HeadLayout, MLPScorerConfig, Scorer, option, redefault
 
 MODES = ("residual", "replace")
 
@@ -75,6 +75,10 @@ class AdditiveScorer(Scorer):
         else:
             self.register_parameter("gate", None)
         self.init_parameters()
+
+    def head_layout(self) -> dict[str, HeadLayout]:
+        """Each head has its own W_q, W_k, v and gate, the heads first."""
+        return {name: HeadLayout.PER_HEAD for name, _ in self.named_parameters()}
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import itertools
 import operator
 from collections.abc import Callable
@@ -203,6 +204,20 @@ def _jsonable(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+class HeadLayout(enum.Enum):
+    """How one scorer parameter relates to the attention heads, which is how it shards when the heads do (tensor
+    parallelism: each process holds a slice of the heads, ``docs/api.md``).
+
+    ``PER_HEAD``: its first dimension holds the heads, in equal contiguous blocks (a per-head gate ``(heads,)``, a
+    per-head matrix ``(heads, h, d)``, the widened query's rows ``(heads * rows, hidden)``, head by head): a process
+    holds the blocks of its own heads. ``SHARED``: one value serves every head (Neural Attention's MLP): every process
+    holds all of it, and the gradient each computes from its own heads is summed over the processes.
+    """
+
+    PER_HEAD = "per_head"
+    SHARED = "shared"
+
+
 @dataclass(frozen=True)
 class AttentionGeometry:
     """The shape facts a scorer needs about the attention module it joins.
@@ -254,6 +269,9 @@ class Scorer(nn.Module):
     # by benchmarks/auto_threshold.py (docs/benchmarks.md, "The auto rule"). This default serves the generic chunked
     # path, measured before the fused scorers got values of their own.
     reference_max_scores: ClassVar[int] = 3 * 2**19
+    # Whether a query's output can depend on other queries (NSEA's column sums run over every query). Such a scorer
+    # cannot score a slice of the queries alone, which is what context parallelism hands each process.
+    mixes_queries: ClassVar[bool] = False
 
     def __init__(self, config: ScorerConfig, geometry: AttentionGeometry):
         super().__init__()
@@ -291,6 +309,14 @@ class Scorer(nn.Module):
         if was_meta:
             self.init_parameters()
         return result
+
+    def head_layout(self) -> dict[str, HeadLayout] | None:
+        """How each parameter relates to the heads, by its name in ``named_parameters()`` (``"gate"``,
+        ``"query_extension.weight"``): what tensor parallelism shards with the heads and what it keeps whole. A scorer
+        with parameters declares every one of them; None (the default for a scorer with parameters) says it has not,
+        and tensor parallelism then refuses it rather than guess. A scorer without parameters has nothing to
+        declare."""
+        return {} if not any(True for _ in self.parameters()) else None
 
     @classmethod
     def check_module(cls, config: ScorerConfig, module: nn.Module) -> None:

@@ -191,6 +191,7 @@ class NseaScorer(ExponentialScorer):
 
     name = "nsea"
     config_class = NseaConfig
+    mixes_queries = True  # the column sums s run over every query
 
     @classmethod
     def check_module(cls, config, module: nn.Module) -> None:

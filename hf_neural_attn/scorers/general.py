@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..ops.grouped import grouped_matmul
-from .base import AttentionGeometry, Scorer, ScorerConfig
+from .base import AttentionGeometry, HeadLayout, Scorer, ScorerConfig
 
 
 @dataclass
@@ -39,6 +39,10 @@ class GeneralScorer(Scorer):
             )
         )
         self.init_parameters()
+
+    def head_layout(self) -> dict[str, HeadLayout]:
+        """One (head_dim, head_dim) matrix per head, the heads first."""
+        return {"bilinear": HeadLayout.PER_HEAD}
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -55,7 +55,7 @@ from torch import nn
 
 from ..ops.grouped import group_heads, grouped_matmul
 from ..ops.terms import PAIR_MLP, QUERY_NETWORK, FusedInputs
-from .base import ACTIVATIONS, AttentionGeometry, MLPScorerConfig, Scorer, attention_head_dim, option
+from .base import ACTIVATIONS, AttentionGeometry, HeadLayout, MLPScorerConfig, Scorer, attention_head_dim, option
 
 MODES = ("residual", "replace")
 PAIR_INPUTS = ("auto", "concat", "relative")
@@ -236,6 +236,12 @@ class NeuralAttentionScorer(Scorer):
         else:
             self.register_parameter("gate", None)
         self.init_parameters()
+
+    def head_layout(self) -> dict[str, HeadLayout]:
+        """The MLP and the projections serve every head (shared, as in the authors' code); the gates are per head."""
+        return {
+            name: HeadLayout.PER_HEAD if name == "gate" else HeadLayout.SHARED for name, _ in self.named_parameters()
+        }
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -46,7 +46,7 @@ from torch import nn
 
 from ..ops.grouped import group_heads, grouped_matmul
 from ..ops.terms import QUERY_NETWORK, FusedInputs
-from .base import ACTIVATIONS, AttentionGeometry, MLPScorerConfig, Scorer, attention_head_dim, option
+from .base import ACTIVATIONS, AttentionGeometry, HeadLayout, MLPScorerConfig, Scorer, attention_head_dim, option
 
 ROPE_MODES = ("rowwise", "none")
 
@@ -182,6 +182,10 @@ class QanaScorer(Scorer):
                 f"wide is no cheaper than full U rows. Use u_rank < {width}, or None for full rows."
             )
 
+    def head_layout(self) -> dict[str, HeadLayout]:
+        """Everything is per head: the widened query's rows come head by head, as do the gates and the bases."""
+        return {name: HeadLayout.PER_HEAD for name, _ in self.named_parameters()}
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Mirrored pairs of hidden units: the same U (and b) rows, opposite V rows; see module doc."""
@@ -217,10 +221,15 @@ class QanaScorer(Scorer):
     def query_extras(
         self, hidden_states: torch.Tensor, rotate: Callable[[torch.Tensor], torch.Tensor] | None
     ) -> QanaQueryParts:
-        """Slice the widened query. ``hidden_states``: (batch, seq, hidden)."""
-        h, d, heads, width = self.config.h, self.geometry.head_dim, self.geometry.num_heads, self.u_width
+        """Slice the widened query. ``hidden_states``: (batch, seq, hidden).
+
+        The heads are counted from the rows the query extension returns: under tensor parallelism it returns the rows
+        of this process's heads only (``families.parallelism``)."""
+        h, d, width = self.config.h, self.geometry.head_dim, self.u_width
         batch, seq = hidden_states.shape[:2]
-        rows = self.query_extension(hidden_states).view(batch, seq, heads, self.rows_per_head).transpose(1, 2)
+        rows = self.query_extension(hidden_states)
+        heads = rows.shape[-1] // self.rows_per_head
+        rows = rows.view(batch, seq, heads, self.rows_per_head).transpose(1, 2)
         # One split rather than four slices: in backward, each slice would zero-fill a gradient the size of rows.
         U, V, b, c = rows.split([h * width, h, h, 1], dim=-1)
         U = U.reshape(batch, heads, seq, h, width).transpose(2, 3)

@@ -1,0 +1,287 @@
+"""Tensor parallelism: patched models sharded by head with their base (transformers' ``tp_plan`` and
+``DistributedConfig``) on 2 CPU processes over gloo, against the same models in one process.
+
+One launch checks every case (each launch costs 10-20 s of start-up): checkpoints saved patched (every scorer, QANA's
+``u_rank`` and ``key_dim``, a Neural Attention with projections and two hidden layers, attention dropout on) loaded
+through ``hf_neural_attn.from_pretrained``, an Auto class and the model's own class; their logits, a few SGD steps
+(one with gradient checkpointing) and the gathered save, which loads on one process; ``patch_model`` after a
+tensor-parallel load; the plan entries and shards the scorers get; a scorer that does not declare its layout, refused
+with the model unchanged. The tiny Llama has grouped-query attention (4 query heads, 2 key/value heads: one per
+process). accelerate's ``ParallelismConfig(tp_size=...)`` refuses CPU processes (it needs GPUs), so it is not run here.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import TINY_DECODER
+
+import hf_neural_attn
+
+if not dist.is_available():
+    pytest.skip("this torch has no torch.distributed", allow_module_level=True)
+
+WORLD, STEPS, BATCH, SEQ = 2, 3, 2, 12
+PATCH_SEED = 5
+LR = 0.1  # SGD: updates linear in the gradients, so two processes differ from one by rounding only
+# The sharded forward sums the rowwise projections' halves in another order than one process: rounding. After SGD
+# steps that rounding grows with the step (QANA's key_dim model, from scratch, is the most sensitive: ~7e-6 measured).
+LOGITS_TOL = {"rtol": 1e-5, "atol": 1e-5}
+TRAINED_TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+# name -> (scorer, options, extra config, how the processes load it)
+CHECKPOINTS = {
+    "qana": ("qana", {"h": 2}, {}, "library"),
+    "qana-auto": ("qana", {"h": 2}, {}, "auto"),
+    "qana-own-class": ("qana", {"h": 2}, {}, "class"),
+    "neural": ("neural", {"h": 2}, {}, "library"),
+    "neural-proj-depth2": ("neural", {"h": 4, "proj_dim": 4, "depth": 2}, {}, "auto"),
+    "qana-u_rank": ("qana", {"h": 2, "u_rank": 2}, {}, "library"),
+    "qana-key_dim": ("qana", {"h": 2, "key_dim": 4}, {}, "library"),
+    "additive": ("additive", {"h": 2}, {}, "class"),
+    "general": ("general", {}, {}, "library"),
+    "qana-dropout": ("qana", {"h": 2}, {"attention_dropout": 0.3}, "library"),
+}
+CHECKPOINTING = "qana"  # trained with gradient checkpointing: the scorers' shards are read again in the recompute
+PATCHED_AFTER_LOAD = ("qana", "neural")
+
+
+def batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(2)
+    return [torch.randint(0, TINY_DECODER["vocab_size"], (BATCH, SEQ), generator=generator) for _ in range(STEPS)]
+
+
+def train(model, checkpointing: bool = False) -> list[float]:
+    """STEPS SGD steps on the whole batch (every process computes the same loss under tensor parallelism)."""
+    if checkpointing:  # transformers 5.23 renamed gradient_checkpointing_enable
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step, ids in enumerate(batches()):
+        torch.manual_seed(100 + step)  # the attention dropout's seeds, the same on every process and in one
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def save_checkpoints(root: Path) -> dict[str, Path]:
+    """A tiny patched Llama per case, its scorers moved off their init (so their terms and gradients are live)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    paths = {}
+    for name, (scorer, options, config, _) in CHECKPOINTS.items():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**TINY_DECODER, **config))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # key_dim is a from-scratch option: it warns
+            hf_neural_attn.patch_model(model, scorer, **options)
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for _, parameter in sorted(hf_neural_attn.scorer_parameters(model).items()):
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
+        paths[name] = root / name
+        model.save_pretrained(paths[name])
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY_DECODER)).save_pretrained(root / "base")
+    return paths
+
+
+def load_sharded(path, how: str):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    if how == "auto":
+        return AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto"))
+    if how == "class":
+        return LlamaForCausalLM.from_pretrained(path, tp_plan="auto")
+    return hf_neural_attn.from_pretrained(path, tp_plan="auto")
+
+
+def base_is_sharded(model) -> bool:
+    """Whether transformers sharded the base: every attention projection a DTensor."""
+    attention = model.model.layers[0].self_attn
+    return all(type(getattr(attention, name).weight).__name__ == "DTensor" for name in ("q_proj", "k_proj", "v_proj"))
+
+
+def scorer_plan(model) -> dict[str, str]:
+    return {name: style for name, style in model.tp_plan.items() if ".attn_scorer." in f"{name}."}
+
+
+def scorer_shards(model) -> dict[str, tuple]:
+    """Layer 0's scorer parameters: (class, local shape, placements)."""
+    return {
+        name: (type(p).__name__, tuple(getattr(p, "_local_tensor", p).shape), str(getattr(p, "placements", "")))
+        for name, p in model.named_parameters()
+        if name.startswith("model.layers.0.self_attn.attn_scorer.")
+    }
+
+
+def _worker(rank: int, init_file: str, root: str) -> None:
+    from transformers import LlamaForCausalLM
+
+    from hf_neural_attn.scorers import SCORERS, NeuralAttentionConfig, NeuralAttentionScorer
+
+    # transformers sizes tp_plan="auto" from the launcher's variables, as torchrun sets them.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    results: dict = {}
+    prompt = batches()[0]
+    for name, (_, _, _, how) in CHECKPOINTS.items():
+        model = load_sharded(f"{root}/{name}", how)
+        with torch.no_grad():
+            results[f"{name}/logits"] = model(prompt).logits
+        results[f"{name}/sharded"] = base_is_sharded(model)
+        results[f"{name}/plan"] = scorer_plan(model)
+        results[f"{name}/shards"] = scorer_shards(model)
+        results[f"{name}/losses"] = train(model, checkpointing=name == CHECKPOINTING)
+        model.save_pretrained(f"{root}/trained/{name}")  # every process: transformers gathers the shards
+    for scorer in PATCHED_AFTER_LOAD:
+        model = LlamaForCausalLM.from_pretrained(f"{root}/base", tp_plan="auto")
+        torch.manual_seed(PATCH_SEED)
+        hf_neural_attn.patch_model(model, scorer, h=2)
+        results[f"after/{scorer}/sharded"] = base_is_sharded(model)
+        results[f"after/{scorer}/plan"] = scorer_plan(model)
+        with torch.no_grad():
+            results[f"after/{scorer}/logits"] = model(prompt).logits
+        results[f"after/{scorer}/losses"] = train(model)
+        model.save_pretrained(f"{root}/trained/after-{scorer}")
+
+    class UndeclaredConfig(NeuralAttentionConfig):
+        scorer_name = "undeclared"
+
+    class UndeclaredScorer(NeuralAttentionScorer):
+        """Neural Attention, saying nothing of how its parameters relate to the heads."""
+
+        name, config_class = "undeclared", UndeclaredConfig
+
+        def head_layout(self):
+            return None
+
+    SCORERS[UndeclaredScorer.name] = UndeclaredScorer
+    model = LlamaForCausalLM.from_pretrained(f"{root}/base", tp_plan="auto")
+    plan_before = dict(model.tp_plan)
+    try:
+        hf_neural_attn.patch_model(model, UndeclaredConfig(h=2))
+        results["refused"] = None
+    except ValueError as error:
+        results["refused"] = str(error)
+    results["refused/unchanged"] = (
+        not hf_neural_attn.is_patched(model)
+        and not any(".attn_scorer." in name for name, _ in model.named_parameters())
+        and model.tp_plan == plan_before
+        and model.config._attn_implementation != "hf_neural_attn"
+    )
+    with torch.no_grad():
+        results["refused/logits"] = model(prompt).logits
+    if rank == 0:
+        torch.save(results, f"{root}/results.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tensor_parallel")
+    paths = save_checkpoints(root)
+    mp.start_processes(_worker, args=(str(root / "init"), str(root)), nprocs=WORLD, start_method="spawn")
+    return root, paths, torch.load(root / "results.pt")
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_a_patched_checkpoint_loads_sharded_with_the_logits_of_one_process(sharded_run, name):
+    _, paths, results = sharded_run
+    assert results[f"{name}/sharded"], "transformers did not shard the base"
+    with torch.no_grad():
+        expected = hf_neural_attn.from_pretrained(paths[name])(batches()[0]).logits
+    torch.testing.assert_close(results[f"{name}/logits"], expected, **LOGITS_TOL)
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_training_steps_and_the_gathered_save_match_one_process(sharded_run, name):
+    root, paths, results = sharded_run
+    model = hf_neural_attn.from_pretrained(paths[name])
+    losses = train(model, checkpointing=name == CHECKPOINTING)
+    assert results[f"{name}/losses"] == pytest.approx(losses, rel=1e-5)
+    saved = hf_neural_attn.from_pretrained(root / "trained" / name)  # one process, no tensor parallelism
+    assert hf_neural_attn.patch_record(saved).scorer == CHECKPOINTS[name][0]
+    with torch.no_grad():
+        torch.testing.assert_close(saved(batches()[0]).logits, model(batches()[0]).logits, **TRAINED_TOL)
+    trained = dict(model.named_parameters())
+    for tensor_name, tensor in saved.named_parameters():
+        torch.testing.assert_close(tensor, trained[tensor_name], **TRAINED_TOL, msg=lambda m, n=tensor_name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("scorer", PATCHED_AFTER_LOAD)
+def test_patch_model_after_a_sharded_load_is_the_one_process_patch(sharded_run, scorer):
+    from transformers import LlamaForCausalLM
+
+    root, _, results = sharded_run
+    assert results[f"after/{scorer}/sharded"] and results[f"after/{scorer}/plan"], "not sharded"
+    model = LlamaForCausalLM.from_pretrained(root / "base")
+    torch.manual_seed(PATCH_SEED)  # rank 0's init is every process's: the same draw
+    hf_neural_attn.patch_model(model, scorer, h=2)
+    with torch.no_grad():
+        torch.testing.assert_close(results[f"after/{scorer}/logits"], model(batches()[0]).logits, **LOGITS_TOL)
+    assert results[f"after/{scorer}/losses"] == pytest.approx(train(model), rel=1e-5)
+    saved = hf_neural_attn.from_pretrained(root / "trained" / f"after-{scorer}")
+    trained = dict(model.named_parameters())
+    for tensor_name, tensor in saved.named_parameters():
+        torch.testing.assert_close(tensor, trained[tensor_name], **TRAINED_TOL, msg=lambda m, n=tensor_name: f"{n}: {m}")
+
+
+def test_each_scorer_parameter_gets_the_plan_entry_of_its_layout(sharded_run):
+    _, _, results = sharded_run
+    prefix = "model.layers.*.self_attn.attn_scorer."
+    qana = results["qana/plan"]
+    # The widened query is a per-head Linear: "colwise" like q_proj, module and parameters; the gates colwise.
+    assert qana == {
+        f"{prefix}query_extension.weight": "colwise",
+        f"{prefix}query_extension": "colwise",
+        f"{prefix}gate": "colwise",
+    }
+    # A per-head basis (heads, r, d): the library's registered style, which shards the first dimension.
+    assert results["qana-u_rank/plan"][f"{prefix}basis"] == "hf_neural_attn_per_head"
+    # Neural Attention's MLP is shared by every head: whole on every process, gradients summed; the gates per head.
+    neural = results["neural/plan"]
+    assert neural.pop(f"{prefix}gate") == "colwise"
+    assert neural and set(neural.values()) == {"hf_neural_attn_shared"}
+    assert set(results["neural-proj-depth2/plan"].values()) == {"colwise", "hf_neural_attn_shared"}
+    assert set(results["additive/plan"].values()) == {"colwise", "hf_neural_attn_per_head"}
+    assert results["general/plan"] == {f"{prefix}bilinear": "hf_neural_attn_per_head"}
+    # key_dim's narrow query and key projections shard colwise like the ones they replace.
+    key_dim_shards = results["qana-key_dim/shards"]
+    assert key_dim_shards["model.layers.0.self_attn.attn_scorer.gate"][1] == (2,)
+    # Each process holds its 2 of the 4 heads: the gate, and the widened query's rows (h*D + 2h + 1 = 21 per head).
+    shards = results["qana/shards"]
+    prefix0 = "model.layers.0.self_attn.attn_scorer."
+    assert shards[f"{prefix0}gate"] == ("DTensor", (2,), "(Shard(dim=0),)")
+    assert shards[f"{prefix0}query_extension.weight"] == ("DTensor", (2 * 21, TINY_DECODER["hidden_size"]), "(Shard(dim=0),)")
+    assert results["qana-u_rank/shards"][f"{prefix0}basis"][:2] == ("DTensor", (2, 2, 8))
+    assert results["neural/shards"][f"{prefix0}pair_weight"][0] == "Parameter"  # shared: whole
+
+
+def test_a_scorer_that_does_not_declare_its_layout_is_refused_by_name_and_the_model_unchanged(sharded_run):
+    from transformers import LlamaForCausalLM
+
+    root, _, results = sharded_run
+    assert results["refused"] is not None, "the undeclared scorer was patched under tensor parallelism"
+    assert "hf_neural_attn" in results["refused"] and "head_layout" in results["refused"]
+    assert "The model was not changed" in results["refused"]
+    assert results["refused/unchanged"]
+    with torch.no_grad():
+        expected = LlamaForCausalLM.from_pretrained(root / "base")(batches()[0]).logits
+    torch.testing.assert_close(results["refused/logits"], expected, **LOGITS_TOL)
+
