@@ -93,6 +93,14 @@ def _on_modeling_utils(modeling_utils) -> None:
     model_cards.install_push_card(modeling_utils)
 
 
+def _on_ulysses(ulysses) -> None:
+    """DeepSpeed's Ulysses sequence parallelism is imported: its registration refuses a patched model by name."""
+    from .families import parallelism
+    from .record import ATTN_IMPLEMENTATION
+
+    parallelism.refuse_ulysses(ulysses, attn_implementation=ATTN_IMPLEMENTATION)
+
+
 def _on_continuous_batching(continuous_api) -> None:
     """transformers' continuous batching is imported: its manager serves patched models with their scorers."""
     from . import continuous_batching
@@ -112,6 +120,9 @@ _import_hooks.after_import("transformers.modeling_utils", _on_modeling_utils)
 # 4. once transformers' continuous batching is imported: its manager keeps a patched model's scorers
 #    (hf_neural_attn.continuous_batching).
 _import_hooks.after_import("transformers.generation.continuous_batching.continuous_api", _on_continuous_batching)
+# 5. once DeepSpeed's Ulysses sequence parallelism is imported: its registration refuses a patched model by name
+#    (hf_neural_attn.families.parallelism, which also holds what the library adds for tensor and context parallelism).
+_import_hooks.after_import("deepspeed.runtime.sequence_parallel.ulysses_sp", _on_ulysses)
 
 __all__ = [
     "AdditiveConfig",

@@ -20,6 +20,7 @@ import importlib.util
 import json
 import math
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -327,6 +328,48 @@ def perturb_scorers(model, std: float = 0.3, seed: int = 0) -> None:
     with torch.no_grad():
         for parameter in hf_neural_attn.scorer_parameters(model).values():
             parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+
+
+def save_live_patched(model, folder: Path, scorer: str, **options) -> Path:
+    """Patch ``model`` with ``scorer``, move the scorers off their function-preserving init (so their terms and
+    gradients are live) and save it to ``folder``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the from-scratch options (key_dim, mode="replace") warn
+        hf_neural_attn.patch_model(model, scorer, **options)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, parameter in sorted(hf_neural_attn.scorer_parameters(model).items()):
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    model.save_pretrained(folder)
+    return Path(folder)
+
+
+def launch_processes(worker: Callable[[int, str], dict], root: Path, world: int = 2) -> dict:
+    """Run ``worker(rank, root)`` on ``world`` CPU processes joined over gloo (as torchrun would set them up: its
+    environment variables, which transformers reads, one thread each) and return what process 0's call returned.
+    ``worker`` must be a module-level function (the processes are spawned)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_process_main, args=(worker, str(root), world), nprocs=world, start_method="spawn")
+    return torch.load(Path(root) / "results.pt")
+
+
+def _process_main(rank: int, worker: Callable[[int, str], dict], root: str, world: int) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    # A collective that one process never reaches fails after the timeout instead of hanging the suite.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root}/init", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
+    results = worker(rank, root)
+    if rank == 0:
+        torch.save(results, f"{root}/results.pt")
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def logits(model, inputs: dict[str, torch.Tensor], **kwargs) -> torch.Tensor:

@@ -12,15 +12,12 @@ process). accelerate's ``ParallelismConfig(tp_size=...)`` refuses CPU processes 
 
 from __future__ import annotations
 
-import os
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import TINY_DECODER
+from helpers import TINY_DECODER, launch_processes, save_live_patched
 
 import hf_neural_attn
 
@@ -77,22 +74,14 @@ def train(model, checkpointing: bool = False) -> list[float]:
 
 
 def save_checkpoints(root: Path) -> dict[str, Path]:
-    """A tiny patched Llama per case, its scorers moved off their init (so their terms and gradients are live)."""
+    """A tiny patched Llama per case, its scorers moved off their init, and the base."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     paths = {}
     for name, (scorer, options, config, _) in CHECKPOINTS.items():
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(**TINY_DECODER, **config))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # key_dim is a from-scratch option: it warns
-            hf_neural_attn.patch_model(model, scorer, **options)
-        generator = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for _, parameter in sorted(hf_neural_attn.scorer_parameters(model).items()):
-                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
-        paths[name] = root / name
-        model.save_pretrained(paths[name])
+        paths[name] = save_live_patched(model, root / name, scorer, **options)
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**TINY_DECODER)).save_pretrained(root / "base")
     return paths
@@ -128,15 +117,11 @@ def scorer_shards(model) -> dict[str, tuple]:
     }
 
 
-def _worker(rank: int, init_file: str, root: str) -> None:
+def _worker(rank: int, root: str) -> dict:
     from transformers import LlamaForCausalLM
 
     from hf_neural_attn.scorers import SCORERS, NeuralAttentionConfig, NeuralAttentionScorer
 
-    # transformers sizes tp_plan="auto" from the launcher's variables, as torchrun sets them.
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     results: dict = {}
     prompt = batches()[0]
     for name, (_, _, _, how) in CHECKPOINTS.items():
@@ -186,18 +171,14 @@ def _worker(rank: int, init_file: str, root: str) -> None:
     )
     with torch.no_grad():
         results["refused/logits"] = model(prompt).logits
-    if rank == 0:
-        torch.save(results, f"{root}/results.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 @pytest.fixture(scope="module")
 def sharded_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("tensor_parallel")
     paths = save_checkpoints(root)
-    mp.start_processes(_worker, args=(str(root / "init"), str(root)), nprocs=WORLD, start_method="spawn")
-    return root, paths, torch.load(root / "results.pt")
+    return root, paths, launch_processes(_worker, root, WORLD)
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))

@@ -452,8 +452,8 @@ def attention_across_ranks(
         ValueError: what cannot be made right (named): a padding or window mask, a KV cache, DTensor inputs
             (torch's module-wrapper form of context parallelism), the attention probabilities.
     """
-    _check_context_call(query, key, attention_mask, is_causal, need_weights)
     group = shards.mesh.get_group()
+    _check_context_call(query, key, attention_mask, is_causal, need_weights, group)
     keys = _GatherSequence.apply(key, group, shards.size, shards.rank)
     values = _GatherSequence.apply(value, group, shards.size, shards.rank)
     local_len = query.shape[-2]
@@ -480,7 +480,7 @@ def attention_across_ranks(
     return torch.cat(outputs, dim=1)
 
 
-def _check_context_call(query, key, attention_mask, is_causal: bool, need_weights: bool) -> None:
+def _check_context_call(query, key, attention_mask, is_causal: bool, need_weights: bool, group) -> None:
     if is_dtensor(query) or is_dtensor(key):
         raise ValueError(
             "hf_neural_attn got DTensor queries or keys: torch's module-wrapper form of context parallelism, which it "
@@ -497,22 +497,29 @@ def _check_context_call(query, key, attention_mask, is_causal: bool, need_weight
             f"hf_neural_attn under context parallelism scores a sequence's own slice ({q_len} queries, {kv_len} keys "
             "here: a KV cache?). Generate without context parallelism."
         )
-    if attention_mask is None:
-        return
-    if attention_mask.dtype == torch.bool:
-        allowed = attention_mask
-    else:
-        allowed = attention_mask > torch.finfo(attention_mask.dtype).min / 2
-    expected = torch.ones(q_len, kv_len, dtype=torch.bool, device=allowed.device)
-    if is_causal:
-        expected = expected.tril()
-    if not bool((allowed == expected).all()):
+    # Every process must refuse together: one whose slice has no padding would otherwise wait in the gather below
+    # for one that refused. (The other refusals above depend on the call's shapes and flags, the same everywhere.)
+    says_more = torch.tensor([0 if _plain_mask(attention_mask, q_len, kv_len, is_causal) else 1])
+    torch.distributed.all_reduce(says_more, group=group)
+    if says_more.item():
         raise ValueError(
             "hf_neural_attn under context parallelism scores full causal (or, for encoders, full) attention only: "
             "this call's mask says more (padding, a sliding window or packed sequences), which torch's context "
             "parallelism cannot split. Pass no attention_mask (accelerate's cp_size removes it), or run without "
             f"context parallelism ({_CP_HELP})."
         )
+
+
+def _plain_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, is_causal: bool) -> bool:
+    """Whether a slice's mask says no more than causal (or, not causal, nothing): what the scorers can split."""
+    if attention_mask is None:
+        return True
+    if attention_mask.dtype == torch.bool:
+        allowed = attention_mask
+    else:
+        allowed = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    expected = torch.ones(q_len, kv_len, dtype=torch.bool, device=allowed.device)
+    return bool((allowed == (expected.tril() if is_causal else expected)).all())
 
 
 class _GatherSequence(torch.autograd.Function):
