@@ -27,6 +27,7 @@ from .families.parallelism import (
     check_context_parallel_scorer,
     check_no_sequence_parallelism,
     context_parallel_shards,
+    refuse_packed_under_context_parallelism,
     refuse_unscored_under_context_parallelism,
     sharded_heads,
     sharded_parameters_local,
@@ -65,6 +66,8 @@ def hf_neural_attention_forward(
     """
     extras = kwargs.pop(EXTRAS_KWARG, None)
     is_causal = kwargs.get("is_causal", getattr(module, "is_causal", False))
+    if kwargs.get("cu_seq_lens_q") is not None:
+        refuse_packed_under_context_parallelism()
     sequences = packed_sequences(query, key, kwargs)
     if sequences is None:
         return _attention(module, query, key, value, attention_mask, scaling, dropout, extras, is_causal, kwargs)

@@ -6,7 +6,7 @@ each process holds a slice of the sequence, and a patched model's logits at its 
 over the processes are those of one process holding the whole sequence: torch's load-balanced split (32 tokens: each
 process two chunks of 8) and the contiguous one (30 tokens), every softmax scorer and HEA, an eager base, attention
 dropout, a bidirectional encoder. What cannot be made right is refused by name: a padding mask, NSEA, attention maps,
-a layer the patch leaves on an eager base.
+a layer the patch leaves on an eager base, a packed row.
 
 Sequence parallelism (DeepSpeed's Ulysses, accelerate's ``sp_size``): refused by name, at DeepSpeed's registration
 (what accelerate calls) and, for a registration that named the model by path, at the first scored call. One launch
@@ -162,6 +162,10 @@ def _refusals(paths: dict[str, str], mesh) -> dict[str, str | None]:
         "maps": attempt(paths["qana"], output_attentions=True),
         "nsea": attempt(paths["nsea"]),
         "unscored-eager": attempt(paths["qana-layer0"], {"attn_implementation": "eager"}),
+        # A packed row (two sequences of 16) whose bounds are the whole row's, not a process's slice.
+        "packed": attempt(
+            paths["qana"], cu_seq_lens_q=torch.tensor([0, 16, 32]), cu_seq_lens_k=torch.tensor([0, 16, 32])
+        ),
     }
 
 
@@ -234,6 +238,7 @@ def test_each_process_scores_its_queries_against_every_key(context_run, name):
         ("maps", "attention probabilities"),
         ("nsea", "depends on every query"),
         ("unscored-eager", "'eager' base"),
+        ("packed", "packed call"),
     ],
 )
 def test_what_cannot_be_split_is_refused_by_name(context_run, form, words):

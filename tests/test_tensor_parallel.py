@@ -1,18 +1,21 @@
 """Tensor parallelism: patched models sharded by head with their base (transformers' ``tp_plan`` and
 ``DistributedConfig``) on 2 CPU processes over gloo, against the same models in one process.
 
-One launch checks every case (each launch costs 10-20 s of start-up): checkpoints saved patched (every scorer, QANA's
-``u_rank`` and ``key_dim``, a Neural Attention with projections and two hidden layers, attention dropout on) loaded
-through ``hf_neural_attn.from_pretrained``, an Auto class and the model's own class; their logits, a few SGD steps
-(one with gradient checkpointing) and the gathered save, which loads on one process; ``patch_model`` after a
-tensor-parallel load; the plan entries and shards the scorers get; a scorer that does not declare its layout, refused
-with the model unchanged. The tiny Llama has grouped-query attention (4 query heads, 2 key/value heads: one per
-process). accelerate's ``ParallelismConfig(tp_size=...)`` refuses CPU processes (it needs GPUs), so it is not run here.
+One launch checks every case (each launch costs 10-20 s of start-up): checkpoints saved patched (every scorer NSEA
+aside, which refuses causal models; QANA's ``u_rank`` and ``key_dim``; a Neural Attention with projections and two
+hidden layers; attention dropout on; a Phi-3, whose plan keeps the heads whole) loaded through
+``hf_neural_attn.from_pretrained``, an Auto class with ``DistributedConfig`` and the model's own class; their logits,
+a few SGD steps (one with gradient checkpointing) and the gathered save, which loads on one process; ``patch_model``
+after a tensor-parallel load, and ``unpatch_model``; the plan entries and shards the scorers get; a scorer that does
+not declare its layout, refused with the model unchanged. The tiny Llama has grouped-query attention (4 query heads,
+2 key/value heads: one per process). accelerate's ``ParallelismConfig(tp_size=...)`` refuses CPU processes (it needs
+GPUs), so it is not run here.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -32,19 +35,32 @@ LR = 0.1  # SGD: updates linear in the gradients, so two processes differ from o
 LOGITS_TOL = {"rtol": 1e-5, "atol": 1e-5}
 TRAINED_TOL = {"rtol": 1e-4, "atol": 1e-4}
 
-# name -> (scorer, options, extra config, how the processes load it)
+
+
+class Case(NamedTuple):
+    scorer: str
+    options: dict
+    config: dict  # the base config's overrides
+    how: str  # how the processes load it: "library", "auto" (an Auto class, DistributedConfig), "class" (its own)
+    trains: bool = True  # also trained, saved gathered and reloaded on one process (the loading routes need not be)
+    family: str = "llama"  # phi3: transformers' plan keeps its heads whole on every process (qkv gathered)
+
+
 CHECKPOINTS = {
-    "qana": ("qana", {"h": 2}, {}, "library"),
-    "qana-auto": ("qana", {"h": 2}, {}, "auto"),
-    "qana-own-class": ("qana", {"h": 2}, {}, "class"),
-    "neural": ("neural", {"h": 2}, {}, "library"),
-    "neural-proj-depth2": ("neural", {"h": 4, "proj_dim": 4, "depth": 2}, {}, "auto"),
-    "qana-u_rank": ("qana", {"h": 2, "u_rank": 2}, {}, "library"),
-    "qana-key_dim": ("qana", {"h": 2, "key_dim": 4}, {}, "library"),
-    "additive": ("additive", {"h": 2}, {}, "class"),
-    "general": ("general", {}, {}, "library"),
-    "qana-dropout": ("qana", {"h": 2}, {"attention_dropout": 0.3}, "library"),
+    "qana": Case("qana", {"h": 2}, {}, "library"),
+    "qana-auto": Case("qana", {"h": 2}, {}, "auto", trains=False),
+    "qana-own-class": Case("qana", {"h": 2}, {}, "class", trains=False),
+    "neural": Case("neural", {"h": 2}, {}, "library"),
+    "neural-proj-depth2": Case("neural", {"h": 4, "proj_dim": 4, "depth": 2}, {}, "auto"),
+    "qana-u_rank": Case("qana", {"h": 2, "u_rank": 2}, {}, "library"),
+    "qana-key_dim": Case("qana", {"h": 2, "key_dim": 4}, {}, "library"),
+    "additive": Case("additive", {"h": 2}, {}, "class"),
+    "general": Case("general", {}, {}, "library"),
+    "hea": Case("hea", {"mode": "replace"}, {}, "class"),
+    "qana-dropout": Case("qana", {"h": 2}, {"attention_dropout": 0.3}, "library"),
+    "neural-phi3": Case("neural", {"h": 2}, {}, "library", family="phi3"),
 }
+TRAINED = [name for name, case in CHECKPOINTS.items() if case.trains]
 CHECKPOINTING = "qana"  # trained with gradient checkpointing: the scorers' shards are read again in the recompute
 PATCHED_AFTER_LOAD = ("qana", "neural")
 
@@ -75,13 +91,15 @@ def train(model, checkpointing: bool = False) -> list[float]:
 
 def save_checkpoints(root: Path) -> dict[str, Path]:
     """A tiny patched Llama per case, its scorers moved off their init, and the base."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
 
+    families = {"llama": (LlamaForCausalLM, LlamaConfig), "phi3": (Phi3ForCausalLM, Phi3Config)}
     paths = {}
-    for name, (scorer, options, config, _) in CHECKPOINTS.items():
+    for name, case in CHECKPOINTS.items():
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**TINY_DECODER, **config))
-        paths[name] = save_live_patched(model, root / name, scorer, **options)
+        model_class, config_class = families[case.family]
+        model = model_class(config_class(**TINY_DECODER, **case.config))
+        paths[name] = save_live_patched(model, root / name, case.scorer, **case.options)
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**TINY_DECODER)).save_pretrained(root / "base")
     return paths
@@ -101,7 +119,8 @@ def load_sharded(path, how: str):
 def base_is_sharded(model) -> bool:
     """Whether transformers sharded the base: every attention projection a DTensor."""
     attention = model.model.layers[0].self_attn
-    return all(type(getattr(attention, name).weight).__name__ == "DTensor" for name in ("q_proj", "k_proj", "v_proj"))
+    names = ("qkv_proj",) if hasattr(attention, "qkv_proj") else ("q_proj", "k_proj", "v_proj")
+    return all(type(getattr(attention, name).weight).__name__ == "DTensor" for name in names)
 
 
 def scorer_plan(model) -> dict[str, str]:
@@ -124,15 +143,16 @@ def _worker(rank: int, root: str) -> dict:
 
     results: dict = {}
     prompt = batches()[0]
-    for name, (_, _, _, how) in CHECKPOINTS.items():
-        model = load_sharded(f"{root}/{name}", how)
+    for name, case in CHECKPOINTS.items():
+        model = load_sharded(f"{root}/{name}", case.how)
         with torch.no_grad():
             results[f"{name}/logits"] = model(prompt).logits
         results[f"{name}/sharded"] = base_is_sharded(model)
         results[f"{name}/plan"] = scorer_plan(model)
         results[f"{name}/shards"] = scorer_shards(model)
-        results[f"{name}/losses"] = train(model, checkpointing=name == CHECKPOINTING)
-        model.save_pretrained(f"{root}/trained/{name}")  # every process: transformers gathers the shards
+        if case.trains:
+            results[f"{name}/losses"] = train(model, checkpointing=name == CHECKPOINTING)
+            model.save_pretrained(f"{root}/trained/{name}")  # every process: transformers gathers the shards
     for scorer in PATCHED_AFTER_LOAD:
         model = LlamaForCausalLM.from_pretrained(f"{root}/base", tp_plan="auto")
         torch.manual_seed(PATCH_SEED)
@@ -158,6 +178,11 @@ def _worker(rank: int, root: str) -> dict:
     SCORERS[UndeclaredScorer.name] = UndeclaredScorer
     model = LlamaForCausalLM.from_pretrained(f"{root}/base", tp_plan="auto")
     plan_before = dict(model.tp_plan)
+    # unpatch_model takes the scorers and their plan entries out again: the sharded base as it was.
+    hf_neural_attn.unpatch_model(hf_neural_attn.patch_model(model, "neural", h=2))
+    results["unpatched/plan kept"] = model.tp_plan == plan_before
+    with torch.no_grad():
+        results["unpatched/logits"] = model(prompt).logits
     try:
         hf_neural_attn.patch_model(model, UndeclaredConfig(h=2))
         results["refused"] = None
@@ -181,6 +206,12 @@ def sharded_run(tmp_path_factory):
     return root, paths, launch_processes(_worker, root, WORLD)
 
 
+def assert_same_parameters(saved, model) -> None:
+    trained = dict(model.named_parameters())
+    for name, tensor in saved.named_parameters():
+        torch.testing.assert_close(tensor, trained[name], **TRAINED_TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_a_patched_checkpoint_loads_sharded_with_the_logits_of_one_process(sharded_run, name):
     _, paths, results = sharded_run
@@ -190,19 +221,17 @@ def test_a_patched_checkpoint_loads_sharded_with_the_logits_of_one_process(shard
     torch.testing.assert_close(results[f"{name}/logits"], expected, **LOGITS_TOL)
 
 
-@pytest.mark.parametrize("name", list(CHECKPOINTS))
+@pytest.mark.parametrize("name", TRAINED)
 def test_training_steps_and_the_gathered_save_match_one_process(sharded_run, name):
     root, paths, results = sharded_run
     model = hf_neural_attn.from_pretrained(paths[name])
     losses = train(model, checkpointing=name == CHECKPOINTING)
     assert results[f"{name}/losses"] == pytest.approx(losses, rel=1e-5)
     saved = hf_neural_attn.from_pretrained(root / "trained" / name)  # one process, no tensor parallelism
-    assert hf_neural_attn.patch_record(saved).scorer == CHECKPOINTS[name][0]
+    assert hf_neural_attn.patch_record(saved).scorer == CHECKPOINTS[name].scorer
     with torch.no_grad():
         torch.testing.assert_close(saved(batches()[0]).logits, model(batches()[0]).logits, **TRAINED_TOL)
-    trained = dict(model.named_parameters())
-    for tensor_name, tensor in saved.named_parameters():
-        torch.testing.assert_close(tensor, trained[tensor_name], **TRAINED_TOL, msg=lambda m, n=tensor_name: f"{n}: {m}")
+    assert_same_parameters(saved, model)
 
 
 @pytest.mark.parametrize("scorer", PATCHED_AFTER_LOAD)
@@ -218,9 +247,7 @@ def test_patch_model_after_a_sharded_load_is_the_one_process_patch(sharded_run, 
         torch.testing.assert_close(results[f"after/{scorer}/logits"], model(batches()[0]).logits, **LOGITS_TOL)
     assert results[f"after/{scorer}/losses"] == pytest.approx(train(model), rel=1e-5)
     saved = hf_neural_attn.from_pretrained(root / "trained" / f"after-{scorer}")
-    trained = dict(model.named_parameters())
-    for tensor_name, tensor in saved.named_parameters():
-        torch.testing.assert_close(tensor, trained[tensor_name], **TRAINED_TOL, msg=lambda m, n=tensor_name: f"{n}: {m}")
+    assert_same_parameters(saved, model)
 
 
 def test_each_scorer_parameter_gets_the_plan_entry_of_its_layout(sharded_run):
@@ -249,9 +276,23 @@ def test_each_scorer_parameter_gets_the_plan_entry_of_its_layout(sharded_run):
     shards = results["qana/shards"]
     prefix0 = "model.layers.0.self_attn.attn_scorer."
     assert shards[f"{prefix0}gate"] == ("DTensor", (2,), "(Shard(dim=0),)")
-    assert shards[f"{prefix0}query_extension.weight"] == ("DTensor", (2 * 21, TINY_DECODER["hidden_size"]), "(Shard(dim=0),)")
+    rows = ("DTensor", (2 * 21, TINY_DECODER["hidden_size"]), "(Shard(dim=0),)")
+    assert shards[f"{prefix0}query_extension.weight"] == rows
     assert results["qana-u_rank/shards"][f"{prefix0}basis"][:2] == ("DTensor", (2, 2, 8))
     assert results["neural/shards"][f"{prefix0}pair_weight"][0] == "Parameter"  # shared: whole
+    # Phi-3's plan gathers its fused qkv projection's output: the heads are whole on every process, so is the scorer.
+    assert results["neural-phi3/plan"] == {}
+    assert {kind for kind, _, _ in results["neural-phi3/shards"].values()} == {"Parameter"}
+
+
+def test_unpatch_model_gives_back_the_sharded_base(sharded_run):
+    from transformers import LlamaForCausalLM
+
+    root, _, results = sharded_run
+    assert results["unpatched/plan kept"]
+    with torch.no_grad():
+        expected = LlamaForCausalLM.from_pretrained(root / "base")(batches()[0]).logits
+    torch.testing.assert_close(results["unpatched/logits"], expected, **LOGITS_TOL)
 
 
 def test_a_scorer_that_does_not_declare_its_layout_is_refused_by_name_and_the_model_unchanged(sharded_run):

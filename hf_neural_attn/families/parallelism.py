@@ -140,10 +140,11 @@ def tensor_parallel_heads(model: nn.Module, module: nn.Module, scorer: Scorer) -
     if not styles or not set(styles.values()) <= HEAD_SHARDING_STYLES or COLWISE not in styles.values():
         raise ValueError(
             f"hf_neural_attn cannot shard the scorer of {where} under tensor parallelism: its projections are sharded "
-            f"as {styles or 'no plan says'}, and the scorers shard with the heads, which needs the query, key and value "
-            "projections 'colwise' and the output projection 'rowwise' (transformers' own plan for Llama-style "
+            f"as {styles or 'no plan says'}, and the scorers shard with the heads, which needs the query, key and "
+            "value projections 'colwise' and the output projection 'rowwise' (transformers' own plan for Llama-style "
             "attention), or every projection's output whole ('colwise_gather_output', as Phi-3's plan). Load the model "
-            f"with tp_plan='auto' or such a plan, or without tensor parallelism ({_TP_HELP}). The model was not changed."
+            f"with tp_plan='auto' or such a plan, or without tensor parallelism ({_TP_HELP}). The model was not "
+            "changed."
         )
     mesh = next(p for child in sharded.values() for p in child.parameters() if is_dtensor(p)).device_mesh
     geometry = scorer.geometry
@@ -179,8 +180,9 @@ def shard_scorer(
     _register_styles(tensor_parallel)
     source = torch.distributed.get_global_rank(shards.mesh.get_group(), 0)
     with torch.no_grad():
-        for tensor in [*scorer.parameters(), *(p for projection in projections.values() for p in projection.parameters())]:
-            torch.distributed.broadcast(tensor.data, src=source, group=shards.mesh.get_group())
+        for part in (scorer, *projections.values()):
+            for tensor in part.parameters():
+                torch.distributed.broadcast(tensor.data, src=source, group=shards.mesh.get_group())
     prefix = f"{shards.module_name}.{_child_name(module, scorer)}"
     plan, local, shared = {}, [], []
     layout = scorer.head_layout()
@@ -206,7 +208,8 @@ def shard_scorer(
         for parameter in part.parameters():
             parameter._is_hf_initialized = True  # transformers' init_weights must not redraw them
     setattr(scorer, SHARDS_ATTR, ScorerShards(shards.mesh, tuple(local), tuple(shared)))
-    model._tp_plan = {**(getattr(model, "_tp_plan", None) or {}), **{wildcard(name): style for name, style in plan.items()}}
+    entries = {wildcard(name): style for name, style in plan.items()}
+    model._tp_plan = {**(getattr(model, "_tp_plan", None) or {}), **entries}
 
 
 def forget_scorer_plan(model: nn.Module, scorer_attr: str) -> None:
@@ -313,7 +316,7 @@ def _transformers_tensor_parallel() -> ModuleType:
     try:
         from transformers.integrations import tensor_parallel
     except ImportError as error:  # pragma: no cover - transformers without tensor parallelism
-        raise ValueError(f"hf_neural_attn shards scorers with transformers' tensor parallelism, missing: {error}") from None
+        raise ValueError(f"hf_neural_attn shards scorers with transformers' tensor parallelism: {error}") from None
     if not hasattr(tensor_parallel, "apply_tensor_parallelism"):
         raise ValueError(
             "hf_neural_attn shards scorers with transformers' apply_tensor_parallelism, which this transformers does "
@@ -408,6 +411,17 @@ def check_context_parallel_scorer(scorer: Scorer) -> None:
         )
 
 
+def refuse_packed_under_context_parallelism() -> None:
+    """A packed call (``cu_seq_lens_q``: several sequences in one row) under context parallelism: each process holds
+    a slice of the row, and the sequences' bounds are the whole row's. Refused."""
+    if context_parallel_shards() is not None:
+        raise ValueError(
+            "hf_neural_attn cannot score a packed call (cu_seq_lens_q / cu_seq_lens_k: several sequences in one row) "
+            "under context parallelism: each process holds a slice of the row, which the sequences' bounds do not "
+            f"describe. Pass the sequences as a batch, or run packed calls without context parallelism ({_CP_HELP})."
+        )
+
+
 def refuse_unscored_under_context_parallelism(implementation: str, module: nn.Module) -> None:
     """A module the patch does not score runs its base implementation; under context parallelism only SDPA's is
     swapped for torch's ring, so an eager base would attend within each process's slice: refused."""
@@ -484,7 +498,8 @@ def _check_context_call(query, key, attention_mask, is_causal: bool, need_weight
     if is_dtensor(query) or is_dtensor(key):
         raise ValueError(
             "hf_neural_attn got DTensor queries or keys: torch's module-wrapper form of context parallelism, which it "
-            f"does not support. Use torch's context_parallel context manager (what accelerate's cp_size runs) ({_CP_HELP})."
+            "does not support. Use torch's context_parallel context manager (what accelerate's cp_size runs) "
+            f"({_CP_HELP})."
         )
     if need_weights:
         raise ValueError(
@@ -563,7 +578,9 @@ def refuse_ulysses(ulysses: ModuleType, *, attn_implementation: str) -> None:
     original = hub.__dict__["register_with_transformers"].__func__
 
     @functools.wraps(original)
-    def register_with_transformers(cls, model_name_or_path, core_attn_implementation, sequence_parallel_size, *args, **kwargs):
+    def register_with_transformers(
+        cls, model_name_or_path, core_attn_implementation, sequence_parallel_size, *args, **kwargs
+    ):
         config = getattr(model_name_or_path, "config", None)
         patched = getattr(config, "_attn_implementation", None) == attn_implementation
         if sequence_parallel_size != 1 and (patched or core_attn_implementation == attn_implementation):
