@@ -7,9 +7,9 @@ hidden layers; attention dropout on; a Phi-3, whose plan keeps the heads whole) 
 ``hf_neural_attn.from_pretrained``, an Auto class with ``DistributedConfig`` and the model's own class; their logits,
 a few SGD steps (one with gradient checkpointing) and the gathered save, which loads on one process; ``patch_model``
 after a tensor-parallel load, and ``unpatch_model``; the plan entries and shards the scorers get; a scorer that does
-not declare its layout, refused with the model unchanged. The tiny Llama has grouped-query attention (4 query heads,
-2 key/value heads: one per process). accelerate's ``ParallelismConfig(tp_size=...)`` refuses CPU processes (it needs
-GPUs), so it is not run here.
+not declare its layout and heads that do not divide over the processes, refused with the model unchanged. The tiny
+Llama has grouped-query attention (4 query heads, 2 key/value heads: one per process). accelerate's
+``ParallelismConfig(tp_size=...)`` refuses CPU processes (it needs GPUs), so it is not run here.
 """
 
 from __future__ import annotations
@@ -102,6 +102,8 @@ def save_checkpoints(root: Path) -> dict[str, Path]:
         paths[name] = save_live_patched(model, root / name, case.scorer, **case.options)
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**TINY_DECODER)).save_pretrained(root / "base")
+    uneven = {**TINY_DECODER, "hidden_size": 24, "num_attention_heads": 3, "num_key_value_heads": 3}
+    LlamaForCausalLM(LlamaConfig(**uneven)).save_pretrained(root / "uneven")
     return paths
 
 
@@ -183,11 +185,7 @@ def _worker(rank: int, root: str) -> dict:
     results["unpatched/plan kept"] = model.tp_plan == plan_before
     with torch.no_grad():
         results["unpatched/logits"] = model(prompt).logits
-    try:
-        hf_neural_attn.patch_model(model, UndeclaredConfig(h=2))
-        results["refused"] = None
-    except ValueError as error:
-        results["refused"] = str(error)
+    results["refused"] = {"undeclared": refusal(model, UndeclaredConfig(h=2))}
     results["refused/unchanged"] = (
         not hf_neural_attn.is_patched(model)
         and not any(".attn_scorer." in name for name, _ in model.named_parameters())
@@ -196,7 +194,19 @@ def _worker(rank: int, root: str) -> dict:
     )
     with torch.no_grad():
         results["refused/logits"] = model(prompt).logits
+    # 3 heads over 2 processes: transformers loads it (its shards are uneven), the scorers cannot follow.
+    uneven = LlamaForCausalLM.from_pretrained(f"{root}/uneven", tp_plan="auto")
+    results["refused"]["uneven heads"] = refusal(uneven, hf_neural_attn.QanaConfig(h=2))
     return results
+
+
+def refusal(model, config) -> str | None:
+    """What patch_model says when it refuses (None: it patched)."""
+    try:
+        hf_neural_attn.patch_model(model, config)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -295,15 +305,20 @@ def test_unpatch_model_gives_back_the_sharded_base(sharded_run):
     torch.testing.assert_close(results["unpatched/logits"], expected, **LOGITS_TOL)
 
 
-def test_a_scorer_that_does_not_declare_its_layout_is_refused_by_name_and_the_model_unchanged(sharded_run):
+@pytest.mark.parametrize(
+    "refused, words", [("undeclared", "head_layout"), ("uneven heads", "3 query heads and 3 key/value heads")]
+)
+def test_what_cannot_shard_is_refused_by_name_before_the_model_changes(sharded_run, refused, words):
+    message = sharded_run[2]["refused"][refused]
+    assert message is not None, f"the {refused} case was patched under tensor parallelism"
+    assert "hf_neural_attn" in message and words in message and "The model was not changed" in message
+
+
+def test_a_refused_model_is_left_as_it_was(sharded_run):
     from transformers import LlamaForCausalLM
 
     root, _, results = sharded_run
-    assert results["refused"] is not None, "the undeclared scorer was patched under tensor parallelism"
-    assert "hf_neural_attn" in results["refused"] and "head_layout" in results["refused"]
-    assert "The model was not changed" in results["refused"]
     assert results["refused/unchanged"]
     with torch.no_grad():
         expected = LlamaForCausalLM.from_pretrained(root / "base")(batches()[0]).logits
     torch.testing.assert_close(results["refused/logits"], expected, **LOGITS_TOL)
-

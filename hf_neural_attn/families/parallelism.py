@@ -92,10 +92,6 @@ class HeadShards:
     mesh: Any  # torch.distributed.device_mesh.DeviceMesh
     module_name: str
 
-    @property
-    def size(self) -> int:
-        return self.mesh.size()
-
 
 @dataclasses.dataclass(frozen=True)
 class ScorerShards:
@@ -124,23 +120,25 @@ def tensor_parallel_heads(model: nn.Module, module: nn.Module, scorer: Scorer) -
             relate to the heads, the heads do not divide over the processes, or the module's projections are sharded
             in a way this does not know (the message names the module and the styles).
     """
+    # The projections transformers' apply_tensor_parallelism sharded (it marks what it hooks; FSDP2's DTensors, on
+    # their own mesh, are not tensor parallelism's business).
     sharded = {
         name: child
         for name, child in module.named_children()
-        if any(is_dtensor(parameter) for parameter in child.parameters())
+        if getattr(child, "_is_hooked", False) and any(is_dtensor(parameter) for parameter in child.parameters())
     }
-    if not sharded and not any(is_dtensor(parameter) for parameter in module.parameters(recurse=False)):
+    if not sharded:
         return None
     module_name = next(name for name, candidate in model.named_modules() if candidate is module)
     plan = dict(getattr(model, "_tp_plan", None) or {})
     styles = {name: plan_style(plan, f"{module_name}.{name}") for name in sharded}
-    if styles and set(styles.values()) <= WHOLE_HEAD_STYLES:
+    if set(styles.values()) <= WHOLE_HEAD_STYLES:
         return None  # every projection's output is whole on every process: so are the heads, and the scorer
     where = f"{module_name} ({type(module).__name__})"
-    if not styles or not set(styles.values()) <= HEAD_SHARDING_STYLES or COLWISE not in styles.values():
+    if not set(styles.values()) <= HEAD_SHARDING_STYLES or COLWISE not in styles.values():
         raise ValueError(
             f"hf_neural_attn cannot shard the scorer of {where} under tensor parallelism: its projections are sharded "
-            f"as {styles or 'no plan says'}, and the scorers shard with the heads, which needs the query, key and "
+            f"as {styles} (None: no plan entry), and the scorers shard with the heads, which needs the query, key and "
             "value projections 'colwise' and the output projection 'rowwise' (transformers' own plan for Llama-style "
             "attention), or every projection's output whole ('colwise_gather_output', as Phi-3's plan). Load the model "
             f"with tp_plan='auto' or such a plan, or without tensor parallelism ({_TP_HELP}). The model was not "
