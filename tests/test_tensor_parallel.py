@@ -5,11 +5,12 @@ One launch checks every case (each launch costs 10-20 s of start-up): checkpoint
 aside, which refuses causal models; QANA's ``u_rank`` and ``key_dim``; a Neural Attention with projections and two
 hidden layers; attention dropout on; a Phi-3, whose plan keeps the heads whole) loaded through
 ``hf_neural_attn.from_pretrained``, an Auto class with ``DistributedConfig`` and the model's own class; their logits,
-a few SGD steps (one with gradient checkpointing) and the gathered save, which loads on one process; ``patch_model``
-after a tensor-parallel load, and ``unpatch_model``; the plan entries and shards the scorers get; a scorer that does
-not declare its layout and heads that do not divide over the processes, refused with the model unchanged. The tiny
-Llama has grouped-query attention (4 query heads, 2 key/value heads: one per process). accelerate's
-``ParallelismConfig(tp_size=...)`` refuses CPU processes (it needs GPUs), so it is not run here.
+a few SGD steps (one with gradient checkpointing) and the gathered save, which loads on one process; an adapter-only
+checkpoint saved and loaded; ``patch_model`` after a tensor-parallel load, and ``unpatch_model``; the plan entries and
+shards the scorers get; a scorer that does not declare its layout and heads that do not divide over the processes,
+refused with the model unchanged. The tiny Llama has grouped-query attention (4 query heads, 2 key/value heads: one
+per process). accelerate's ``ParallelismConfig(tp_size=...)`` refuses CPU processes (it needs GPUs), so it is not run
+here.
 """
 
 from __future__ import annotations
@@ -152,6 +153,11 @@ def _worker(rank: int, root: str) -> dict:
         results[f"{name}/sharded"] = base_is_sharded(model)
         results[f"{name}/plan"] = scorer_plan(model)
         results[f"{name}/shards"] = scorer_shards(model)
+        if name == "qana":  # an adapter-only checkpoint: saved gathered, loaded sharded
+            hf_neural_attn.save_adapter(model, f"{root}/adapter", base_model_name_or_path=f"{root}/base")
+            adapter = hf_neural_attn.from_pretrained(f"{root}/adapter", tp_plan="auto")
+            with torch.no_grad():
+                results["adapter/logits"] = adapter(prompt).logits
         if case.trains:
             results[f"{name}/losses"] = train(model, checkpointing=name == CHECKPOINTING)
             model.save_pretrained(f"{root}/trained/{name}")  # every process: transformers gathers the shards
@@ -229,6 +235,15 @@ def test_a_patched_checkpoint_loads_sharded_with_the_logits_of_one_process(shard
     with torch.no_grad():
         expected = hf_neural_attn.from_pretrained(paths[name])(batches()[0]).logits
     torch.testing.assert_close(results[f"{name}/logits"], expected, **LOGITS_TOL)
+
+
+def test_an_adapter_saves_gathered_and_loads_sharded(sharded_run):
+    root, paths, results = sharded_run
+    with torch.no_grad():
+        expected = hf_neural_attn.from_pretrained(paths["qana"])(batches()[0]).logits
+        saved = hf_neural_attn.from_pretrained(root / "adapter")(batches()[0]).logits  # one process
+    torch.testing.assert_close(saved, expected, **LOGITS_TOL)
+    torch.testing.assert_close(results["adapter/logits"], expected, **LOGITS_TOL)
 
 
 @pytest.mark.parametrize("name", TRAINED)

@@ -296,6 +296,26 @@ class _SumGradients(torch.autograd.Function):
         return grad, None
 
 
+def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` whole: a sharded one gathered from every process (collective: every process asks), another as it
+    is."""
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor
+
+
+@contextlib.contextmanager
+def one_writer(tensors) -> Iterator[bool]:
+    """Whether this process writes the files of a checkpoint holding ``tensors`` (gathered whole already): every
+    process that calls, unless tensor parallelism sharded some of them, when process 0 writes (every process runs the
+    same save) and the others wait for it at the end of the block."""
+    if not any(is_dtensor(tensor) for tensor in tensors):
+        yield True
+        return
+    try:
+        yield torch.distributed.get_rank() == 0
+    finally:
+        torch.distributed.barrier()
+
+
 def copy_whole_tensor(parameter: torch.Tensor, whole: torch.Tensor) -> None:
     """Copy ``whole`` (the full tensor, the same on every process, as read from a checkpoint) into ``parameter``, a
     plain parameter or this process's shard of a sharded one."""

@@ -36,6 +36,7 @@ from transformers.utils import cached_file
 
 from .._version import __version__
 from .._warnings import warn_user
+from ..families.parallelism import one_writer, whole_tensor
 from ..model_cards import CARD_NAME, adapter_card
 from ..patched_config import base_config
 from ..record import (
@@ -95,6 +96,14 @@ def save_adapter(
             f"{str(folder)!r} holds a full model checkpoint (config.json); hf_neural_attn.from_pretrained would no "
             "longer know which of the two to load. Save the adapter to a folder of its own."
         )
+    # Under tensor parallelism every process has gathered the tensors, and one writes them.
+    with one_writer(scorer_parameters(inner_transformers_model(model) or model).values()) as writes:
+        if writes:
+            _write_adapter(folder, metadata, tensors)
+
+
+def _write_adapter(folder: Path, metadata: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Write an adapter's files (checked by :func:`_adapter_contents`) into ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     card = None if (folder / CARD_NAME).exists() else adapter_card(metadata, repo_id=None)
     # Each file is written beside its final name and renamed into place, so a failed write leaves no half file.
@@ -303,7 +312,8 @@ def _adapter_contents(
     _warn_if_base_was_trained(model, base, base_model_revision)
     parameters = scorer_parameters(model)
     disk_name = {name: candidates[0] for name, candidates in names_on_disk(model, parameters).items()}
-    tensors = {disk_name[name]: parameter.detach().to("cpu").contiguous() for name, parameter in parameters.items()}
+    # Whole tensors: a scorer tensor parallelism sharded is gathered (every process saves, as with save_pretrained).
+    tensors = {disk_name[name]: whole_tensor(p).detach().to("cpu").contiguous() for name, p in parameters.items()}
     metadata = {
         ADAPTER_FORMAT_KEY: ADAPTER_FORMAT_VERSION,
         "base_model_name_or_path": base,

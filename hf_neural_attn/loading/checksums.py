@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import torch
 
 from ..families.offload import offloaded_weights_loaded
+from ..families.parallelism import whole_tensor
 from ..families.quantized import is_quantized
 from ..record import scorer_parameters
 
@@ -63,11 +64,12 @@ def base_checksums(model) -> dict[str, dict[str, str]]:
 @contextmanager
 def loaded_parameter(model, name: str):
     """``model``'s parameter ``name``, loaded for the block when accelerate offloaded it (only its own module's
-    tensors, so the model never has to fit at once); a meta tensor where it has no values anywhere."""
+    tensors, so the model never has to fit at once), whole when tensor parallelism sharded it (collective: every
+    process asks for the same names); a meta tensor where it has no values anywhere."""
     owner_name, _, attribute = name.rpartition(".")
     owner = model.get_submodule(owner_name)
     with offloaded_weights_loaded(owner):
-        yield getattr(owner, attribute)
+        yield whole_tensor(getattr(owner, attribute))
 
 
 def _parameter_checksum(model, name: str, dtype: torch.dtype | None = None) -> str | None:
