@@ -16,6 +16,7 @@ checks every case (each launch costs 10-20 s of start-up).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -33,17 +34,27 @@ WORLD, BATCH = 2, 2
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}  # two processes sum the keys' gradient contributions in another order
 
-# name -> (model kind, scorer, options, extra config, sequence length, how it runs)
+
+
+class Case(NamedTuple):
+    kind: str  # "llama", or "bert": a bidirectional encoder
+    scorer: str
+    options: dict
+    config: dict  # the base config's overrides
+    seq: int  # 32 splits load-balanced over 2 processes (chunks of 8); 30 does not divide by 4: contiguous
+    how: str  # "torch": torch's context_parallel alone; "accelerate": with accelerate's mask hook as cp_size adds it
+
+
 CASES = {
-    "qana": ("llama", "qana", {"h": 2}, {}, 32, "torch"),
-    "qana-accelerate": ("llama", "qana", {"h": 2}, {}, 32, "accelerate"),
-    "qana-contiguous": ("llama", "qana", {"h": 2}, {}, 30, "torch"),
-    "neural": ("llama", "neural", {"h": 2}, {}, 32, "torch"),
-    "additive": ("llama", "additive", {"h": 2}, {}, 32, "accelerate"),
-    "general-eager": ("llama", "general", {}, {"attn_implementation": "eager"}, 32, "torch"),
-    "hea": ("llama", "hea", {"mode": "replace"}, {}, 32, "torch"),
-    "neural-dropout": ("llama", "neural", {"h": 2}, {"attention_dropout": 0.3}, 32, "torch"),
-    "qana-bert": ("bert", "qana", {"h": 2}, {}, 32, "torch"),
+    "qana": Case("llama", "qana", {"h": 2}, {}, 32, "torch"),
+    "qana-accelerate": Case("llama", "qana", {"h": 2}, {}, 32, "accelerate"),
+    "qana-contiguous": Case("llama", "qana", {"h": 2}, {}, 30, "torch"),
+    "neural": Case("llama", "neural", {"h": 2}, {}, 32, "torch"),
+    "additive": Case("llama", "additive", {"h": 2}, {}, 32, "accelerate"),
+    "general-eager": Case("llama", "general", {}, {"attn_implementation": "eager"}, 32, "torch"),
+    "hea": Case("llama", "hea", {"mode": "replace"}, {}, 32, "torch"),
+    "neural-dropout": Case("llama", "neural", {"h": 2}, {"attention_dropout": 0.3}, 32, "torch"),
+    "qana-bert": Case("bert", "qana", {"h": 2}, {}, 32, "torch"),
 }
 DROPOUT_SEED = 7
 
@@ -79,14 +90,14 @@ def build(kind: str, config: dict):
 
 def save_cases(root: Path) -> dict[str, Path]:
     return {
-        name: save_live_patched(build(kind, config), root / name, scorer, **options)
-        for name, (kind, scorer, options, config, _, _) in CASES.items()
+        name: save_live_patched(build(case.kind, case.config), root / name, case.scorer, **case.options)
+        for name, case in CASES.items()
     }
 
 
 def one_process(path: Path, name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The whole sequence in one process: the output (logits, or an encoder's hidden states) and every gradient."""
-    kind, _, _, config, seq, _ = CASES[name]
+    kind, config, seq = CASES[name].kind, CASES[name].config, CASES[name].seq
     model = hf_neural_attn.from_pretrained(path)
     ids = tokens(seq)
     labels = next_token_labels(ids)
@@ -105,9 +116,9 @@ def _run_case(path: str, name: str, mesh) -> tuple[torch.Tensor, dict[str, torch
     from accelerate.big_modeling import _attach_context_parallel_hooks
     from torch.distributed.tensor.experimental import context_parallel
 
-    kind, _, _, config, seq, how = CASES[name]
+    kind, config, seq = CASES[name].kind, CASES[name].config, CASES[name].seq
     model = hf_neural_attn.from_pretrained(path)
-    if how == "accelerate":
+    if CASES[name].how == "accelerate":
         _attach_context_parallel_hooks(model)
     ids = tokens(seq)
     labels = next_token_labels(ids)
