@@ -592,8 +592,11 @@ def refuse_ulysses(ulysses: ModuleType, *, attn_implementation: str) -> None:
     """Wrap DeepSpeed's ``UlyssesSPAttentionHF.register_with_transformers`` (what accelerate's ``sp_size`` calls) so
     that it refuses a patched model (one whose config runs ``attn_implementation``), or that implementation named as
     the core, with the library's words, before it sets anything up."""
-    hub = ulysses.UlyssesSPAttentionHF
-    original = hub.__dict__["register_with_transformers"].__func__
+    hub = getattr(ulysses, "UlyssesSPAttentionHF", None)
+    registration = vars(hub).get("register_with_transformers") if hub is not None else None
+    if not isinstance(registration, classmethod):
+        return  # another DeepSpeed layout: the check at the first scored call still refuses
+    original = registration.__func__
 
     @functools.wraps(original)
     def register_with_transformers(
