@@ -2,7 +2,8 @@
 eager model: the same logits and gradients at the same seed, attention dropout on, for QANA and Neural Attention, on
 every compute path: the reference path, the blockwise path (torch operators, hf_neural_attn/ops/blockwise/custom_ops.py)
 and the generic chunked path (checkpointed blocks, hf_neural_attn/ops/chunked.py), with ``impl="auto"`` below and
-above the scorer's threshold and with ``impl="chunked"``, on GPT-2 and Llama (grouped-query attention).
+above the scorer's threshold and with ``impl="chunked"``, on GPT-2 and Llama (grouped-query attention), and on
+padded Llama and BERT batches.
 
 Inductor runs with ``fallback_random=True``: the dropout seed is drawn inside the compiled graph
 (hf_neural_attn/ops/dropout.py), and only with that flag does the compiled graph draw it from torch's generator as
@@ -23,7 +24,7 @@ import sys
 
 import pytest
 
-# Builds a one-layer GPT-2 or Llama (4 query heads; Llama's on 2 kv heads) from its config, patches it and moves
+# Builds a one-layer GPT-2, Llama or BERT (4 query heads; Llama's on 2 kv heads) from its config, patches it and moves
 # every scorer parameter off its init (live scorers); compares a step of torch.compile(model, fullgraph=True) with
 # the eager one. The loss is taken outside the model: transformers' loss function logs a warning, a graph break.
 CASES = r"""
