@@ -5,6 +5,8 @@
     python benchmarks/train_step.py --batch 32 --seq 128                            # short sequences (GLUE-like)
     python benchmarks/train_step.py --device cuda --dtype bf16 --preset gpt2-small \
         --seq 1024 2048 4096 8192 --impls triton chunked auto     # GPU: GPT-2 small, 12 x 768 x 12 heads
+    python benchmarks/train_step.py --compiled --preset gpt2-small --layers 2 --seq 512 1024 2048 \
+        --impls auto chunked --dropouts config --interleave        # compiled step and compile time
 
 One forward + backward of a model built from its family's default config (GPT-2's or BERT's, at the preset's
 size), random tokens, every layer patched as a user writes it, ``patch_model(model, scorer, h=4)`` with every
@@ -22,6 +24,12 @@ first from the middle of the sequence (an encoder batch of unequal lengths; ``--
 padded for generation, whose leading pad rows see no key). ``--dtype bf16``/``fp16`` runs the step
 under autocast (fp32 weights, half-precision matmuls), as mixed-precision training does. ``default``/``auto`` rows
 also say which path the rule chose. ``--dry_run`` prints the child commands without running them.
+
+``--compiled`` runs every model, the unpatched one included, as ``torch.compile(model, fullgraph=True)`` (inductor,
+with its caches off so that every configuration compiles from scratch) and adds the compile time: the first step's
+time (tracing, compiling forward and backward, running) less the median step's, and its ratio to the unpatched
+model's; with ``--interleave`` both come from the interleaved process. ``--quick`` skips the processes per
+configuration (no memory columns) and times in the interleaved process alone: the smallest run, for a check.
 """
 
 from __future__ import annotations
@@ -106,9 +114,16 @@ def build(args, dropout: str, scorer_name: str, impl: str):
             dropout_active=dropout == "config",
         )  # fmt: skip
 
+    forward = model
+    if args.compiled:
+        # transformers looks the loss function up on every call and logs a warning for a model without a known
+        # loss_type (GPT-2 here), which would break the graph: looked up once, here.
+        model.loss_function = model.loss_function
+        forward = torch.compile(model, fullgraph=True)
+
     def step():
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = model(**batch).loss
+            loss = forward(**batch).loss
         loss.backward()
         model.zero_grad(set_to_none=True)
         if device.type == "cuda":
@@ -123,34 +138,57 @@ def measure(args) -> dict:
 
     device = torch.device(args.device)
     step, resolved = build(args, args.dropout, args.scorer, args.impl)
-    step()  # warm-up
+    warm_up_compiler(args)
+    first_step_s = timed(step)  # warm-up (compiled: the compile)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.steps):
-        started = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - started)
+    median = statistics.median(timed(step) for _ in range(args.steps))
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    return {"time_s": statistics.median(times), "peak_bytes": peak, "resolved_impl": resolved}
+    result = {"time_s": median, "peak_bytes": peak, "resolved_impl": resolved}
+    return result | ({"compile_s": first_step_s - median} if args.compiled else {})
 
 
-def measure_interleaved(args, runs: list[tuple[str, str]]) -> dict[str, float]:
+def measure_interleaved(args, runs: list[tuple[str, str]]) -> dict[str, dict]:
     """Run in a child process: every configuration's model, one step each in turn for ``--steps`` rounds, so
-    that the machine's drifts in speed hit all of them alike; the median step time of each."""
-    steps = {f"{scorer}/{impl}": build(args, args.dropout, scorer, impl)[0] for scorer, impl in runs}
-    for step in steps.values():
-        step()  # warm-up
-    times = {name: [] for name in steps}
+    that the machine's drifts in speed hit all of them alike; per configuration the median step time
+    (``time_s``), the path the rule chose (``resolved_impl``) and, compiled, the compile time (``compile_s``)."""
+    built = {f"{scorer}/{impl}": build(args, args.dropout, scorer, impl) for scorer, impl in runs}
+    warm_up_compiler(args)
+    # The warm-up steps, one configuration after another (compiled: each compile, from scratch: caches are off).
+    first_steps = {name: timed(step) for name, (step, _) in built.items()}
+    times = {name: [] for name in built}
     for _ in range(args.steps):
-        for name, step in steps.items():
-            started = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(samples) for name, samples in times.items()}
+        for name, (step, _) in built.items():
+            times[name].append(timed(step))
+    results = {}
+    for name, (_, resolved) in built.items():
+        median = statistics.median(times[name])
+        results[name] = {"time_s": median, "resolved_impl": resolved}
+        if args.compiled:
+            results[name]["compile_s"] = first_steps[name] - median
+    return results
+
+
+def warm_up_compiler(args) -> None:
+    """Compiled: compile and run a training step of one linear layer, so that what a process pays once (inductor's
+    imports, its checks of the C++ toolchain) falls on no configuration's compile time, the first one's least of
+    all."""
+    if not args.compiled:
+        return
+    import torch
+
+    layer = torch.nn.Linear(8, 8, device=args.device)
+    torch.compile(layer, fullgraph=True)(torch.ones(2, 8, device=args.device)).sum().backward()
+
+
+def timed(step) -> float:
+    """The seconds one call of ``step`` takes."""
+    started = time.perf_counter()
+    step()
+    return time.perf_counter() - started
 
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
@@ -209,6 +247,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="time every configuration of a length and dropout in one process, a step of each in turn (memory "
         "still comes from one process per configuration): ratios that hold on a machine whose speed drifts",
     )
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="torch.compile(model, fullgraph=True) every model, the unpatched one too, and report the compile time",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="time in the interleaved process only (implies --interleave; no processes per configuration, no "
+        "memory columns): the smallest run",
+    )
     parser.add_argument("--dry_run", action="store_true", help="print the child commands, run nothing")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dropout", default="config", help=argparse.SUPPRESS)
@@ -231,27 +280,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.seq = args.seq or ([1024, 2048, 4096, 8192] if cuda else [256, 512, 1024, 2048])
     args.impls = args.impls or (["default", "triton", "chunked"] if cuda else ["default"])
     args.steps = args.steps or (10 if cuda else 3)
+    args.interleave = args.interleave or args.quick
     if not cuda and "triton" in args.impls and not args.child:
         print("note: impl=triton runs on CUDA only; on CPU its rows will report the error", file=sys.stderr)
     return args
 
 
 def interleave(args, seq: int, dropout: str, runs, shared: list[str], results: list[dict]) -> None:
-    """Replace the step times of length ``seq`` and ``dropout`` in ``results`` by those of one interleaved child."""
+    """Replace the step times (and compile times) of length ``seq`` and ``dropout`` in ``results`` by those of one
+    interleaved child; with ``--quick`` there are no rows yet, and the child's make them."""
     listed = ",".join(f"{scorer}/{impl}" for scorer, impl in runs)
     command = [sys.executable, __file__, "--child", f"--seq={seq}", f"--dropout={dropout}", f"--runs={listed}", *shared]
     if args.dry_run:
         print(" ".join(command))
         return
-    finished = subprocess.run(command, check=False, capture_output=True, text=True)
+    finished = subprocess.run(command, check=False, capture_output=True, text=True, env=child_env(args))
     if finished.returncode != 0:
         sys.exit(f"n={seq}: the interleaved timing failed: {finished.stderr.strip()[-2000:]}")
-    times = json.loads(finished.stdout.strip().splitlines()[-1])
+    measured = json.loads(finished.stdout.strip().splitlines()[-1])
+    if args.quick:
+        for scorer, impl in runs:
+            results.append({"seq": seq, "dropout": dropout, "scorer": scorer, "impl": impl})
     for result in results:
         if result["seq"] == seq and result["dropout"] == dropout and "error" not in result:
-            result["time_s"] = times[f"{result['scorer']}/{result['impl']}"]
-            result["timed"] = "interleaved"
-    print(f"n={seq:5d} {dropout} interleaved times: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()))
+            result.update(measured[f"{result['scorer']}/{result['impl']}"], timed="interleaved")
+    times = ", ".join(f"{name} {row['time_s'] * 1e3:.1f} ms" for name, row in measured.items())
+    print(f"n={seq:5d} {dropout} interleaved times: {times}")
+
+
+def child_env(args) -> dict[str, str]:
+    """A child's environment: compiled, with inductor's caches off, so that each configuration's compile time is
+    a compile from scratch (not the kernels an earlier run or configuration left in the cache)."""
+    return {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"} if args.compiled else dict(os.environ)
 
 
 def main() -> None:
@@ -272,21 +332,23 @@ def main() -> None:
 
     runs = [("none", args.base)] + [(scorer, impl) for scorer in args.scorers for impl in args.impls]
     keys = ("family", "batch", "layers", "width", "heads", "h", "steps", "device", "dtype")
-    shared = [f"--{k}={getattr(args, k)}" for k in keys]
+    shared = [f"--{k}={getattr(args, k)}" for k in keys] + (["--compiled"] if args.compiled else [])
     shared += [f"--proj_dim={args.proj_dim}"] if args.proj_dim else []
     shared += ["--padded", f"--padding_side={args.padding_side}"] if args.padded else []
     shared += [f"--base={args.base}"]
     results = []
     for seq in args.seq:
         for dropout in args.dropouts:
-            for scorer, impl in runs:
+            for scorer, impl in runs if not args.quick else ():
                 command = [sys.executable, __file__, "--child", f"--seq={seq}", f"--dropout={dropout}"]
                 command += [f"--scorer={scorer}", f"--impl={impl}"]
                 row = {"seq": seq, "dropout": dropout, "scorer": scorer, "impl": impl}
                 if args.dry_run:
                     print(" ".join(command + shared))
                     continue
-                finished = subprocess.run(command + shared, check=False, capture_output=True, text=True)
+                finished = subprocess.run(
+                    command + shared, check=False, capture_output=True, text=True, env=child_env(args)
+                )
                 if finished.returncode != 0:
                     error = finished.stderr.strip().splitlines()[-1] if finished.stderr.strip() else "failed"
                     print(f"n={seq} {dropout} {scorer}/{impl}: {error}", file=sys.stderr)
@@ -334,6 +396,12 @@ def report(results, args) -> str:
         if args.interleave
         else ""
     )
+    compiled = (
+        "; every model (the unpatched one too) as torch.compile(model, fullgraph=True), inductor with its caches off; "
+        "compile s = the first step's time less the median step's"
+        if args.compiled
+        else ""
+    )
     shape = "GPT-2" if args.family == "gpt2" else "BERT (sequence classification)"
     padding = f", rows 2 and on padded from the middle on the {args.padding_side}" if args.padded else ""
     neural = f"neural proj_dim={args.proj_dim}" if args.proj_dim else "neural with its default options"
@@ -341,28 +409,31 @@ def report(results, args) -> str:
         f"{shape} from its default config, {args.layers} layers x {args.width} wide x {args.heads} heads, batch "
         f"{args.batch}{padding}, train mode, all layers patched with h={args.h}, {neural}, {precision}; dropout: "
         f"config = the config's attention dropout, zero = attention dropout 0; median of {args.steps} steps"
-        f"{timing}; machine: {machine}."
+        f"{timing}{compiled}; machine: {machine}."
     )
-    lines = [
-        setup,
-        "",
-        "| n | dropout | scorer | impl | step ms | x unpatched | peak MiB | x unpatched | x unpatched, zero |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    header = ["n", "dropout", "scorer", "impl", "step ms", "x unpatched"]
+    header += ["compile s", "x unpatched"] if args.compiled else []
+    header += [] if args.quick else ["peak MiB", "x unpatched", "x unpatched, zero"]
+    lines = [setup, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
+        cells = [str(r["seq"]), r["dropout"], r["scorer"], label(r)]
         if "error" in r:
-            lines.append(f"| {r['seq']} | {r['dropout']} | {r['scorer']} | {label(r)} | {r['error']} | | | | |")
+            lines.append("| " + " | ".join(cells + [r["error"]] + [""] * (len(header) - 5)) + " |")
             continue
         base = baseline.get((r["seq"], r["dropout"]))
-        base_zero = baseline.get((r["seq"], "zero"))
-        time_ratio = f"{r['time_s'] / base['time_s']:.2f}" if base else "n/a"
-        memory_ratio = f"{r['peak_bytes'] / base['peak_bytes']:.2f}" if base else "n/a"
-        memory_zero = f"{r['peak_bytes'] / base_zero['peak_bytes']:.2f}" if base_zero else "n/a"
-        lines.append(
-            f"| {r['seq']} | {r['dropout']} | {r['scorer']} | {label(r)} | {r['time_s'] * 1e3:.1f} | {time_ratio} | "
-            f"{r['peak_bytes'] / 2**20:.0f} | {memory_ratio} | {memory_zero} |"
-        )
+        cells += [f"{r['time_s'] * 1e3:.1f}", ratio(r, base, "time_s")]
+        if args.compiled:
+            cells += [f"{r['compile_s']:.1f}", ratio(r, base, "compile_s")]
+        if not args.quick:
+            base_zero = baseline.get((r["seq"], "zero"))
+            cells += [f"{r['peak_bytes'] / 2**20:.0f}", ratio(r, base, "peak_bytes"), ratio(r, base_zero, "peak_bytes")]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def ratio(result: dict, base: dict | None, key: str) -> str:
+    """``result[key]`` over the unpatched row's, or n/a without one."""
+    return f"{result[key] / base[key]:.2f}" if base else "n/a"
 
 
 def describe_machine(device: str) -> str:
@@ -388,21 +459,22 @@ def plot(results, path: Path) -> None:
     except ImportError:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return
-    figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(10, 4))
+    panels = [("time_s", 1e3, "step time (ms)")]
+    panels += [("compile_s", 1, "compile time (s)")] if any("compile_s" in r for r in results) else []
+    panels += [("peak_bytes", 2**-20, "peak memory (MiB)")] if any("peak_bytes" in r for r in results) else []
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for key in sorted({(r["dropout"], r["scorer"], r["impl"]) for r in results}):
         points = [r for r in results if (r["dropout"], r["scorer"], r["impl"]) == key and "error" not in r]
         name = f"unpatched ({key[2]})" if key[1] == "none" else f"{key[1]} / {key[2]}"
         label_text = f"{name}, dropout {key[0]}"
-        time_axis.plot([p["seq"] for p in points], [p["time_s"] * 1e3 for p in points], marker="o", label=label_text)
-        memory_axis.plot(
-            [p["seq"] for p in points], [p["peak_bytes"] / 2**20 for p in points], marker="o", label=label_text
-        )
-    for axis, title in ((time_axis, "step time (ms)"), (memory_axis, "peak memory (MiB)")):
+        for axis, (field, scale, _) in zip(axes[0], panels, strict=True):
+            axis.plot([p["seq"] for p in points], [p[field] * scale for p in points], marker="o", label=label_text)
+    for axis, (_, _, title) in zip(axes[0], panels, strict=True):
         axis.set_xlabel("sequence length n")
         axis.set_title(title)
         axis.set_xscale("log", base=2)
         axis.grid(alpha=0.3)
-    time_axis.legend(fontsize=7)
+    axes[0][0].legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 

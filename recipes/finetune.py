@@ -464,7 +464,7 @@ def restore(state: TrainingRun, resume_path: Path | None) -> None:
         saved = checkpointing.read_progress(resume_path)
         checkpointing.check_resume_settings(saved.settings, resume_key)
         logger.info("Resuming from %s (step %d)", resume_path, saved.completed_steps)
-        accelerator.load_state(str(resume_path))
+        accelerator.load_state(str(resume_path), **qlora.resume_load_kwargs(args))
         state.progress, state.resumed = saved, True
     if args.with_tracking:
         accelerator.init_trackers("finetune", tracker_config(state.settings))

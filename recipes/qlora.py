@@ -233,6 +233,15 @@ def prepare_quantized(model, args: argparse.Namespace):
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
+def resume_load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """How a resumed run loads a checkpoint's model weights (``accelerator.load_state``'s keywords). Over a quantized
+    base, not strictly: bitsandbytes saves each 4-bit weight's quantization state beside it (``absmax``, ``quant_map``,
+    ...), keys no parameter takes back. The base is frozen, and the resumed run loads it again from
+    ``--model_name_or_path`` quantized the same way, so what it restores is unchanged; what trained (LoRA, the scorers)
+    loads as usual."""
+    return {"strict": False} if quantizes(args) else {}
+
+
 def add_lora(model, args: argparse.Namespace, new_parameters: set[str]):
     """``model`` wrapped by PEFT with LoRA adapters (``--lora_r``), its scorers and the modules holding
     ``new_parameters`` (a newly initialised head) trained in full as ``modules_to_save``; ``model`` when no LoRA is

@@ -30,8 +30,13 @@ from hf_neural_attn.loading.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS
 @pytest.mark.parametrize("kind", CHECKPOINT_KINDS)
 def test_a_checkpoint_that_recorded_impl_loads_on_the_path_asked_for(tmp_path, kind):
     model, folder = save_checkpoint(tmp_path, kind)
-    # As older versions saved it on a GPU machine: impl="triton" in the record (patching with it needs no GPU).
-    edit_record(folder, kind, lambda record: record["options"].update(impl="triton"))
+    # As older versions saved it on a GPU machine: a record of format 1 (no format number) with impl="triton" in its
+    # options (patching with it needs no GPU).
+    def as_saved_before_format_2(record):
+        record.pop("format", None)
+        record["options"].update(impl="triton")
+
+    edit_record(folder, kind, as_saved_before_format_2)
     inputs = model_inputs("llama")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # read and ignored: nothing to warn about, wherever Triton can or cannot run

@@ -114,6 +114,36 @@ def test_a_torchao_run_trains_the_scorers_alone_and_saves_a_quantized_patched_ch
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
 
 
+def test_a_qlora_run_resumes_from_its_checkpoint_to_the_uninterrupted_result(assets, tmp_path):
+    """A checkpoint of a QLoRA run holds the 4-bit base's quantization states beside its weights, which no parameter
+    takes back; the resumed run reloads the frozen base and restores what trained: the same final model."""
+    import shutil
+
+    from recipes_helpers import finetune_in_process
+
+    flags = [
+        *clm_flags(assets, "--scorer", "neural", "--load_in_4bit", "--lora_r", "4", "--checkpointing_steps", "2"),
+        *("--model_name_or_path", str(assets["llama"]), "--attention_map_layer", "none"),
+    ]
+    whole = finetune_in_process(tmp_path / "whole", *flags)
+    shutil.copytree(tmp_path / "whole" / "step_2", tmp_path / "resumed" / "step_2")
+    resumed = finetune_in_process(tmp_path / "resumed", *flags, "--resume_from_checkpoint", "latest")
+    assert resumed["perplexity"] == whole["perplexity"]
+
+
+def test_the_qlora_baseline_is_lora_on_the_quantized_unpatched_base(assets, tmp_path):
+    from recipes_helpers import finetune_in_process
+
+    out = tmp_path / "baseline"
+    flags = clm_flags(assets, "--scorer", "none", "--load_in_8bit", "--lora_r", "4", "--attention_map_layer", "none")
+    results = finetune_in_process(out, *flags, "--model_name_or_path", str(assets["llama"]))
+    assert results["patch"] is None and results["parameters"]["added_by_patch"] == 0
+    card = (out / report.CARD_FILE).read_text()
+    assert "| scorer | none (unpatched baseline) |" in card
+    assert "| base weights | bitsandbytes 8-bit (LLM.int8) |" in card and "| LoRA | r=4, alpha=8" in card
+    assert "hf_neural_attn.patch_model" not in card_loading_code(out)
+
+
 REFUSED = [
     (["--load_in_4bit", "--scorer", "qana"], "cannot be fine-tuned in full.*--lora_r 16.*--train_only_new_params"),
     (["--load_in_4bit", "--load_in_8bit", "--lora_r", "4"], "Give --load_in_4bit or --load_in_8bit, not both"),

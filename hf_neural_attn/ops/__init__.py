@@ -17,6 +17,11 @@ scorer with a fused form (QANA, one-layer Neural Attention: ``Scorer.fused_input
 call. :func:`resolve_impl` is the one place that turns a choice and a call into a path, and :data:`PATHS` is the one
 table of paths. Scorers that are not softmax attention (``scorer.uses_softmax`` False: NSEA, HEA) compute their
 output themselves in ``scorer.attend``.
+
+Every path enters a ``torch.compile``'d graph whole, with no graph break: the blockwise path and the Triton kernels as
+torch operators, the generic chunked path as checkpointed blocks (:mod:`.chunked`), the dropout seed as a tensor
+drawn in the graph (:mod:`.dropout`). Here, compiled calls make no choice that reads a mask's values
+(:func:`scored_attention`).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .._import_hooks import after_import, constant_when_compiled
+from .._import_hooks import constant_when_compiled
 from .blockwise import blockwise_attention, blockwise_unsupported_reason
 from .choices import IMPL_OPTIONS as IMPL_OPTIONS  # the values of the impl option, re-exported
 from .chunked import chunked_attention
@@ -186,18 +191,6 @@ PATHS = {
 }
 
 
-def _run_block_loops_eagerly(_dynamo) -> None:
-    """The chunked and blockwise paths run eagerly inside a torch.compile'd model: they loop over query blocks in
-    Python around a hand-written backward, which the compiler would unroll block by block (a 1-layer GPT-2 at 512
-    tokens took 250-300 s to compile, and in another run failed inside inductor; docs/scorers.md), and each block is
-    already a few large ops."""
-    for name in ("chunked", "blockwise"):
-        PATHS[name] = torch.compiler.disable(PATHS[name])
-
-
-# torch.compiler.disable imports torch._dynamo, a second's import: applied once something imports it, which
-# torch.compile does before it traces anything.
-after_import("torch._dynamo", _run_block_loops_eagerly)
 # Whether triton imports, asked on every call that may take the kernels: a constant inside a torch.compile'd model.
 # (Set up here: ops/triton imports nothing above the ops folder, which loads on its own.)
 constant_when_compiled(f"{__name__}.triton", "triton_available")
@@ -277,23 +270,30 @@ def scored_attention(
         dropout_active=attention_dropout is not None,
     )
     batch, kv_len = query.shape[0], key.shape[-2]
+    blocked, scored_in_blocks = path in ("chunked", "blockwise"), path != "reference"
+    # Inside a torch.compile'd model nothing below may depend on the mask's values, which reading would break the
+    # graph: a padded batch is not split into its sequences (the same outputs, to rounding, at the cost of the keys
+    # the split skips), and a causal call under an additive mask, whose rows seeing no key cannot be found, scores
+    # every key in every block (the mask carries the causal part; with a mask is_causal is only a hint).
+    compiling = torch.compiler.is_compiling()
+    additive_mask = attention_mask is not None and attention_mask.dtype != torch.bool
+    if compiling and scored_in_blocks and is_causal and additive_mask:
+        is_causal = False
     # Rows whose mask allows no key get what the unpatched model gives them (see .masks): zero under a boolean mask,
     # uniform weights over every key under an additive one, whose blocks the causal skip must then not cut short.
-    rows_by_sequence = (
-        query_rows_seeing_all(attention_mask, query.shape[-2]) if is_causal and path != "reference" else []
-    )
+    rows_by_sequence = query_rows_seeing_all(attention_mask, query.shape[-2]) if is_causal and scored_in_blocks else []
     rows_seeing_all = tuple(sorted(set().union(*rows_by_sequence)))
     run = functools.partial(PATHS[path], scorer, scaling=scaling, is_causal=is_causal)
     # Where the sequences of a batch differ, the blockwise paths run one sequence at a time: (first key, key end,
     # rows seeing all) each.
     per_sequence = None
-    if path in ("chunked", "blockwise") and not is_causal:
+    if blocked and not is_causal and not compiling:
         # A padded batch of unequal lengths: each sequence scores only the keys its mask leaves it, which the softmax
         # gives exactly zero weight otherwise. (Not for causal calls: they align queries to the end of the keys, which
         # a shorter span of keys would move.)
         spans = key_spans(attention_mask, batch, kv_len)
         per_sequence = [(start, end, ()) for start, end in spans] if spans is not None else None
-    elif path in ("chunked", "blockwise") and len(set(rows_by_sequence)) > 1:
+    elif blocked and len(set(rows_by_sequence)) > 1:
         # A left-padded batch over an eager base: widening every sequence's blocks for another's pad rows would cost
         # them all the keys a causal block skips.
         per_sequence = [(0, kv_len, rows) for rows in rows_by_sequence]

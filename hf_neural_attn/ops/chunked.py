@@ -22,6 +22,13 @@ scored at all; a purely causal call (no mask tensor) masks each block's diagonal
 Queries that may attend to no key (left-padding rows) under an additive mask get uniform weights over every
 key, as on the reference path: the blocks holding them score every key (``rows_seeing_all``, see
 :func:`.masks.query_blocks`).
+
+Inside a ``torch.compile``'d model the backward above cannot be traced (it runs the scorer's autograd inside an
+autograd function's backward), and it calls arbitrary scorer code, so it cannot be an opaque operator either, as
+the blockwise path is. There each block is instead one ``torch.utils.checkpoint`` region
+(:func:`_checkpointed_blocks`): forward keeps the block's inputs only and backward recomputes the block, the same
+memory as here, with no graph break. Dynamo unrolls the blocks, so compiling takes longer the longer the sequence
+(one block of :data:`QUERY_BLOCK` queries more every 128 tokens; docs/scorers.md has the times measured).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from typing import Any
 
 import torch
 from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
 from .dropout import AttentionDropout
 from .grouped import grouped_matmul, grouped_transposed_matmul
@@ -54,6 +62,12 @@ def chunked_attention(
     """Same contract as :func:`~hf_neural_attn.ops.reference.reference_attention`, without returning the
     probabilities (the dispatcher sends calls that need them to the reference path). Dropout regenerates each
     block's mask in backward (:mod:`.dropout`), the same entries the reference drops."""
+    if torch.compiler.is_compiling():
+        output = _checkpointed_blocks(
+            scorer, query, key, value, attention_mask, scaling=scaling, dropout=dropout, extras=extras,
+            is_causal=is_causal, rows_seeing_all=rows_seeing_all,
+        )  # fmt: skip
+        return output, None
     # Keys and values keep their kv heads: the scorers score each query head against its group's kv head.
     named = list(scorer.named_parameters())
     names, parameters = tuple(name for name, _ in named), tuple(parameter for _, parameter in named)
@@ -86,6 +100,39 @@ def _block_scores(score, query, key, extras, mask, is_causal, start, end, kv_end
     return apply_mask(scores, rows)
 
 
+def _block_attention(scores, value, kv_end, dropout, streams, start):
+    """A block's output (batch, heads, block, value_dim) from its masked logits (batch, heads, block, kv_end), with
+    the row maximum and normaliser (batch, heads, block, 1) of its softmax; differentiable (the maximum is a
+    constant shift, which the softmax cancels)."""
+    block_max = scores.detach().amax(dim=-1, keepdim=True)
+    exps = torch.exp(scores - block_max)
+    block_sum = exps.sum(dim=-1, keepdim=True)
+    probs = (exps / block_sum).to(value.dtype)
+    if dropout is not None:
+        probs = dropout.kept(probs, streams, start)
+    return grouped_matmul(probs, value[:, :, :kv_end]), block_max, block_sum
+
+
+def _checkpointed_blocks(
+    scorer, query, key, value, attention_mask, *, scaling, dropout, extras, is_causal, rows_seeing_all
+) -> torch.Tensor:
+    """The chunked path as torch.compile takes it: each block of queries a ``torch.utils.checkpoint`` region, whose
+    backward recomputes the block through the scorer's own autograd. Returns output (batch, heads, q_len,
+    value_dim)."""
+    streams = dropout.streams(query.shape[0], query.shape[1], query.device) if dropout is not None else None
+
+    def block_output(query, key, value, start, end, kv_end):
+        scores = _block_scores(scorer, query, key, extras, attention_mask, is_causal, start, end, kv_end, scaling)
+        return _block_attention(scores, value, kv_end, dropout, streams, start)[0]
+
+    blocks = query_blocks(query.shape[-2], key.shape[-2], is_causal, QUERY_BLOCK, rows_seeing_all)
+    outputs = [
+        checkpoint(block_output, query, key, value, start, end, kv_end, use_reentrant=False)
+        for start, end, kv_end in blocks
+    ]
+    return torch.cat(outputs, dim=2)
+
+
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -101,13 +148,9 @@ class _BlockwiseAttention(torch.autograd.Function):
         streams = dropout.streams(query.shape[0], query.shape[1], query.device) if dropout is not None else None
         for start, end, kv_end in query_blocks(q_len, kv_len, is_causal, QUERY_BLOCK, rows_seeing_all):
             scores = _block_scores(scorer, query, key, extras, attention_mask, is_causal, start, end, kv_end, scaling)
-            block_max = scores.amax(dim=-1, keepdim=True)
-            exps = torch.exp(scores - block_max)
-            block_sum = exps.sum(dim=-1, keepdim=True)
-            probs = (exps / block_sum).to(value.dtype)
-            if dropout is not None:
-                probs = dropout.kept(probs, streams, start)
-            output[:, :, start:end] = grouped_matmul(probs, value[:, :, :kv_end])
+            output[:, :, start:end], block_max, block_sum = _block_attention(
+                scores, value, kv_end, dropout, streams, start
+            )
             row_max[:, :, start:end], row_sum[:, :, start:end] = block_max.squeeze(-1), block_sum.squeeze(-1)
         device = query.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))

@@ -12,6 +12,12 @@ drawing and storing a mask they regenerate it: whether an entry is kept is a has
 restores the RNG state) draws the same seed, and two calls draw different ones. The reference path uses the same
 function, so for one seed every path drops exactly the same entries.
 
+The seed is a 0-d tensor drawn with ``torch.randint``, an op like any other, so a ``torch.compile``'d model draws
+it inside its graph (no graph break) and hands it to the blockwise operator as a tensor. Inductor then draws it
+from its own random stream unless ``torch._inductor.config.fallback_random`` is True: with the flag, compiled and
+eager models draw the same seeds and drop the same entries; without it a compiled run is still reproducible under
+``torch.manual_seed`` but drops other entries than the eager one (as inductor's own dropout does).
+
 The hash is 32-bit arithmetic carried in int64 tensors: every value is a 32-bit word in [0, 2^32), each
 multiplication is by a constant below 2^31 in magnitude and is masked back to 32 bits, so no step overflows a signed
 64-bit integer. That keeps the arithmetic defined in every backend: torch.compile's C++ and Triton code treat signed
@@ -29,8 +35,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .._import_hooks import after_import
-
 _WORD = 0xFFFFFFFF  # the low 32 bits
 # lowbias32's multipliers, each below 2^31 in magnitude (0x846CA68B taken as its negative twin, the same residue mod
 # 2^32), so a 32-bit word times either fits in int64.
@@ -40,10 +44,11 @@ _ROW_STEP = 0x9E3779B9  # the golden ratio's word: spreads consecutive rows apar
 _COLUMN_OFFSET = 0x632BE5AB  # keeps column 0's hash away from row hashes' inputs
 
 
-def draw_seed() -> int:
-    """One seed for a call's dropout masks, from torch's default (CPU) generator. Drawn in eager code inside a
-    compiled model (see the end of this module): a compiled graph would draw from its own generator."""
-    return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64))
+def draw_seed() -> torch.Tensor:
+    """One seed for a call's dropout masks: a 0-d int64 tensor in [0, 2^31 - 1) from torch's default (CPU)
+    generator. A tensor rather than a Python int, so that a compiled graph draws it without a graph break (see
+    the module doc for which generator then draws it)."""
+    return torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -62,11 +67,13 @@ def keep_threshold(p: float) -> int:
     return round(p * (1 << 32))
 
 
-def keep_mask(seed: int, p: float, streams: torch.Tensor, row_start: int, row_end: int, col_end: int) -> torch.Tensor:
+def keep_mask(
+    seed: torch.Tensor | int, p: float, streams: torch.Tensor, row_start: int, row_end: int, col_end: int
+) -> torch.Tensor:
     """Which entries of rows ``row_start:row_end`` and columns ``:col_end`` dropout keeps.
 
     Args:
-        seed: the call's seed (:func:`draw_seed`), in [0, 2^31).
+        seed: the call's seed (:func:`draw_seed`: a 0-d int64 tensor; a Python int works too), in [0, 2^31).
         p: the dropout probability.
         streams: integer ``batch * heads + head`` of each (batch, head) the probabilities have, in their layout
             with the row and column axes of size 1 (e.g. (batch, heads, 1, 1)).
@@ -131,7 +138,8 @@ class AttentionDropout:
     """
 
     p: float
-    seed: int
+    # A 0-d int64 tensor (draw_seed), which the blockwise operator takes; the masks alone (keep_mask) take an int too.
+    seed: torch.Tensor
     # Added to the streams of a call split into parts of the batch (ops: one sequence at a time), so that a part's
     # first sequence draws what it draws in the whole batch.
     batch_offset: int = 0
@@ -182,13 +190,3 @@ class AttentionDropout:
         keep = keep_mask(self.seed, self.p, streams, row_start + offset, row_end + offset, col_end)
         # p = 1 keeps nothing, and its factors are all 0 (as F.dropout's), not 0 times an infinite scale.
         return keep.to(dtype).mul_(1.0 / (1.0 - self.p) if self.p < 1 else 0.0)
-
-
-def _draw_seeds_eagerly(_dynamo) -> None:
-    global draw_seed
-    draw_seed = torch.compiler.disable(draw_seed)
-
-
-# torch.compiler.disable imports torch._dynamo, a second's import: it is applied once something imports it, which
-# torch.compile does before it traces anything.
-after_import("torch._dynamo", _draw_seeds_eagerly)

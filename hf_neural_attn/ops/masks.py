@@ -19,8 +19,6 @@ of equal minima gives (:func:`rows_without_keys`).
 
 from __future__ import annotations
 
-import bisect
-
 import torch
 
 
@@ -75,10 +73,13 @@ def query_blocks(q_len: int, kv_len: int, is_causal: bool, block: int, rows_seei
     the keys) the keys after a block's last query are hidden from the whole block: ``kv_end`` stops there, except
     in a block holding one of ``rows_seeing_all`` (sorted query rows an additive mask hides every key from, which
     softmax spreads uniformly over every key: :func:`rows_without_keys`)."""
+    first_at_or_after = 0  # into rows_seeing_all: its first row at or after the block's start (blocks ascend)
     for start in range(0, q_len, block):
         end = min(start + block, q_len)
         kv_end = min(kv_len, end + kv_len - q_len) if is_causal else kv_len
-        first_at_or_after = bisect.bisect_left(rows_seeing_all, start)
+        # A walk rather than bisect: torch.compile traces this loop (the chunked path's), and not the C bisect.
+        while first_at_or_after < len(rows_seeing_all) and rows_seeing_all[first_at_or_after] < start:
+            first_at_or_after += 1
         if first_at_or_after < len(rows_seeing_all) and rows_seeing_all[first_at_or_after] < end:
             kv_end = kv_len
         yield start, end, kv_end
