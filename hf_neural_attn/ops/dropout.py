@@ -123,7 +123,7 @@ class DropoutPlacement:
     would: the whole's ``seed`` (drawn once, :func:`draw_seed`), this part's first head ``head_offset`` of
     ``total_heads``, and its first query row ``row_offset`` (key columns are the whole's already)."""
 
-    seed: int
+    seed: torch.Tensor
     head_offset: int = 0
     total_heads: int | None = None
     row_offset: int = 0
@@ -164,6 +164,18 @@ class AttentionDropout:
         if placement is None:
             return cls(p, draw_seed())
         return cls(p, placement.seed, 0, placement.head_offset, placement.total_heads, placement.row_offset)
+
+    def offsets(self) -> list[int]:
+        """Where the call sits in its whole, as a torch operator's schema carries it (the blockwise path's): the part
+        of the batch, the first head, the heads of the whole (0: the call's own), the first row. :meth:`at_offsets`
+        reads it back."""
+        return [self.batch_offset, self.head_offset, self.total_heads or 0, self.row_offset]
+
+    @classmethod
+    def at_offsets(cls, p: float, seed: torch.Tensor, offsets: list[int]) -> AttentionDropout:
+        """The dropout of probability ``p`` and ``seed`` at the place :meth:`offsets` describes."""
+        batch_offset, head_offset, total_heads, row_offset = offsets
+        return cls(p, seed, batch_offset, head_offset, total_heads or None, row_offset)
 
     def streams(self, batch: int, heads: int, device) -> torch.Tensor:
         """(batch, heads, 1, 1) int32 streams of probabilities laid out as (batch, heads, q, kv) (:func:`head_streams`

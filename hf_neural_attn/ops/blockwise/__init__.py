@@ -97,7 +97,7 @@ def blockwise_attention(
         raise ValueError(f"query heads ({heads}) must be a multiple of the key/value heads ({kv_heads}).")
     block = QUERY_BLOCK if block is None else block
     # The operator's schema takes tensors, lists and plain values (see .custom_ops): the term's tensors without
-    # its absent ones, and the dropout as its probability, seed and part of the batch.
+    # its absent ones, and the dropout as its probability, seed and place in its whole.
     output, _, _ = blockwise_attention_forward(
         query, key, value, attention_mask,
         [tensor for tensor in inputs.tensors if tensor is not None],
@@ -110,6 +110,6 @@ def blockwise_attention(
         [int(row) for row in rows_seeing_all],
         int(block),
         dropout.p if dropout is not None else 0.0,
-        dropout.batch_offset if dropout is not None else 0,
+        dropout.offsets() if dropout is not None else [0, 0, 0, 0],
     )  # fmt: skip
     return output

@@ -2,7 +2,7 @@
 
 * ``torch.ops.hf_neural_attn.blockwise_attention_forward(query, key, value, attention_mask, term_tensors,
   dropout_seed, term, absent_term_tensors, activation, scaling, is_causal, rows_seeing_all, block, dropout_p,
-  dropout_batch_offset) -> (out, row_max, row_sum)``: :func:`.loops.forward_blocks`.
+  dropout_offsets) -> (out, row_max, row_sum)``: :func:`.loops.forward_blocks`.
 * ``torch.ops.hf_neural_attn.blockwise_attention_backward(grad_out, out, row_max, row_sum, <the forward's
   arguments>) -> (dq, dk, dv, dterm)``: :func:`.loops.backward_blocks`.
 
@@ -16,10 +16,10 @@ The arguments are what a schema can carry, in place of the autograd function's o
 term's name (a key of :data:`.loops.TERM_LAYOUTS`), ``term_tensors`` its tensors in
 :class:`~hf_neural_attn.ops.terms.FusedInputs` order without the absent ones (a list of tensors cannot hold None),
 ``absent_term_tensors`` the positions of those (the pair MLP's gate in its replace form); dropout is its
-probability, its seed (a 0-d int64 tensor, :func:`..dropout.draw_seed`; None without dropout) and the part of the
-batch the call is (:class:`..dropout.AttentionDropout`). ``dterm`` has a gradient for each of ``term_tensors``:
-zeros where the gradient is zero (the query network's ``c``, which the softmax cancels), as an operator cannot
-return None in a list.
+probability, its seed (a 0-d int64 tensor, :func:`..dropout.draw_seed`; None without dropout) and where the call
+sits in the whole it drops for (``AttentionDropout.offsets``: the part of the batch, of the heads, of the rows).
+``dterm`` has a gradient for each of ``term_tensors``: zeros where the gradient is zero (the query network's ``c``,
+which the softmax cancels), as an operator cannot return None in a list.
 
 Every output is contiguous, and the fake implementations say so: inductor plans the tensors around an operator from
 its fake's layout.
@@ -36,14 +36,14 @@ def _stats_dtype(query: torch.Tensor) -> torch.dtype:
     return torch.promote_types(query.dtype, torch.float32)
 
 
-def _call(term, term_tensors, absent_term_tensors, activation, scaling, query, key, dropout_p, dropout_seed, offset):
+def _call(term, term_tensors, absent_term_tensors, activation, scaling, query, key, dropout_p, dropout_seed, offsets):
     """The term of one call (a :class:`.common.BlockwiseTerm`), its tensors with None at the absent positions, and
     its dropout (None without a seed), from the operators' arguments."""
     present = iter(term_tensors)
     count = len(term_tensors) + len(absent_term_tensors)
     tensors = tuple(None if index in absent_term_tensors else next(present) for index in range(count))
     state = TERM_LAYOUTS[term](activation, scaling, tensors, query, key, _stats_dtype(query))
-    dropout = AttentionDropout(dropout_p, dropout_seed, offset) if dropout_seed is not None else None
+    dropout = AttentionDropout.at_offsets(dropout_p, dropout_seed, offsets) if dropout_seed is not None else None
     return state, tensors, dropout
 
 
@@ -63,7 +63,7 @@ def blockwise_attention_forward(
     rows_seeing_all: list[int],
     block: int,
     dropout_p: float,
-    dropout_batch_offset: int,
+    dropout_offsets: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """softmax(scores + mask) @ v, and each query row's score maximum and softmax normaliser, which the backward
     operator rebuilds the probabilities from.
@@ -81,7 +81,7 @@ def blockwise_attention_forward(
     """
     state, _, dropout = _call(
         term, term_tensors, absent_term_tensors, activation, scaling, query, key, dropout_p, dropout_seed,
-        dropout_batch_offset,
+        dropout_offsets,
     )  # fmt: skip
     return forward_blocks(
         state, attention_mask, query, key, value, is_causal=is_causal, rows_seeing_all=rows_seeing_all, block=block,
@@ -118,7 +118,7 @@ def blockwise_attention_backward(
     rows_seeing_all: list[int],
     block: int,
     dropout_p: float,
-    dropout_batch_offset: int,
+    dropout_offsets: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The gradients of query, key, value and ``term_tensors`` from that of ``out`` and what the forward operator
     returned (the other arguments are the forward's).
@@ -129,7 +129,7 @@ def blockwise_attention_backward(
     """
     state, tensors, dropout = _call(
         term, term_tensors, absent_term_tensors, activation, scaling, query, key, dropout_p, dropout_seed,
-        dropout_batch_offset,
+        dropout_offsets,
     )  # fmt: skip
     grad_query, grad_key, grad_value, grad_tensors = backward_blocks(
         state, tensors, grad_out, out, row_max, row_sum, attention_mask, query, key, value, scaling=scaling,
@@ -154,7 +154,7 @@ def _save_for_backward(ctx, inputs, output):
     out, row_max, row_sum = output
     ctx.mark_non_differentiable(row_max, row_sum)
     ctx.save_for_backward(query, key, value, attention_mask, dropout_seed, out, row_max, row_sum, *term_tensors)
-    ctx.static = static  # term, absent_term_tensors, activation, scaling, is_causal, rows_seeing_all, block, p, offset
+    ctx.static = static  # term, absent_term_tensors, activation, scaling, is_causal, rows_seeing_all, block, p, offsets
 
 
 def _backward(ctx, grad_out, _grad_row_max, _grad_row_sum):
