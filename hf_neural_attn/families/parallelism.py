@@ -611,10 +611,17 @@ def refuse_ulysses(ulysses: ModuleType, *, attn_implementation: str) -> None:
     hub.register_with_transformers = classmethod(register_with_transformers)
 
 
+# Read once per trace under torch.compile: traced, the lookup in sys.modules would guard on its length, and every
+# import after the first call (any lazy import in transformers) would compile the model again.
+@torch.compiler.assume_constant_result
+def _sequence_parallel_size() -> int:
+    state = sys.modules.get(_ULYSSES_STATE)
+    group = getattr(state, "_SEQUENCE_PARALLEL_GROUP", None)
+    return 1 if group is None else torch.distributed.get_world_size(group=group)
+
+
 def check_no_sequence_parallelism() -> None:
     """Refuse to score while DeepSpeed's sequence-parallel groups are set up (a registration that named the model by
     path, which :func:`refuse_ulysses` cannot tell from an unpatched one): the sequence is split over the processes."""
-    state = sys.modules.get(_ULYSSES_STATE)
-    group = getattr(state, "_SEQUENCE_PARALLEL_GROUP", None)
-    if group is not None and torch.distributed.get_world_size(group=group) > 1:
+    if _sequence_parallel_size() > 1:
         raise ValueError(_SP_REFUSAL)
