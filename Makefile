@@ -23,8 +23,13 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/accelerate launch -m recipes.compare
 
+# The test files run on TEST_WORKERS pytest-xdist workers, a file's tests on one worker (their module fixtures are
+# built once). 2 is the core count the suite's time is measured on; `make test TEST_WORKERS=0` runs them in this process.
+TEST_WORKERS ?= 2
+PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python $(PYTEST)
 
 # The core contracts (every scorer on every family, checkpoints, Auto classes, positions, masks and cache,
 # output_attentions, HF usage) on the floor of pyproject.toml's transformers range, in a virtualenv of its own
@@ -50,4 +55,4 @@ $(OLDEST_VENV)/.installed: pyproject.toml
 
 test-oldest: $(OLDEST_VENV)/.installed
 	$(OLDEST_VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
-	$(OLDEST_VENV)/bin/python -m pytest -q $(CORE_TESTS) $(OLDEST_DESELECT)
+	$(OLDEST_VENV)/bin/python $(PYTEST) $(CORE_TESTS) $(OLDEST_DESELECT)

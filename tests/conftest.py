@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 from helpers import CORE_FAMILIES, FUSED_SCORERS
 
 from hf_neural_attn import ops
 from hf_neural_attn.ops.triton import launch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs the files on two pytest-xdist workers, one per core of the 2-core machines the suite is
+    # sized for. A worker with two intra-op threads beside another busy worker stalls far more than it gains (the
+    # threads spin waiting for a core), so each worker and the processes its tests start use one thread; a test
+    # that needs another count sets it for its own process.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(params=CORE_FAMILIES)

@@ -80,7 +80,7 @@ def test_inference_benchmark_at_smollm_135m_shape(tmp_path):
 
 def test_train_step_benchmark_on_a_left_padded_decoder_batch_over_an_eager_base(tmp_path):
     flags = ["--batch", "2", "--padded", "--padding_side", "left", "--base", "eager", "--seq", "24", "--layers", "1"]
-    flags += ["--width", "32", "--steps", "1", "--dropouts", "config"]
+    flags += ["--width", "32", "--steps", "1", "--dropouts", "config", "--scorers", "qana"]
     run_benchmark("train_step.py", *flags, tmp_path=tmp_path)
     table = (tmp_path / "train_step_gpt2.md").read_text()
     assert "padded from the middle on the left" in table and "| none | eager |" in table

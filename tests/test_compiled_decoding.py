@@ -2,8 +2,9 @@
 eager model's logits, and ``generate`` with a static cache and a ``CompileConfig`` gives the eager tokens.
 
 QANA and Neural Attention with live scorers, on Llama (grouped-query attention, RoPE) and GPT-2. Tolerance 1e-5 on
-logits and on every step's scores (compiled kernels reorder sums). Each family runs in its own process: compiling
-loads inductor, whose state the rest of the suite should not share (tests/test_compile.py does the same).
+logits and on every step's scores (compiled kernels reorder sums). The cases run in a process of their own: compiling
+loads inductor, whose state the rest of the suite should not share (tests/test_compile.py does the same); both
+families share one process.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from helpers import FUSED_SCORERS, perturb_scorers, tiny_gpt2, tiny_llama
 from transformers import CompileConfig, GenerationConfig
 import hf_neural_attn
 
-family = sys.argv[1]
-build = {"llama": tiny_llama, "gpt2": lambda: tiny_gpt2(initializer_range=0.4)}[family]
+builders = {"llama": tiny_llama, "gpt2": lambda: tiny_gpt2(initializer_range=0.4)}
 ids = torch.tensor([[5, 9, 12, 3, 7, 8, 2]])
 compile_config = CompileConfig(fullgraph=True, dynamic=False)
 compile_config._compile_all_devices = True  # generate compiles on accelerators only unless told (a CPU here)
@@ -36,8 +36,9 @@ def generation(**settings):
                             output_scores=True, return_dict_in_generate=True, **settings)
 
 
-for scorer in FUSED_SCORERS:
-    model = build()
+for family, scorer in [(family, scorer) for family in sys.argv[1:] for scorer in FUSED_SCORERS]:
+    torch._dynamo.reset()
+    model = builders[family]()
     hf_neural_attn.patch_model(model, scorer, **({"h": 4} if scorer == "qana" else {}))
     perturb_scorers(model)
     with torch.no_grad():
@@ -58,19 +59,26 @@ for scorer in FUSED_SCORERS:
 """
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_compiled_decoding_is_the_eager_model(family, tmp_path):
+@pytest.fixture(scope="module")
+def compiled_decoding(tmp_path_factory) -> str:
+    """What the script printed for both families, run in one process (one start of Python and inductor)."""
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, family],
+        [sys.executable, "-c", SCRIPT, "llama", "gpt2"],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
         check=False,
-        cwd=tmp_path,
+        cwd=tmp_path_factory.mktemp("compiled_decoding"),
         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))},
     )
     assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout}\n{result.stderr[-4000:]}"
-    assert [line.split(":")[0] for line in result.stdout.splitlines() if "compiled = eager" in line] == [
-        f"{family} qana",
-        f"{family} neural",
-    ]
+    return result.stdout
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_compiled_decoding_is_the_eager_model(family, compiled_decoding):
+    assert [
+        line.split(":")[0]
+        for line in compiled_decoding.splitlines()
+        if "compiled = eager" in line and line.startswith(f"{family} ")
+    ] == [f"{family} qana", f"{family} neural"]

@@ -72,16 +72,29 @@ def prepare_for_training(model, checkpointing: bool) -> None:
     model.train()
 
 
-def _zero3_worker(rank: int, init_file: str, base: str, out: str, case: dict) -> None:
+def _zero3_worker(rank: int, init_file: str, base: str, root: str) -> None:
+    """Every case of CASES in turn, in the same two processes (each case's files under ``root/<name>``): one start
+    of the processes, DeepSpeed and transformers for all of them."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
+    import deepspeed
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    for name, case in CASES.items():
+        _zero3_case(rank, base, f"{root}/{name}", case)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def _zero3_case(rank: int, base: str, out: str, case: dict) -> None:
     import deepspeed
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    Path(out).mkdir(parents=True, exist_ok=True)
     ds_config = HfDeepSpeedConfig(ZERO3)  # noqa: F841 (alive = transformers builds the model partitioned)
     results: dict = {}
 
@@ -140,8 +153,6 @@ def _zero3_worker(rank: int, init_file: str, base: str, out: str, case: dict) ->
         results["unpatched_logits"] = reloaded(prompt).logits.tolist()
     if rank == 0:
         Path(f"{out}/results.json").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def reference_run(base: str, case: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -172,27 +183,34 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_zero3_patch_train_save_reload_generate(name, tmp_path):
+@pytest.fixture(scope="module")
+def zero3_runs(tmp_path_factory):
+    """The base checkpoint, its logits on the first batch, and the folder holding each case's files."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    case = CASES[name]
+    root = tmp_path_factory.mktemp("zero3")
     torch.manual_seed(0)
     base = LlamaForCausalLM(LlamaConfig(**TINY_DECODER))
-    base.save_pretrained(tmp_path / "base")
+    base.save_pretrained(root / "base")
     with torch.no_grad():
         base_logits = base(batches()[0]).logits
+    mp.spawn(_zero3_worker, args=(str(root / "init"), str(root / "base"), str(root)), nprocs=WORLD)
+    return base, base_logits, root
 
-    mp.spawn(_zero3_worker, args=(str(tmp_path / "init"), str(tmp_path / "base"), str(tmp_path), case), nprocs=WORLD)
-    results = json.loads((tmp_path / "results.json").read_text())
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_zero3_patch_train_save_reload_generate(name, zero3_runs):
+    base, base_logits, root = zero3_runs
+    case, case_dir = CASES[name], root / name
+    results = json.loads((case_dir / "results.json").read_text())
 
     # patch_model on partitioned weights: partitioned scorers, and the function-preserving model of one process.
     assert results["partitioned"]
     torch.testing.assert_close(torch.tensor(results["logits_at_init"]), base_logits, rtol=1e-5, atol=1e-5)
     # Training: the losses and the trained tensors of one process without DeepSpeed.
-    losses, trained = reference_run(str(tmp_path / "base"), case)
+    losses, trained = reference_run(str(root / "base"), case)
     assert results["losses"] == pytest.approx(losses, rel=1e-5)
-    saved = hf_neural_attn.from_pretrained(tmp_path / "trained")
+    saved = hf_neural_attn.from_pretrained(case_dir / "trained")
     saved_state = saved.state_dict()
     for tensor_name, tensor in trained.items():
         torch.testing.assert_close(saved_state[tensor_name], tensor, **TOL, msg=tensor_name)
@@ -205,7 +223,7 @@ def test_zero3_patch_train_save_reload_generate(name, tmp_path):
     for loader in ("hf_neural_attn", "auto"):
         assert results[f"{loader}_partitioned"] and results[f"{loader}_equal"], loader
     if not case["only_new"]:  # the trained base, unpatched
-        unpatched = hf_neural_attn.unpatch_model(hf_neural_attn.from_pretrained(tmp_path / "trained"))
+        unpatched = hf_neural_attn.unpatch_model(hf_neural_attn.from_pretrained(case_dir / "trained"))
         with torch.no_grad():
             expected_logits = unpatched(batches()[0]).logits
     else:

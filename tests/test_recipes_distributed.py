@@ -16,12 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from recipes_helpers import (
+from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fixtures (in-process runs)
     FINETUNE,
     ROOT,
     TINY_GPT2_OVERRIDES,
+    finetune_in_process,
+    fresh_accelerate_state,  # noqa: F401
     glue_file_args,
     offline_env,
+    one_thread,  # noqa: F401
     read_history,
     read_results,
     run_recipe,
@@ -97,7 +100,8 @@ def test_two_processes_give_the_metrics_of_one(kind, workspace, tmp_path):
     flags += ["--logging_steps", "1", "--per_device_eval_batch_size", "3"]
     env = offline_env(tmp_path / "hf_home")
     one, two = tmp_path / "one", tmp_path / "two"
-    check(run_recipe([*flags, "--per_device_train_batch_size", str(batch), "--output_dir", str(one)], env))
+    # The one-process reference runs in this process (the recipe's own run; its CLI is tested elsewhere).
+    finetune_in_process(one, *flags, "--per_device_train_batch_size", str(batch))
     # Two CPU processes: the DDP config (distributed_type MULTI_GPU) makes `accelerate launch` start them with
     # torchrun; with no GPU the recipe's Accelerator runs on CPU and Accelerate joins the processes with DDP
     # over gloo. Each process takes half the batch: the same examples per step as the single process.
@@ -136,7 +140,8 @@ def test_resume_after_sigkill_ends_with_the_uninterrupted_metrics(workspace, tmp
     flags = ["--task", "clm", "--model_name_or_path", str(workspace["gpt2_dropout"]), "--scorer", "qana"]
     flags += ["--train_file", str(workspace["train"]), "--validation_file", str(workspace["validation"])]
     flags += ["--block_size", "32", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]
-    flags += ["--max_train_steps", "240", "--checkpointing_steps", "5", "--eval_steps", "80", "--logging_steps", "7"]
+    # 80 steps: the first checkpoint (step 5) comes seconds before the end, so the kill lands mid-run.
+    flags += ["--max_train_steps", "80", "--checkpointing_steps", "5", "--eval_steps", "40", "--logging_steps", "7"]
     flags += ["--learning_rate", "1e-3", "--lr_scheduler_type", "cosine", "--num_warmup_steps", "10"]
     flags += ["--max_eval_samples", "10"]
     env = offline_env(tmp_path / "hf_home")
@@ -161,7 +166,7 @@ def test_resume_after_sigkill_ends_with_the_uninterrupted_metrics(workspace, tmp
     assert process.returncode == -signal.SIGKILL
     assert not (killed / "all_results.json").exists(), "the run finished before it was killed; the test proved nothing"
     checkpoints = sorted(int(p.name.split("_")[1]) for p in killed.glob("step_*"))
-    assert checkpoints and checkpoints[-1] < 240
+    assert checkpoints and checkpoints[-1] < 80
 
     resumed_process = run_recipe([*flags, "--output_dir", str(killed), "--resume_from_checkpoint", "latest"], env)
     check(resumed_process)
@@ -173,7 +178,7 @@ def test_resume_after_sigkill_ends_with_the_uninterrupted_metrics(workspace, tmp
     # Same seed, CPU, one thread: the resumed run replays the uninterrupted one exactly (same batches in the
     # same order, same dropout masks, same optimizer and scheduler state), so the numbers are equal, not close.
     assert resumed["perplexity"] == reference["perplexity"]
-    assert resumed["train_steps"] == reference["train_steps"] == 240
+    assert resumed["train_steps"] == reference["train_steps"] == 80
     assert read_history(killed) == read_history(uninterrupted)
     assert not list(killed.glob(".*.partial")), "a half-written checkpoint was left behind after the resumed run"
 
