@@ -38,10 +38,11 @@ def export_checkpoint(checkpoint: str | os.PathLike, target: str | os.PathLike, 
     empty folder). ``model_files``: the folder holding its config.json and preprocessor, ``checkpoint/model_files``
     unless given (checkpoints written before the recipe saved them: the run's ``--output_dir`` once the run has
     finished). Returns ``target``."""
-    import hf_neural_attn  # noqa: F401 (AutoConfig reads a patched config.json once it is imported)
     import torch
     import transformers
     from transformers import AutoConfig
+
+    import hf_neural_attn  # noqa: F401 (AutoConfig reads a patched config.json once it is imported)
 
     checkpoint, target = Path(checkpoint), Path(target)
     if not (checkpoint / STATE_FILE).is_file():

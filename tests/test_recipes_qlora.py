@@ -53,7 +53,7 @@ def token_ids(model) -> torch.Tensor:
 def card_loading_code(output_dir) -> str:
     """The Python code of the card's "How to load", pointed at ``output_dir``."""
     card = (output_dir / report.CARD_FILE).read_text()
-    code = re.search(r"```python\n(.*?)```", card.split("## How to load", 1)[1], re.S).group(1)
+    code = re.search(r"```python\n(.*?)```", card.split("## How to load", 1)[1], re.DOTALL).group(1)
     return code.replace("path/to/this/folder", str(output_dir))
 
 

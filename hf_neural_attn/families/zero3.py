@@ -26,9 +26,9 @@ import sys
 from collections.abc import Iterable, Iterator
 
 import torch
+from torch import nn
 
 from .quantized import logical_shape
-from torch import nn
 
 
 def is_partitioned(parameter: torch.Tensor) -> bool:
