@@ -1,7 +1,8 @@
 """The recipe as separate processes: two-process DDP (Accelerate over gloo, on CPU) and resume after SIGKILL.
 
 These start `python -m recipes.finetune` / `accelerate launch ... -m recipes.finetune` subprocesses offline
-(HF_HUB_OFFLINE=1), one thread per process so that float results are reproducible from run to run.
+(HF_HUB_OFFLINE=1), one thread per process so that float results are reproducible from run to run; the one-process
+run the DDP runs are compared with is the recipe's `run` in this process, also on one thread.
 """
 
 from __future__ import annotations
