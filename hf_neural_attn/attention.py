@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -46,6 +47,14 @@ except ImportError:  # another layout: models then say it through the output_att
     _active_collector = None
 
 
+# Base implementations that keep a model's keys in a paged cache of their own, which only they can read and write
+# (vLLM's "vllm"), by name: the function that serves a patched model's attention modules over such a base. It is
+# called as the attention function is, and writes the call's keys to the cache, reads each sequence's keys back and
+# hands them to :func:`attention_with_keys`. The integrations fill it (hf_neural_attn.integrations.vllm), so that this
+# module knows no serving engine.
+PAGED_BASES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {}
+
+
 def hf_neural_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -60,6 +69,27 @@ def hf_neural_attention_forward(
 
     query: (batch, heads, q_len, head_dim); key, value: (batch, kv_heads, kv_len, head_dim).
     Returns (batch, q_len, heads, head_dim) output and the attention probabilities.
+
+    Over a paged base (:data:`PAGED_BASES`) the call goes to that base's function, which reads the keys from its
+    cache; otherwise the keys are the call's own (:func:`attention_with_keys`).
+    """
+    paged = PAGED_BASES.get(base_implementation(getattr(module, "config", None)))
+    if paged is not None:
+        return paged(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    return attention_with_keys(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+
+def attention_with_keys(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`hf_neural_attention_forward` over the keys and values the call carries. Shapes as there.
 
     A packed call (continuous batching, or a packed training batch: ``cu_seq_lens_q`` / ``cu_seq_lens_k``, batch 1)
     runs one sequence at a time, each against its own keys (:mod:`hf_neural_attn.ops.packed`), scored or not.
@@ -272,6 +302,8 @@ def hf_neural_attention_mask(*args, config=None, **kwargs):
     get SDPA's mask. A config the patch did not mark gets the eager mask, which every path accepts.
     """
     base = base_implementation(config)
+    if base in PAGED_BASES:  # each sequence's mask is made where its keys are read back from the cache
+        return None
     builder = eager_mask if base in (None, "eager") else sdpa_mask
     return builder(*args, config=config, **kwargs)
 

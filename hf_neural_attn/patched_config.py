@@ -19,11 +19,12 @@ class is switched to a subclass of its own config class (``LlamaConfig`` -> ``Ll
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import cache
 from typing import Any
 
@@ -271,3 +272,28 @@ def register_checkpoint_config() -> None:
     """Register ``model_type: "hf_neural_attn"`` with ``AutoConfig`` (``import hf_neural_attn`` does; the Auto model
     classes are mapped per patched config class, as each is made: :func:`on_patched_class`)."""
     AutoConfig.register(PATCHED_MODEL_TYPE, PatchedCheckpointConfig, exist_ok=True)
+
+
+@contextlib.contextmanager
+def base_implementation_visible(config: PretrainedConfig) -> Iterator[None]:
+    """Within the block, ``config`` and the patched configs nested in it read as their base classes: their attention
+    implementation reads the base one (what an engine that builds the model set, e.g. vLLM's ``"vllm"``), for code
+    that decides from that name what the model dispatches to. The patch and its record stay; on leaving, they read
+    ``"hf_neural_attn"`` again."""
+    patched = [sub for sub in _configs_within(config) if is_patched_config(sub)]
+    for sub in patched:
+        sub.__class__ = sub._base_config_class
+    try:
+        yield
+    finally:
+        for sub in patched:
+            sub.__class__ = patched_config_class(type(sub))
+
+
+def _configs_within(config: PretrainedConfig) -> list[PretrainedConfig]:
+    """``config`` and every config held in its attributes (a multimodal model's text config), depth first."""
+    found = [config]
+    for value in vars(config).values():
+        if isinstance(value, PretrainedConfig):
+            found.extend(_configs_within(value))
+    return found

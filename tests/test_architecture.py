@@ -51,6 +51,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "hf_neural_attn.continuous_batching",
         ),
     ),
+    # What the library adds to libraries that load it from the outside (a vLLM plugin): it stands on the library.
+    ("integrations", ("hf_neural_attn.integrations", "hf_neural_attn.integrations.*")),
     ("package", ("hf_neural_attn",)),
     ("commands", ("hf_neural_attn.serve",)),
 ]

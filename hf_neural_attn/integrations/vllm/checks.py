@@ -1,0 +1,51 @@
+"""What the vLLM plugin cannot serve, refused before anything is built, with errors that name hf_neural_attn and say
+what works. :func:`check_parallelism` runs where vLLM checks its parallel config (the process the user started);
+:func:`check_servable` again where the model is built (each worker), :func:`check_head_size` once vLLM has chosen its
+attention backend."""
+
+from __future__ import annotations
+
+from ...record import PatchRecord
+
+
+def check_parallelism(model: str, parallel_config) -> None:
+    """Refuse tensor and pipeline parallelism: the plugin does not shard the scorers."""
+    tensor, pipeline = parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size
+    if tensor > 1 or pipeline > 1:
+        raise ValueError(
+            f"hf_neural_attn cannot serve {model} with tensor_parallel_size={tensor} and "
+            f"pipeline_parallel_size={pipeline} in vLLM: the plugin does not shard the attention scorers. Serve it "
+            "with tensor_parallel_size=1 and pipeline_parallel_size=1, and scale out with data_parallel_size (one "
+            "whole model per replica)."
+        )
+
+
+def check_servable(vllm_config) -> None:
+    """Everything the plugin checks of a vLLM config for a patched model. Raises ``ValueError``."""
+    model = vllm_config.model_config.model
+    check_parallelism(model, vllm_config.parallel_config)
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype != "auto":
+        raise ValueError(
+            f"hf_neural_attn cannot serve {model} with kv_cache_dtype={cache_dtype!r} in vLLM: the scorers read their "
+            "keys back from the cache in the model's dtype. Leave kv_cache_dtype at 'auto'."
+        )
+    record = PatchRecord.of(vllm_config.model_config.hf_config)
+    if record is not None and record.key_dim is not None:
+        raise ValueError(
+            f"hf_neural_attn cannot serve {model} in vLLM: it was patched with QANA's key_dim={record.key_dim}, "
+            "whose narrower keys do not fit vLLM's cache of the model's head size. Serve it with transformers "
+            "(python -m hf_neural_attn.serve PATH, or generate), or patch without key_dim."
+        )
+
+
+def check_head_size(model: str, head_size: int, backend) -> None:
+    """Refuse a head size the attention backend vLLM chose does not take: vLLM builds each step's attention metadata
+    for that backend, scored layers included, and its kernels fail only at the first request."""
+    supported = backend.get_supported_head_sizes()
+    if supported and head_size not in supported:
+        raise ValueError(
+            f"hf_neural_attn cannot serve {model} in vLLM: its attention heads are {head_size} wide, and vLLM's "
+            f"{backend.get_name()} attention backend takes head sizes {', '.join(map(str, supported))}. Serve it with "
+            "transformers (python -m hf_neural_attn.serve PATH), or on a backend that takes its head size."
+        )

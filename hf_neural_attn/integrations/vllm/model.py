@@ -1,0 +1,74 @@
+"""The model class vLLM builds for a patched checkpoint: its Transformers modeling backend, with the scorers.
+
+vLLM's backend builds the transformers model from the checkpoint's config (patched: the library builds the scorers
+with it, :mod:`hf_neural_attn.patched_config`), replaces its layers by vLLM's (linear, embedding, norm, fused QKV),
+gives each attention module a vLLM ``Attention`` layer for the paged cache, and loads the weights. Three things
+differ for a patched model:
+
+* the patch is checked against what vLLM was asked for before anything is built (:mod:`.checks`);
+* while vLLM decides which modules dispatch to its attention, the config reads its base implementation (``"vllm"``,
+  which the backend set), and the scorers are set aside, so that vLLM leaves their layers as the library built them
+  (vLLM's linear layers return tuples, and the scorers read their own weights);
+* at run time the config reads ``"hf_neural_attn"`` again, so the modules call the library's attention function,
+  which serves them from vLLM's paged cache (:mod:`.paged`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
+from vllm.model_executor.models.transformers import TransformersForCausalLM
+
+from ...patched_config import base_implementation_visible
+from ...record import SCORER_ATTR
+from .checks import check_head_size, check_servable
+from .paged import VLLM_LAYER_ATTR
+
+
+class PatchedTransformersForCausalLM(TransformersForCausalLM):
+    """vLLM's ``TransformersForCausalLM`` for a patched checkpoint (registered as ``HfNeuralAttnForCausalLM``)."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        check_servable(vllm_config)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+
+    def _decorate_for_torch_compile(self) -> None:
+        # The library's attention reads each request's keys from the cache, one request at a time, in Python: a
+        # graph vLLM compiled once would hold the first step's requests. The model runs eagerly.
+        pass
+
+    def recursive_replace(self) -> None:
+        configs = {id(config): config for config in _configs_of(self.model)}
+        with contextlib.ExitStack() as stack:
+            for config in configs.values():
+                stack.enter_context(base_implementation_visible(config))
+            stack.enter_context(_scorers_set_aside(self.model))
+            super().recursive_replace()
+
+    def _create_attention_instances(self, prefix: str = "") -> None:
+        super()._create_attention_instances(prefix)
+        for module in self.model.modules():
+            layer = getattr(module, VLLM_LAYER_ATTR, None)
+            if getattr(layer, "attn_backend", None) is not None:
+                check_head_size(self.model_config.model, layer.head_size, layer.attn_backend)
+
+
+def _configs_of(model: nn.Module) -> Iterator:
+    """The config objects the modules of ``model`` hold (a patched model holds a private copy of vLLM's config)."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None:
+            yield config
+
+
+@contextlib.contextmanager
+def _scorers_set_aside(model: nn.Module) -> Iterator[None]:
+    """Within the block, the patched attention modules hold no scorer submodule; they get it back on leaving."""
+    held = [(module, module._modules.pop(SCORER_ATTR)) for module in model.modules() if SCORER_ATTR in module._modules]
+    try:
+        yield
+    finally:
+        for module, scorer in held:
+            module._modules[SCORER_ATTR] = scorer
