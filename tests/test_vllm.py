@@ -30,7 +30,14 @@ import torch
 pytest.importorskip("vllm", reason="vLLM's tests run in their own environment: make test-vllm")
 
 from helpers import perturb_scorers  # noqa: E402
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from transformers import (  # noqa: E402
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 import hf_neural_attn  # noqa: E402
 
@@ -98,7 +105,8 @@ def build(
     prompt."""
     torch.manual_seed(0)
     sizes = {**LLAMA, **options.pop("sizes", {})}
-    model = LlamaForCausalLM(LlamaConfig(**sizes)).eval()
+    config_class, model_class = options.pop("classes", (LlamaConfig, LlamaForCausalLM))
+    model = model_class(config_class(**sizes)).eval()
     if scorer is not None:
         hf_neural_attn.patch_model(model, scorer, **options)
         perturb_scorers(model, std=std)
@@ -184,12 +192,14 @@ def test_refusals_name_the_library(served, tmp_path):
     root = served[0]
     build(root / "key_dim", "qana", key_dim=16)
     build(root / "head16", "qana", sizes=dict(head_dim=16))
+    build(root / "sliding", "qana", sizes=dict(sliding_window=16), classes=(MistralConfig, MistralForCausalLM))
     cases = {
         "vllm_impl": (job(root / "qana", model_impl="vllm"), "model_impl='transformers'"),
         "fp8_cache": (job(root / "qana", kv_cache_dtype="fp8"), "kv_cache_dtype at 'auto'"),
         "tensor_parallel": (job(root / "qana", tensor_parallel_size=2), "tensor_parallel_size=1"),
         "key_dim": (job(root / "key_dim"), "without key_dim"),
         "head_size": (job(root / "head16"), "takes head sizes 32, 64"),
+        "sliding_window": (job(root / "sliding"), "python -m hf_neural_attn.serve"),
     }
     results = run_vllm([case for case, _ in cases.values()], tmp_path)["results"]
     for (name, (_, advice)), result in zip(cases.items(), results):

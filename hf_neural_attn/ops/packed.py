@@ -96,6 +96,43 @@ def packed_sequences(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> li
     return sequences
 
 
+# The most (queries x keys) scores one group of decoding requests may cost (:func:`decode_groups`): grouping G
+# requests scores each query against the group's keys, G times the work of scoring them apart, which pays while the
+# group is small. 2**15 covers 8 requests of 512 keys; benchmarks/vllm_throughput.py measured the gain.
+DECODE_GROUP_SCORES = 2**15
+
+
+def decode_groups(sequences: list[PackedSequence], max_scores: int) -> list[list[PackedSequence]]:
+    """``sequences`` in order, runs of one-query sequences (decoding requests) gathered into groups whose queries x
+    keys stay within ``max_scores``; every other sequence is a group of its own."""
+    groups: list[list[PackedSequence]] = []
+    for sequence in sequences:
+        last = groups[-1] if groups else None
+        if (
+            sequence.q_len == 1 and last is not None and last[-1].q_len == 1
+            and (len(last) + 1) * (sum(member.kv_len for member in last) + sequence.kv_len) <= max_scores
+        ):  # fmt: skip
+            last.append(sequence)
+        else:
+            groups.append([sequence])
+    return groups
+
+
+def group_span(group: list[PackedSequence]) -> tuple[slice, slice]:
+    """The queries and the keys of a group of consecutive sequences, which lie end to end."""
+    return slice(group[0].queries.start, group[-1].queries.stop), slice(group[0].keys.start, group[-1].keys.stop)
+
+
+def group_mask(group: list[PackedSequence], device) -> torch.Tensor:
+    """The boolean mask (1, 1, queries, keys), True = attend, of a group of one-query sequences: each query sees all
+    its own sequence's keys (a decoding step's causal mask) and no other's."""
+    queries, keys = group_span(group)
+    allowed = torch.zeros(queries.stop - queries.start, keys.stop - keys.start, dtype=torch.bool, device=device)
+    for row, sequence in enumerate(group):
+        allowed[row, sequence.keys.start - keys.start : sequence.keys.stop - keys.start] = True
+    return allowed[None, None]
+
+
 def _bounds(cumulative: torch.Tensor | list[int]) -> list[int]:
     return cumulative.tolist() if isinstance(cumulative, torch.Tensor) else list(cumulative)
 

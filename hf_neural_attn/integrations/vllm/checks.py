@@ -30,6 +30,13 @@ def check_servable(vllm_config) -> None:
             f"hf_neural_attn cannot serve {model} with kv_cache_dtype={cache_dtype!r} in vLLM: the scorers read their "
             "keys back from the cache in the model's dtype. Leave kv_cache_dtype at 'auto'."
         )
+    window = getattr(vllm_config.model_config.hf_text_config, "sliding_window", None)
+    if window:
+        raise ValueError(
+            f"hf_neural_attn cannot serve {model} in vLLM: its layers attend within a sliding window of {window}, "
+            "and vLLM frees the cache blocks that fall out of a window, which the plugin would read back. Serve it "
+            "with transformers (python -m hf_neural_attn.serve PATH, continuous batching included)."
+        )
     record = PatchRecord.of(vllm_config.model_config.hf_config)
     if record is not None and record.key_dim is not None:
         raise ValueError(

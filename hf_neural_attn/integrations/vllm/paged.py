@@ -109,18 +109,18 @@ def write_tokens(
 def read_requests(
     key_blocks: torch.Tensor, value_blocks: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every request's keys and values, read from its blocks in order and laid end to end.
+    """Every request's keys and values, read from its blocks in order and laid end to end, in one gather.
 
     block_table: (requests, max_blocks); lengths: (requests,), each request's number of keys. Returns keys and values
     (1, kv_heads, total_keys, head_dim) and the cumulative key counts (requests + 1,), as packed calls carry them.
     """
     block_size = key_blocks.shape[1]
-    counts = lengths.tolist()
-    keys, values = [], []
-    for row, count in zip(block_table, counts):
-        used = row[: -(-count // block_size)]
-        keys.append(key_blocks[used].flatten(0, 1)[:count])
-        values.append(value_blocks[used].flatten(0, 1)[:count])
-    cumulative = torch.zeros(len(counts) + 1, dtype=torch.int64)
-    cumulative[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
-    return torch.cat(keys).transpose(0, 1)[None], torch.cat(values).transpose(0, 1)[None], cumulative
+    lengths = lengths.to(torch.int64)
+    cumulative = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64, device=lengths.device)
+    cumulative[1:] = lengths.cumsum(0)
+    request = torch.repeat_interleave(torch.arange(lengths.shape[0], device=lengths.device), lengths)
+    position = torch.arange(request.shape[0], device=lengths.device) - cumulative[request]  # within its request
+    blocks = block_table.to(torch.int64)[request, position // block_size]
+    offsets = position % block_size
+    keys, values = key_blocks[blocks, offsets], value_blocks[blocks, offsets]  # (total_keys, kv_heads, head_dim)
+    return keys.transpose(0, 1)[None], values.transpose(0, 1)[None], cumulative
