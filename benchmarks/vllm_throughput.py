@@ -32,10 +32,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-SMOLLM_135M = dict(
-    hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
-    tie_word_embeddings=True, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
-)  # fmt: skip
+SMOLLM_135M = {
+    "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+    "tie_word_embeddings": True, "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
 # The functions whose cumulative time --profile reports, by what they do.
 PROFILED = {
     "cache write": "write_tokens",
@@ -71,13 +71,17 @@ def save_checkpoints(args, root: Path) -> dict[str, Path]:
 
 def serve_once(folder: Path, args, eager: bool, implementation: str, profile: bool) -> dict:
     """One round in a fresh process: build the engine, warm up, time one generate of the requests."""
-    spec = dict(
-        folder=str(folder), requests=args.requests, prompt=args.prompt, new_tokens=args.new_tokens, eager=eager,
-        implementation=implementation, profile=profile, functions=PROFILED,
-    )  # fmt: skip
+    spec = {
+        "folder": str(folder), "requests": args.requests, "prompt": args.prompt, "new_tokens": args.new_tokens, "eager": eager,
+        "implementation": implementation, "profile": profile, "functions": PROFILED,
+    }  # fmt: skip
     environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
     done = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)], env=environment, capture_output=True, text=True
+        [sys.executable, __file__, "--child", json.dumps(spec)],
+        env=environment,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-4000:])
@@ -120,8 +124,12 @@ def child(spec: dict) -> None:
         total = sum(entry[2] for entry in stats.values())  # own time of every function: the profiled wall
         shares = {}
         for label, function in spec["functions"].items():
-            cumulative = [entry[3] for (path, _, name), entry in stats.items() if name == function and (
-                "hf_neural_attn" in path or function == "forward" and "transformers/models/llama" in path)]
+            cumulative = [
+                entry[3]
+                for (path, _, name), entry in stats.items()
+                if name == function
+                and ("hf_neural_attn" in path or function == "forward" and "transformers/models/llama" in path)
+            ]
             shares[label] = (max(cumulative) if cumulative else 0.0) / total
         result["shares"] = shares
     print(json.dumps(result))

@@ -25,14 +25,18 @@ def run_job(job: dict) -> dict:
     batches = []
     for batch in job["batches"]:
         prompts = [{"prompt_token_ids": request["prompt_token_ids"]} for request in batch]
-        params = [SamplingParams(max_tokens=request["max_tokens"], temperature=0, logprobs=0, ignore_eos=True) for request in batch]
+        params = [
+            SamplingParams(max_tokens=request["max_tokens"], temperature=0, logprobs=0, ignore_eos=True)
+            for request in batch
+        ]
         outputs = llm.generate(prompts, params, use_tqdm=False)
         batches.append(
             [
                 {
                     "token_ids": list(output.outputs[0].token_ids),
                     "logprobs": [
-                        step[token].logprob for step, token in zip(output.outputs[0].logprobs, output.outputs[0].token_ids)
+                        step[token].logprob
+                        for step, token in zip(output.outputs[0].logprobs, output.outputs[0].token_ids)
                     ],
                     "num_cached_tokens": output.num_cached_tokens or 0,
                 }

@@ -33,7 +33,9 @@ def install() -> None:
     ModelConfig._get_transformers_backend_cls = _wrapped(
         ModelConfig._get_transformers_backend_cls, None, _backend_class_for_patched
     )
-    ModelConfig.verify_with_parallel_config = _wrapped(ModelConfig.verify_with_parallel_config, None, None, _parallelism)
+    ModelConfig.verify_with_parallel_config = _wrapped(
+        ModelConfig.verify_with_parallel_config, None, None, _parallelism
+    )
 
 
 def _wrapped(method, before=None, after=None, check_arguments=None):
