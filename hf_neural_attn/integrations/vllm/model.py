@@ -35,8 +35,8 @@ class PatchedTransformersForCausalLM(TransformersForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
 
     def _decorate_for_torch_compile(self) -> None:
-        # The library's attention reads each request's keys from the cache, one request at a time, in Python: a
-        # graph vLLM compiled once would hold the first step's requests. The model runs eagerly.
+        # The library's attention reads each step's requests from the cache in Python, in shapes and groups of that
+        # step: a graph vLLM compiled once would hold the first step's. The model runs eagerly.
         pass
 
     def recursive_replace(self) -> None:

@@ -33,21 +33,17 @@ def install() -> None:
     ModelConfig._get_transformers_backend_cls = _wrapped(
         ModelConfig._get_transformers_backend_cls, None, _backend_class_for_patched
     )
-    ModelConfig.verify_with_parallel_config = _wrapped(
-        ModelConfig.verify_with_parallel_config, None, None, _parallelism
-    )
+    ModelConfig.verify_with_parallel_config = _wrapped(ModelConfig.verify_with_parallel_config, _parallelism)
 
 
-def _wrapped(method, before=None, after=None, check_arguments=None):
-    """``method`` of ModelConfig, with ``before(config)``, ``check_arguments(config, *args)`` and
-    ``result = after(config, result)`` around it."""
+def _wrapped(method, before=None, after=None):
+    """``method`` of ModelConfig, with ``before(config, *arguments)`` and ``result = after(config, result)`` around
+    it."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         if before is not None:
-            before(self)
-        if check_arguments is not None:
-            check_arguments(self, *args, **kwargs)
+            before(self, *args, **kwargs)
         result = method(self, *args, **kwargs)
         return after(self, result) if after is not None else result
 
