@@ -20,6 +20,8 @@ import importlib.util
 import json
 import math
 import os
+import socket
+import urllib.request
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -699,3 +701,19 @@ def assert_same_outputs_and_grads(result, expected, atol: float) -> None:
 def negligible(grad: torch.Tensor, reference: torch.Tensor) -> bool:
     """Zero up to fp32 rounding, relative to a gradient that is really there."""
     return bool(grad.abs().max() <= 1e-4 * reference.abs().max())
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on, for a server a test starts."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def healthy(url: str) -> bool:
+    """Whether the server at ``url`` answers its ``/health`` endpoint (transformers serve's and vLLM's) with 200."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_DECODER, perturb_scorers
+from helpers import TINY_DECODER, free_port, healthy, perturb_scorers
 from recipes_helpers import word_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -64,12 +63,6 @@ def complete(model, tokenizer, prompt: str) -> str:
     return tokenizer.decode(new, skip_special_tokens=True)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextlib.contextmanager
 def server(command: list[str], folder: Path, *flags: str):
     """A server ``command`` serving ``folder`` on a free port: yields its base URL once /health answers, and stops it.
@@ -101,14 +94,6 @@ def server(command: list[str], folder: Path, *flags: str):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 def post_completion(url: str, model: str, prompt: str) -> str:

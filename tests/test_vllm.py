@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM's tests run in their own environment: make test-vllm")
 
-from helpers import perturb_scorers
+from helpers import free_port, healthy, perturb_scorers
 from transformers import (
     GenerationConfig,
     LlamaConfig,
@@ -208,17 +207,11 @@ def test_refusals_name_the_library(served, tmp_path):
         assert "hf_neural_attn" in result["error"] and advice in result["error"], (name, result["error"])
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_openai_server(served, tmp_path):
     """vLLM's OpenAI server (``vllm serve PATH``): completions of concurrent requests are transformers' greedy
     completions."""
     root, expected, _, _ = served
-    folder, port = root / "qana", _free_port()
+    folder, port = root / "qana", free_port()
     command = [
         *_serve_command(folder), "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
         "--max-model-len", "256", "--max-num-batched-tokens", "32", "--block-size", str(BLOCK),
@@ -236,7 +229,7 @@ def _assert_serves(server: subprocess.Popen, base: str, folder: Path, expected: 
     """Wait for the server, then send three completions at once and compare each with transformers' tokens."""
     tokenizer = word_tokenizer()
     deadline = time.monotonic() + 600
-    while not _healthy(base):
+    while not healthy(base):
         assert server.poll() is None, log.read_text()[-6000:]
         assert time.monotonic() < deadline, "the vLLM server did not start in 10 minutes"
         time.sleep(2)
@@ -269,11 +262,3 @@ def _serve_command(folder: Path) -> list[str]:
     except importlib.metadata.PackageNotFoundError:
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
     return [str(Path(sys.executable).with_name("vllm")), "serve", str(folder)]
-
-
-def _healthy(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
-            return response.status == 200
-    except OSError:
-        return False
