@@ -233,9 +233,9 @@ def resolve_path(scorer, impl, q_len=8, kv_len=8, **flags):
     )  # fmt: skip
 
 
-def test_auto_rule_by_shape():
+def test_auto_rule_by_shape(monkeypatch):
     """impl="auto" materialises scores up to the scorer's reference_max_scores numbers (batch x heads x q x kv x
-    h), then goes blockwise; on CUDA too while the Triton kernels are not switched on."""
+    h), then goes blockwise; on CUDA too with the Triton kernels switched off (test_triton.py checks them on)."""
     scorer = make_scorer("qana", "gelu", 4, 4)  # h = 3
 
     def path(batch, q_len, kv_len, device="cpu", **flags):
@@ -249,6 +249,7 @@ def test_auto_rule_by_shape():
     assert path(1, largest + 1, largest + 1) == "blockwise"  # QANA has a fused form: "chunked" runs it blockwise
     assert path(2, largest, largest) == "blockwise"  # the batch counts: the score tensor doubles
     assert path(1, 1, 8192) == "reference"  # a decode step scores one row
+    monkeypatch.setattr(ops, "TRITON_IN_AUTO", False)
     assert path(1, 4096, 4096, device="cuda") == "blockwise"
     assert path(8, 4096, 4096, need_weights=True) == "reference"  # only the reference path returns maps
 

@@ -303,16 +303,26 @@ def resolve(scorer, impl, device="cpu", dtype=torch.float32, q_len=8, kv_len=8, 
 
 
 @pytest.mark.parametrize("name", FUSED_SCORERS)
-def test_auto_takes_triton_on_cuda_only_once_switched_on(monkeypatch, name):
-    """Until the kernels are verified on a GPU (ops.TRITON_IN_AUTO), CUDA calls get the CPU's rule; once it is
-    set, CUDA calls the kernels support go to them. CPU calls never do."""
+def test_auto_takes_triton_on_cuda_except_while_compiling(monkeypatch, name):
+    """With ops.TRITON_IN_AUTO (set since the kernels were verified on a GPU), CUDA calls the kernels support go to
+    them, except while torch.compile traces (inductor cannot compile them yet); switched off, CUDA calls get the
+    CPU's rule. CPU calls never do."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     scorer = make_scorer(name, 2, 1)
     long = {"q_len": 4096, "kv_len": 4096}
+    assert ops.TRITON_IN_AUTO
+    expected = "triton" if HAS_TRITON else "blockwise"
+    assert resolve(scorer, "auto", device="cuda", **long) == expected
+    assert resolve(scorer, "auto", device="cuda") == ("triton" if HAS_TRITON else "reference")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert resolve(scorer, "auto", device="cuda", **long) == "blockwise"
+    assert resolve(scorer, "auto", device="cuda") == "reference"
+    monkeypatch.undo()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(ops, "TRITON_IN_AUTO", False)
     assert resolve(scorer, "auto", device="cuda") == "reference"
     assert resolve(scorer, "auto", device="cuda", **long) == "blockwise"
     monkeypatch.setattr(ops, "TRITON_IN_AUTO", True)
-    expected = "triton" if HAS_TRITON else "blockwise"
     assert resolve(scorer, "auto", device="cuda", **long) == expected
     assert resolve(scorer, "auto", device=torch.device("cuda", 1), dtype=torch.bfloat16, **long) == expected
     assert resolve(scorer, "auto", device="cpu", **long) == "blockwise"

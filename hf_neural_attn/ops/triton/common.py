@@ -33,9 +33,11 @@ The explicit causal ``-inf`` makes skipping whole tiles exact in every kernel, i
 the mask hides entirely: those get uniform weights over the keys at or before their own position.
 
 The kernels take the pointers of both terms (the unused ones are dummies) and branch on ``KIND`` at
-compile time. Strides come as one tuple per tensor: ``sq, sk, sv, sm`` for q, k, v and the mask
+compile time. Strides reach the helpers as one tuple per tensor: ``sq, sk, sv, sm`` for q, k, v and the mask
 (batch, head, row, column), ``su`` for U (batch, head, unit, query, dim), ``sx, sb, sc`` for V, b, c and
-``sp, sr`` for P and R.
+``sp, sr`` for P and R. The kernels take them as 40 scalars and build the tuples (:func:`stride_tuples`): inductor
+(torch 2.11) cannot pass tuple arguments to a user's Triton kernel, so ``torch.compile`` of a model on these kernels
+failed on a GPU with tuples in the signature.
 """
 
 from __future__ import annotations
@@ -45,6 +47,20 @@ import triton.language as tl
 
 from . import pair_mlp, query_network
 from .utils import load_key_tile, load_row_stats, load_rows, mask_scores, softmax_backward
+
+
+@triton.jit
+def stride_tuples(
+    sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sm0, sm1, sm2, sm3,
+    su0, su1, su2, su3, su4, sx0, sx1, sx2, sx3, sb0, sb1, sb2, sb3, sc0, sc1, sc2,
+    sp0, sp1, sp2, sp3, sr0, sr1, sr2, sr3,
+):  # fmt: skip
+    """The kernels' 40 stride scalars as one tuple per tensor, in the order of launch.launch_args."""
+    return (
+        (sq0, sq1, sq2, sq3), (sk0, sk1, sk2, sk3), (sv0, sv1, sv2, sv3), (sm0, sm1, sm2, sm3),
+        (su0, su1, su2, su3, su4), (sx0, sx1, sx2, sx3), (sb0, sb1, sb2, sb3), (sc0, sc1, sc2),
+        (sp0, sp1, sp2, sp3), (sr0, sr1, sr2, sr3),
+    )  # fmt: skip
 
 
 @triton.jit
@@ -188,11 +204,18 @@ def key_tile_scores(
 def forward_kernel(
     Q, K, V, MASK, U, QV, QB, QC, PQ, RK, WO, GATE,
     O, ROW_MAX, ROW_SUM,
-    sq, sk, sv, sm, su, sx, sb, sc, sp, sr, H, GROUPS, M, N, D, HID, scaling,
+    sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sm0, sm1, sm2, sm3,
+    su0, su1, su2, su3, su4, sx0, sx1, sx2, sx3, sb0, sb1, sb2, sb3, sc0, sc1, sc2,
+    sp0, sp1, sp2, sp3, sr0, sr1, sr2, sr3, H, GROUPS, M, N, D, HID, scaling,
     KIND: tl.constexpr, ACT: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HID_PAD: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
+    sq, sk, sv, sm, su, sx, sb, sc, sp, sr = stride_tuples(
+        sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sm0, sm1, sm2, sm3,
+        su0, su1, su2, su3, su4, sx0, sx1, sx2, sx3, sb0, sb1, sb2, sb3, sc0, sc1, sc2,
+        sp0, sp1, sp2, sp3, sr0, sr1, sr2, sr3,
+    )  # fmt: skip
     pid_m, pid_bh, off_z, off_h, offs_m, offs_d, offs_l, row_ok, d_ok, l_ok, qs, gate, wo = query_block(
         Q, U, QV, QB, QC, PQ, WO, GATE, sq, su, sx, sb, sc, sp, H, GROUPS, M, D, HID, KIND, BLOCK_M, BLOCK_D, HID_PAD
     )
@@ -230,11 +253,18 @@ def backward_query_kernel(
     Q, K, V, MASK, U, QV, QB, QC, PQ, RK, WO, GATE,
     DO, DELTA, ROW_MAX, ROW_SUM,
     DQ, DU, DQV, DQB, DQC, DPQ, DGATE_PARTIAL, DWO_PARTIAL,
-    sq, sk, sv, sm, su, sx, sb, sc, sp, sr, H, GROUPS, M, N, D, HID, scaling,
+    sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sm0, sm1, sm2, sm3,
+    su0, su1, su2, su3, su4, sx0, sx1, sx2, sx3, sb0, sb1, sb2, sb3, sc0, sc1, sc2,
+    sp0, sp1, sp2, sp3, sr0, sr1, sr2, sr3, H, GROUPS, M, N, D, HID, scaling,
     KIND: tl.constexpr, ACT: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HID_PAD: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
+    sq, sk, sv, sm, su, sx, sb, sc, sp, sr = stride_tuples(
+        sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sm0, sm1, sm2, sm3,
+        su0, su1, su2, su3, su4, sx0, sx1, sx2, sx3, sb0, sb1, sb2, sb3, sc0, sc1, sc2,
+        sp0, sp1, sp2, sp3, sr0, sr1, sr2, sr3,
+    )  # fmt: skip
     """Gradients indexed by queries. Outputs are contiguous: DQ (B, H, M, D), DU (B, H, HID, M, D),
     DQV/DQB/DPQ (B, H, M, HID), DQC (B, H, M); partials DGATE_PARTIAL (B * H * blocks,) and
     DWO_PARTIAL (B * H * blocks, HID_PAD)."""
@@ -296,11 +326,18 @@ def backward_key_kernel(
     Q, K, V, MASK, U, QV, QB, QC, PQ, RK, WO, GATE,
     DO, DELTA, ROW_MAX, ROW_SUM,
     DK, DV, DRK,
-    sq, sk, sv, sm, su, sx, sb, sc, sp, sr, H, GROUPS, M, N, D, HID, scaling,
+    sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sm0, sm1, sm2, sm3,
+    su0, su1, su2, su3, su4, sx0, sx1, sx2, sx3, sb0, sb1, sb2, sb3, sc0, sc1, sc2,
+    sp0, sp1, sp2, sp3, sr0, sr1, sr2, sr3, H, GROUPS, M, N, D, HID, scaling,
     KIND: tl.constexpr, ACT: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HID_PAD: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
+    sq, sk, sv, sm, su, sx, sb, sc, sp, sr = stride_tuples(
+        sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sm0, sm1, sm2, sm3,
+        su0, su1, su2, su3, su4, sx0, sx1, sx2, sx3, sb0, sb1, sb2, sb3, sc0, sc1, sc2,
+        sp0, sp1, sp2, sp3, sr0, sr1, sr2, sr3,
+    )  # fmt: skip
     """Gradients indexed by keys, one program per (key block, batch * kv head). Outputs are contiguous:
     DK, DV (B, H_kv, N, D) and DRK (B, H_kv, N, HID)."""
     pid_n, pid_bhk, off_z, off_hk, offs_n, offs_d, offs_l, col_ok, d_ok, l_ok = program_block(

@@ -69,10 +69,10 @@ def launch_args(q, k, v, mask, term, kind, activation, scaling, is_causal, hidde
     dummy = q
     pointers = [q, k, v, mask, U, QV, QB, QC, P, R, w, gate]
     pointers = [dummy if t is None else t for t in pointers]
-    # One tuple per tensor: sq, sk, sv, sm, su, sx, sb, sc, sp, sr in the kernels.
+    # Flat, tensor by tensor (the kernels rebuild sq, sk, sv, sm, su, sx, sb, sc, sp, sr): inductor passes no tuples.
     strides = (
-        _strides(q, 4), _strides(k, 4), _strides(v, 4), _strides(mask, 4), _strides(U, 5),
-        _strides(QV, 4), _strides(QB, 4), _strides(QC, 3), _strides(P, 4), _strides(R, 4),
+        *_strides(q, 4), *_strides(k, 4), *_strides(v, 4), *_strides(mask, 4), *_strides(U, 5),
+        *_strides(QV, 4), *_strides(QB, 4), *_strides(QC, 3), *_strides(P, 4), *_strides(R, 4),
     )  # fmt: skip
     sizes = (heads, heads // kv_heads, q_len, kv_len, head_dim, hidden, scaling)
     interpreting = q.device.type != "cuda"
