@@ -27,6 +27,7 @@ from recipes.patch_flags import (
 )
 from recipes.tasks.base import VALIDATION_SPLIT_SEED
 from recipes.tasks.clm import EMBEDDED_CORPUS
+from recipes.tasks.shakespeare import CORPUS_NAME
 
 SCHEDULERS = (
     "linear",
@@ -136,7 +137,8 @@ def _data_flags(add: AddFlag) -> None:
         "--dataset_name",
         type=str,
         default=None,
-        help=f"Hub dataset (default: per task; see docs/recipes.md), or {EMBEDDED_CORPUS} for the demo's text (clm).",
+        help=f"Hub dataset (default: per task; see docs/recipes.md), or, for clm, {EMBEDDED_CORPUS} (the demo's text) "
+        f"or {CORPUS_NAME} (nanoGPT's shakespeare_char: characters, its split).",
     )
     add("--dataset_config_name", type=str, default=None, help="Dataset config, e.g. wikitext-103-raw-v1.")
     add(
@@ -171,6 +173,13 @@ def _data_flags(add: AddFlag) -> None:
     add("--max_train_samples", type=int, default=None, help="Truncate the training set (debugging, quick runs).")
     add("--max_eval_samples", type=int, default=None, help="Truncate the evaluation set(s).")
     add("--block_size", type=int, default=None, help="clm: training sequence length and evaluation window.")
+    add(
+        "--train_stride",
+        type=int,
+        default=None,
+        help="clm training: windows of --block_size start every N tokens of the text (default: --block_size, "
+        "non-overlapping blocks, run_clm's way; 1: every offset, nanoGPT's random windows).",
+    )
     add("--max_seq_length", type=int, default=128, help="GLUE: maximum tokens per example (truncation).")
     add("--pad_to_max_length", action="store_true", help="GLUE: pad every example to --max_seq_length.")
     add(
@@ -202,11 +211,19 @@ def _training_flags(add: AddFlag) -> None:
     add("--learning_rate", type=float, default=5e-5)
     add("--scorer_learning_rate", type=float, default=None, help="Learning rate of the new parameters.")
     add("--weight_decay", type=float, default=0.0)
+    add("--adam_beta1", type=float, default=0.9, help="AdamW's beta1.")
+    add("--adam_beta2", type=float, default=0.999, help="AdamW's beta2 (nanoGPT's small models use 0.99).")
     add("--num_train_epochs", type=int, default=3)
     add("--max_train_steps", type=int, default=None, help="Total optimizer steps; overrides --num_train_epochs.")
     add("--gradient_accumulation_steps", type=int, default=1)
     add("--lr_scheduler_type", type=str, default="linear", choices=SCHEDULERS)
     add("--num_warmup_steps", type=int, default=0)
+    add(
+        "--min_learning_rate",
+        type=float,
+        default=None,
+        help="cosine_with_min_lr (and only it, which needs it): the learning rate the cosine decays to.",
+    )
     add("--max_grad_norm", type=float, default=1.0, help="Gradient clipping (0 disables).")
     add(
         "--gradient_checkpointing",

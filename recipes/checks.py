@@ -38,6 +38,7 @@ OPTIONAL_COUNT_FLAGS = (
     "attention_map_tokens",
     "block_size",
     "stride",
+    "train_stride",
     "max_train_samples",
     "max_eval_samples",
 )
@@ -92,6 +93,14 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise RecipeError(f"--{name} must be at least 1, got {value}.")
     if args.num_warmup_steps < 0:
         raise RecipeError(f"--num_warmup_steps must be >= 0, got {args.num_warmup_steps}.")
+    if (args.min_learning_rate is None) != (args.lr_scheduler_type != "cosine_with_min_lr"):
+        raise RecipeError(
+            "--lr_scheduler_type cosine_with_min_lr needs --min_learning_rate (the rate it decays to), and "
+            f"--min_learning_rate needs that scheduler (got {args.lr_scheduler_type})."
+        )
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            raise RecipeError(f"--{name} must be in [0, 1), got {getattr(args, name)}.")
     if args.block_size and args.stride and args.stride > args.block_size:
         raise RecipeError(
             f"--stride {args.stride} is larger than --block_size {args.block_size}: tokens would be skipped."

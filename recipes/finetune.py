@@ -40,6 +40,7 @@ from recipes.args import build_parser, parse_args
 from recipes.checks import harness_tasks
 from recipes.errors import RecipeError, refuse
 from recipes.patch_flags import GATE_SETTINGS, describe_gated_scorers, patch_settings
+from recipes.resources import PeakMemory
 from recipes.tasks import Task, get_task
 
 logger = logging.getLogger("recipes")
@@ -61,8 +62,12 @@ RESUME_RUN_SETTINGS = (
     "learning_rate",
     "scorer_learning_rate",
     "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
     "lr_scheduler_type",
     "num_warmup_steps",
+    "min_learning_rate",
+    "train_stride",
     *GATE_SETTINGS,
 )
 SECRET_SETTINGS = ("hub_token",)
@@ -166,7 +171,7 @@ def build_optimizer(model, args: argparse.Namespace):
         param_groups.append(group)
     if not param_groups:
         raise RecipeError("The model has no trainable parameters.")
-    return torch.optim.AdamW(param_groups, lr=args.learning_rate)
+    return torch.optim.AdamW(param_groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2))
 
 
 class GateSchedule:
@@ -287,6 +292,8 @@ class TrainingRun:
     running: Any = None
     started: float = 0.0
     runtime_s: float = 0.0
+    memory: PeakMemory | None = None
+    peak_memory: dict[str, Any] = field(default_factory=dict)  # PeakMemory.read at the end of training
 
 
 def setup(args: argparse.Namespace) -> TrainingRun:
@@ -419,6 +426,7 @@ def prepare_training(args: argparse.Namespace, task: Task, accelerator, bundle, 
         optimizer=optimizer,
         num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
         num_training_steps=max_train_steps * accelerator.num_processes,
+        scheduler_specific_kwargs={"min_lr": args.min_learning_rate} if args.min_learning_rate is not None else None,
     )
     deepspeed_plugin = accelerator.state.deepspeed_plugin
     if deepspeed_plugin is not None and deepspeed_plugin.deepspeed_config.get("train_micro_batch_size_per_gpu") in (
@@ -485,7 +493,9 @@ def evaluate(state: TrainingRun) -> dict[str, float]:
     """Evaluate now; the metrics join the run's history (and the tracker)."""
     args, progress = state.args, state.progress
     metrics = state.task.evaluate(state.model, state.eval_dataloaders, state.accelerator, args)
-    progress.evaluations.append({"step": progress.completed_steps, **metrics})
+    # elapsed_s: the run's wall-clock time at this evaluation, earlier evaluations included (curves against time).
+    elapsed = round(time.time() - state.started, 3)
+    progress.evaluations.append({"step": progress.completed_steps, "elapsed_s": elapsed, **metrics})
     logger.info("Step %d evaluation: %s", progress.completed_steps, metrics)
     if args.with_tracking:
         state.accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=progress.completed_steps)
@@ -573,6 +583,8 @@ def train(state: TrainingRun) -> TrainingRun:
     if accelerator.is_main_process and progress.pending_loss:
         state.running += torch.tensor(progress.pending_loss, dtype=torch.float64, device=accelerator.device)
     state.started = time.time() - progress.runtime_s
+    state.memory = PeakMemory(accelerator.device)
+    state.memory.start()
     if args.eval_at_start and not state.resumed:
         evaluate(state)
     model.train()
@@ -612,6 +624,7 @@ def train(state: TrainingRun) -> TrainingRun:
     if not progress.evaluations or progress.evaluations[-1]["step"] != progress.completed_steps:
         evaluate(state)
     state.runtime_s = time.time() - state.started
+    state.peak_memory = state.memory.read()
     return state
 
 
@@ -619,7 +632,7 @@ def write_outputs(state: TrainingRun) -> dict[str, Any]:
     """Save the model, its preprocessor, results, history, plots and model card; upload with --push_to_hub.
     Returns what all_results.json holds, plus the training and scorer histories."""
     args, accelerator, progress, task, bundle = state.args, state.accelerator, state.progress, state.task, state.bundle
-    final = {k: v for k, v in progress.evaluations[-1].items() if k != "step"}
+    final = {k: v for k, v in progress.evaluations[-1].items() if k not in ("step", "elapsed_s")}
     # The fine-tuned model (patched: loadable with hf_neural_attn.from_pretrained), tokenizer or processor.
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(state.model)
@@ -698,6 +711,7 @@ def collect_results(
         "train_steps": progress.completed_steps,
         "epochs": round(progress.completed_steps / state.updates_per_epoch, 4),
         "train_runtime_s": state.runtime_s,
+        "peak_memory": state.peak_memory,
         "train_samples": len(state.data.train_dataset),
         "eval_samples": {name: len(dataset) for name, dataset in state.data.eval_datasets.items()},
         "num_processes": accelerator.num_processes,

@@ -381,3 +381,10 @@ def read_results(output_dir: Path) -> dict:
 
 def read_history(output_dir: Path) -> dict:
     return json.loads((Path(output_dir) / "training_history.json").read_text())
+
+
+def without_times(history: dict) -> dict:
+    """A training history without its wall-clock readings (each evaluation's ``elapsed_s``), which no two runs
+    share: what a resumed or repeated run must reproduce exactly."""
+    evaluations = [{k: v for k, v in e.items() if k != "elapsed_s"} for e in history.get("evaluations", [])]
+    return {**history, "evaluations": evaluations}

@@ -13,6 +13,7 @@ from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fix
     one_thread,  # noqa: F401
     read_results,
     tiny_recipe_assets,
+    without_times,
 )
 
 from recipes import checkpointing
@@ -77,7 +78,7 @@ def test_crash_while_saving_leaves_no_checkpoint_that_resume_would_pick(assets, 
     resumed = finetune_in_process(out, *flags, "--resume_from_checkpoint", "latest")
     reference = finetune_in_process(tmp_path / "reference", *flags)
     assert resumed["perplexity"] == reference["perplexity"]
-    assert resumed["history"] == reference["history"]
+    assert without_times(resumed["history"]) == without_times(reference["history"])
     assert resumed["scorer_history"] == reference["scorer_history"]  # saved with the checkpoint, continued
     assert [entry["step"] for entry in resumed["scorer_history"]] == [0, 6]
     assert not (out / ".step_4.partial").exists() and (out / "step_4").is_dir()

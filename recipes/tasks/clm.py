@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from recipes.errors import RecipeError
+from recipes.tasks import shakespeare
 from recipes.tasks.base import (
     DataInfo,
     TaskData,
@@ -29,7 +30,7 @@ from recipes.tasks.base import (
     split_off_validation,
     uses_embedded_model,
 )
-from recipes.tasks.text import TextTask, local_text_files
+from recipes.tasks.text import TextTask, load_tokenizer, local_text_files
 
 logger = logging.getLogger(__name__)
 
@@ -80,13 +81,25 @@ class CausalLMTask(TextTask):
     dataset_label = "Causal LM"
     head_mapping = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
     head_description = "a causal language-modeling head"
-    embedded_datasets: ClassVar[dict[str, str]] = {EMBEDDED_CORPUS: EMBEDDED_CORPUS_USE}
+    embedded_datasets: ClassVar[dict[str, str]] = {
+        EMBEDDED_CORPUS: EMBEDDED_CORPUS_USE,
+        shakespeare.CORPUS_NAME: shakespeare.CORPUS_USE,
+    }
     harness_evaluates = True
+    pads_with_tokenizer = False  # evaluation windows are padded with a masked id (WindowCollator)
 
     def check_args(self, args):
-        if args.dataset_name == EMBEDDED_CORPUS and (args.dataset_config_name or args.eval_split):
-            raise RecipeError(EMBEDDED_CORPUS_USE)
+        if args.dataset_name in self.embedded_datasets and (args.dataset_config_name or args.eval_split):
+            raise RecipeError(self.embedded_datasets[args.dataset_name])
         super().check_args(args)
+
+    def load_preprocessor(self, args, config):
+        """The tokenizer; tiny-shakespeare's own character vocabulary for a model built from scratch on it (nanoGPT's),
+        unless --tokenizer_name names another."""
+        if args.dataset_name == shakespeare.CORPUS_NAME and not (args.tokenizer_name or args.model_name_or_path):
+            logger.info("Tokenizer: tiny-shakespeare's %d characters, one token each", len(shakespeare.vocabulary()))
+            return shakespeare.character_tokenizer()
+        return load_tokenizer(args, needs_pad_token=self.pads_with_tokenizer)
 
     def hub_data(self, args):
         """The embedded corpus needs no Hub; nor does a run without data or model flags (it trains on that corpus)."""
@@ -117,6 +130,11 @@ class CausalLMTask(TextTask):
         elif args.dataset_name == EMBEDDED_CORPUS or (args.dataset_name is None and uses_embedded_model(args)):
             raw = embedded_corpus()
             self.info = DataInfo(EMBEDDED_CORPUS, dataset_config="topics")
+        elif args.dataset_name == shakespeare.CORPUS_NAME:
+            raw = shakespeare.corpus()
+            self.info = DataInfo(
+                shakespeare.CORPUS_NAME, dataset_config="characters", eval_split="validation (last 10 %, nanoGPT's)"
+            )
         else:
             name, config = (args.dataset_name, args.dataset_config_name)
             if name is None:
@@ -174,7 +192,11 @@ class CausalLMTask(TextTask):
             tokenized = raw["train"].map(
                 tokenize, batched=True, remove_columns=raw["train"].column_names, desc="Tokenizing", **map_kwargs
             )
-            train = tokenized.map(group_texts, batched=True, desc=f"Grouping into blocks of {block}", **map_kwargs)
+            if args.train_stride in (None, block):
+                train = tokenized.map(group_texts, batched=True, desc=f"Grouping into blocks of {block}", **map_kwargs)
+            else:
+                stream = torch.tensor(list(itertools.chain.from_iterable(tokenized["input_ids"])), dtype=torch.long)
+                train = TokenWindows(stream, block, args.train_stride)
         if len(train) == 0:
             raise RecipeError(f"The training text is shorter than one block of {block} tokens; lower --block_size.")
         train = first_examples(train, args.max_train_samples)
@@ -221,6 +243,36 @@ class CausalLMTask(TextTask):
                 counts.append(count.double().cpu())
         model.train()
         return perplexity_from_windows(torch.cat(sums), torch.cat(counts), self.protocol)
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """Training windows of ``block`` tokens starting every ``stride`` tokens of one token stream, made when read
+    (``--train_stride``; overlapping windows would not fit in memory as a table). ``stride=1`` is every offset:
+    shuffled, it is nanoGPT's sampler (a window at a uniformly random offset), drawn without replacement.
+
+    Each item: ``{"input_ids": (block,), "labels": (block,)}`` (the model shifts the labels).
+    """
+
+    def __init__(self, stream: torch.Tensor, block: int, stride: int, count: int | None = None):
+        self.stream, self.block, self.stride = stream, block, stride
+        available = max(0, (len(stream) - block) // stride + 1)
+        self.count = available if count is None else min(count, available)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < self.count:
+            raise IndexError(index)
+        window = self.stream[index * self.stride : index * self.stride + self.block]
+        return {"input_ids": window, "labels": window}
+
+    def select(self, indices) -> TokenWindows:
+        """The first windows (``--max_train_samples``, through ``first_examples``); only a leading range."""
+        indices = list(indices)
+        if indices != list(range(len(indices))):
+            raise ValueError("TokenWindows.select takes a leading range")
+        return TokenWindows(self.stream, self.block, self.stride, len(indices))
 
 
 def make_windows(ids: torch.Tensor, block: int, stride: int, protocol: str) -> list[dict[str, torch.Tensor]]:

@@ -81,9 +81,12 @@ class TextTask(Task):
             return f"embedded (built from a config here, tokenizer {args.tokenizer_name})"
         return EMBEDDED_NAME
 
+    # Whether the task pads batches with the tokenizer's pad token (classification does; clm masks its own padding).
+    pads_with_tokenizer = True
+
     def load_preprocessor(self, args: argparse.Namespace, config):
         """The tokenizer: --tokenizer_name, the model's, or the byte-level ByT5Tokenizer (no download)."""
-        return load_tokenizer(args)
+        return load_tokenizer(args, needs_pad_token=self.pads_with_tokenizer)
 
     def configure_model(self, config, tokenizer, args: argparse.Namespace, labels: dict[str, Any] | None) -> None:
         """Fit the config to the tokenizer (from-scratch models) and to the task's labels (classification)."""
@@ -129,8 +132,9 @@ def local_text_files(args: argparse.Namespace) -> tuple[str, dict[str, str]]:
     return builder, files
 
 
-def load_tokenizer(args: argparse.Namespace):
-    """The tokenizer: --tokenizer_name, the model's, or the byte-level ByT5Tokenizer (no download)."""
+def load_tokenizer(args: argparse.Namespace, needs_pad_token: bool = True):
+    """The tokenizer: --tokenizer_name, the model's, or the byte-level ByT5Tokenizer (no download). A tokenizer
+    without a pad token pads with its eos token; without either, it is refused only where ``needs_pad_token``."""
     from transformers import AutoTokenizer, ByT5Tokenizer
 
     name = args.tokenizer_name or args.model_name_or_path
@@ -156,7 +160,7 @@ def load_tokenizer(args: argparse.Namespace):
         name,
         "--tokenizer_name" if args.tokenizer_name else "the model's own, --model_name_or_path",
     )
-    if tokenizer.pad_token is None:
+    if tokenizer.pad_token is None and (tokenizer.eos_token is not None or needs_pad_token):
         # The standard Hugging Face way for decoders without a pad token (GPT-2, Llama).
         if tokenizer.eos_token is None:
             raise RecipeError(f"The tokenizer of {name!r} has neither a pad nor an eos token to pad with.")
