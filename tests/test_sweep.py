@@ -382,6 +382,104 @@ def test_sweep_report_pairs_each_configuration_with_its_baseline(assets, tmp_pat
     assert statuses["h=4", "43"] == "interrupted" and statuses["h=4", "42"] == "done"
 
 
+def test_a_sweep_of_parts_fine_tunes_an_earlier_parts_run_and_reports_its_metric(
+    assets, tmp_path, monkeypatch, capsys, no_run_plots
+):
+    out = tmp_path / "study"
+    pretrain = tiny_base(assets, out / "pretrain", scorer="none", h=None, checkpointing_steps=4)
+    pretrained = out / "pretrain" / "base" / "seed_42"
+    fine_tune = tiny_base(assets, out / "finetune", checkpointing_steps=4, eval_at_start=True)
+    fine_tune["model_name_or_path"] = str(pretrained)
+    config = write_config(
+        tmp_path / "study.yaml",
+        description="Pretrain, then fine-tune.",
+        parts={
+            "pretrain": {"base": pretrain},
+            "finetune": {
+                "base": fine_tune,
+                "axes": {"h": [2]},
+                "mode": "grid",
+                "seeds": 2,
+                "baseline": True,
+                "metric": "eval_loss",
+            },
+        },
+    )
+    # Planned before anything ran: the second part waits for the first, whose run it fine-tunes.
+    assert sweep.main(["--config", str(config), "--dry_run"]) == 0
+    printed = capsys.readouterr().out
+    assert "Sweep study/pretrain (full grid, ablation): 1 configuration x 1 seed = 1 run" in printed
+    assert "Part 'finetune': planned once the parts before it have run" in printed and not out.exists()
+
+    assert sweep.main(["--config", str(config)]) == 0
+    assert helpers.read_results(pretrained)["patch"] is None
+    patched = helpers.read_results(out / "finetune" / "h=2" / "seed_43")
+    assert patched["model_source"] == str(pretrained) and patched["patch"]["scorer"] == "qana"
+    # The report is in eval_loss (lower is better), with each run's step-0 value: the function-preserving patch
+    # starts where its unpatched control does.
+    table = (out / "finetune" / "sweep.md").read_text()
+    assert "primary metric eval loss (lower is better)" in table and "| eval loss at step 0 |" in table
+    assert "peak memory (MiB)" in table and "![curves](sweep_curves.png)" in table
+    assert helpers_png(out / "finetune" / "sweep_curves.png")
+    with open(out / "finetune" / "sweep_summary.csv") as handle:
+        summary = {r["configuration"]: r for r in csv.DictReader(handle)}
+    assert summary["h=2"]["metric"] == "eval_loss" and float(summary["h=2"]["peak_rss_mib_mean"]) > 100
+    starts = {name: float(summary[name]["at_start_mean"]) for name in ("baseline", "h=2")}
+    assert starts["h=2"] == pytest.approx(starts["baseline"], abs=1e-4)
+    finals = [helpers.read_results(out / "finetune" / "h=2" / f"seed_{s}")["eval_loss"] for s in (42, 43)]
+    assert float(summary["h=2"]["mean"]) == pytest.approx(stats.mean(finals))
+
+    # Rerun: nothing runs again.
+    monkeypatch.setattr(finetune, "run", lambda args: pytest.fail(f"{args.output_dir} ran again"))
+    assert sweep.main(["--config", str(config)]) == 0
+    # --output_dir cannot move parts that read each other's runs.
+    assert sweep.main(["--config", str(config), "--output_dir", str(tmp_path / "elsewhere")]) == 2
+    assert "each with its own output_dir" in capsys.readouterr().err
+
+
+def test_bad_parts_and_metrics_are_refused(assets, tmp_path):
+    base = tiny_base(assets, tmp_path / "out")
+    cases = {
+        "parts beside a sweep's keys": ({"parts": {"a": {"base": base}}, "base": base}, r"unknown key\(s\) \['base'\]"),
+        "a part that is no mapping": ({"parts": {"a": [1]}}, "part 'a' must be a sweep config"),
+        "a part name that is no folder name": ({"parts": {"a/b": {"base": base}}}, "usable as a folder name"),
+        "a metric the task does not report": ({"base": base, "metric": "accuracy"}, "metric 'accuracy' is not one"),
+    }
+    for name, (values, message) in cases.items():
+        with pytest.raises(RecipeError, match=message):
+            sweep_plan.build_plan(write_config(tmp_path / "bad.yaml", **values))
+        assert not (tmp_path / "out").exists(), name
+
+
+def test_two_sweep_processes_share_the_runs(assets, tmp_path, monkeypatch, no_run_plots):
+    out = tmp_path / "sweep"
+    config = write_config(tmp_path / "s.yaml", base=tiny_base(assets, out), axes={"h": [2, 4]})
+    plan = sweep_plan.build_plan(config)
+    sweep_plan.check_run_folders(plan)
+    first, second = plan.runs()
+    # Another live process holds the first run: this one skips it; a lock whose process is gone is taken over.
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        first.output_dir.mkdir(parents=True)
+        (first.output_dir / sweep_plan.RUN_LOCK).write_text(f"{sweep_run.socket.gethostname()} {holder.pid}")
+        dead = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], check=True, capture_output=True, text=True
+        )
+        second.output_dir.mkdir(parents=True)
+        (second.output_dir / sweep_plan.RUN_LOCK).write_text(f"{sweep_run.socket.gethostname()} {dead.stdout.strip()}")
+        sweep_plan.check_run_folders(sweep_plan.build_plan(config))  # a lock alone is no stranger's folder
+        log = sweep_run.run_sweep(plan)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert [(e["configuration"], e["action"]) for e in log] == [
+        ("base", "skipped (another process)"),
+        ("h=4", "started"),
+    ]
+    assert not (first.output_dir / "all_results.json").exists() and (second.output_dir / "all_results.json").is_file()
+    assert not (second.output_dir / sweep_plan.RUN_LOCK).exists()  # released when the run ended
+
+
 def helpers_png(path: Path) -> bool:
     from PIL import Image
 
@@ -392,8 +490,14 @@ def helpers_png(path: Path) -> bool:
 # ------------------------------------------------------------------------------------- shipped configs
 
 
+def test_shipped_sweeps_are_all_tested():
+    # The ablation sweeps below; shakespeare_char (parts: scratch, then fine-tune) in test_shakespeare_char.py.
+    shipped = {p.stem for p in (helpers.ROOT / "recipes" / "sweeps").glob("*.yaml")}
+    assert shipped == {name for name, _ in SHIPPED_RUNS} | {"shakespeare_char"}
+
+
 @pytest.mark.parametrize("grid", sweep_plan.GRIDS)
-@pytest.mark.parametrize("name", sorted(p.stem for p in (helpers.ROOT / "recipes" / "sweeps").glob("*.yaml")))
+@pytest.mark.parametrize("name", sorted({name for name, _ in SHIPPED_RUNS}))
 def test_shipped_sweep_configs_are_valid(name, grid):
     assert set(QANA_ABLATION_OPTIONS) <= set(scorer_flags())  # the QANA ablations' options are recipe flags
     path = helpers.ROOT / "recipes" / "sweeps" / f"{name}.yaml"

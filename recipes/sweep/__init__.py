@@ -47,11 +47,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from recipes.args import build_parser, split_own_flags
 from recipes.config_files import CONFIG_EXTENSIONS
 from recipes.errors import RecipeError, refuse
-from recipes.sweep.plan import GRIDS, NOT_ACCEPTED_FLAGS, build_plan, check_run_folders
+from recipes.sweep.plan import GRIDS, NOT_ACCEPTED_FLAGS, build_plan, check_run_folders, config_parts, read_config
 from recipes.sweep.report import SWEEP_TABLE, write_report
 from recipes.sweep.run import is_main_process, run_sweep
 
@@ -87,19 +88,28 @@ def main(argv: list[str] | None = None) -> int:
     build_sweep_parser().parse_args(argv)  # --help; every flag's name, type and choice, errors in the sweep's name
     known, rest = split_own_flags(argv, PROG, add_sweep_flags)
     try:
-        plan = build_plan(known.config, known.grid, rest)
-        check_run_folders(plan)
-        print(f"Sweep {plan.config_path} ({plan.grid} grid, {plan.mode}): {plan.status_line()}.")
-        if known.dry_run:
-            for run in plan.runs():
-                print(f"  {run.status:12s} {run.configuration} seed {run.seed}")
-            return 0
-        if not known.report_only:
-            run_sweep(plan)
-        if is_main_process():
-            written = write_report(plan)
-            print((plan.root / SWEEP_TABLE).read_text())
-            print("Wrote " + ", ".join(str(path) for path in written.values()))
+        parts = [name for name, _ in config_parts(read_config(Path(known.config)), Path(known.config))]
+        for index, part in enumerate(parts):
+            try:
+                plan = build_plan(known.config, known.grid, rest, part)
+            except RecipeError as error:
+                if not (known.dry_run and index):
+                    raise
+                # A later part may build on an earlier one's runs, which a dry run has not made.
+                print(f"Part {part!r}: planned once the parts before it have run ({error}).")
+                continue
+            check_run_folders(plan)
+            print(f"Sweep {plan.name} ({plan.grid} grid, {plan.mode}): {plan.status_line()}.")
+            if known.dry_run:
+                for run in plan.runs():
+                    print(f"  {run.status:12s} {run.configuration} seed {run.seed}")
+                continue
+            if not known.report_only:
+                run_sweep(plan)
+            if is_main_process():
+                written = write_report(plan)
+                print((plan.root / SWEEP_TABLE).read_text())
+                print("Wrote " + ", ".join(str(path) for path in written.values()))
     except RecipeError as error:
         return refuse("sweep", error)
     return 0

@@ -24,11 +24,15 @@ from recipes.config_files import check_config_values
 from recipes.errors import RecipeError
 from recipes.patch_flags import BASELINE, GATE_SETTINGS, patch_settings
 from recipes.report import RESULTS_FILE
+from recipes.tasks import get_task
 
-SWEEP_KEYS = ("description", "base", "axes", "mode", "seeds", "baseline", "reduced")
+SWEEP_KEYS = ("description", "base", "axes", "mode", "seeds", "baseline", "metric", "reduced")
+# A config of several parts (``parts: {name: <a sweep config>, ...}``, run in order) has these keys only.
+PARTS_KEYS = ("description", "parts")
 MODES = ("ablation", "grid")
 GRIDS = ("full", "reduced")
 RUN_RECORD = "sweep_run.json"  # in each run folder: what the sweep started there (settings, configuration, seed)
+RUN_LOCK = "sweep_run.lock"  # in a run folder while a sweep process runs it: "<host> <pid>" (recipes.sweep.run)
 BASE_CHANGES = "— (base)"  # the "flags" cell of an ablation's base point, which changes no flag
 # Flags the sweep sets for every run itself, and flags a sweep cannot use (every run would push to one repository).
 MANAGED_FLAGS = ("seed", "output_dir", "resume_from_checkpoint")
@@ -127,6 +131,8 @@ class SweepPlan:
     # One seed gives no error bar; with this percentage a smaller relative change reads "no difference"
     # (recipes.compare's --no_difference_below), without it the verdict says there is no error bar.
     no_difference_below: float | None = None
+    # The metric the tables and plots report (default: the task's primary metric), e.g. eval_loss.
+    metric: str | None = None
     configurations: list[Configuration] = field(default_factory=list)
     cells: list[tuple[tuple[AxisValue, ...], str]] = field(default_factory=list)  # each point -> its configuration
 
@@ -187,10 +193,36 @@ def read_config(path: Path) -> dict[str, Any]:
         raise RecipeError(f"Could not parse sweep config {path}: {error}") from error
     if not isinstance(values, dict):
         raise RecipeError(f"Sweep config {path} must be a mapping with base:, axes:, ...; got {type(values).__name__}.")
-    unknown = sorted(set(values) - set(SWEEP_KEYS))
-    if unknown:
-        raise RecipeError(f"Sweep config {path} has unknown key(s) {unknown}; its keys are {list(SWEEP_KEYS)}.")
+    check_keys(values, path)
     return values
+
+
+def check_keys(values: dict[str, Any], where: Path | str) -> None:
+    """A sweep config's keys: a sweep's (:data:`SWEEP_KEYS`), or a config of parts' (:data:`PARTS_KEYS`)."""
+    allowed = PARTS_KEYS if "parts" in values else SWEEP_KEYS
+    unknown = sorted(set(values) - set(allowed))
+    if unknown:
+        raise RecipeError(f"Sweep config {where} has unknown key(s) {unknown}; its keys are {list(allowed)}.")
+
+
+def config_parts(values: dict[str, Any], path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """A config's sweeps in the order they run: ``[(part name, its config)]``; one unnamed part where the config
+    has no ``parts:``. A later part may use an earlier part's runs (e.g. fine-tune its trained baseline), so each
+    part is planned only once the parts before it have run."""
+    if "parts" not in values:
+        return [("", values)]
+    parts = values["parts"]
+    if not isinstance(parts, dict) or not parts:
+        raise RecipeError(f"Sweep config {path}: parts must map part names to sweep configs.")
+    for name, part in parts.items():
+        if not isinstance(part, dict):
+            raise RecipeError(f"Sweep config {path}: part {name!r} must be a sweep config (base:, axes:, ...).")
+        check_keys(part, f"{path}, part {name!r},")
+        if "parts" in part:
+            raise RecipeError(f"Sweep config {path}: part {name!r} cannot have parts of its own.")
+        if safe_name(str(name)) != str(name):
+            raise RecipeError(f"Sweep config {path}: part name {name!r} must be usable as a folder name.")
+    return [(str(name), part) for name, part in parts.items()]
 
 
 def select_grid(values: dict[str, Any], grid: str, path: Path) -> dict[str, Any]:
@@ -342,10 +374,41 @@ def describe_flags(flags: dict[str, Any]) -> str:
     return ", ".join(f"{key}={format_label(value)}" for key, value in flags.items())
 
 
-def build_plan(config_path: str | os.PathLike, grid: str = "full", argv: list[str] | None = None) -> SweepPlan:
-    """Read and check the sweep config and every run it implies; nothing is run or written."""
+def parse_seeds(seeds_value: Any, first_seed: Any, seed_on_command_line: bool, path: Path) -> list[int]:
+    """The plan's seeds: ``seeds: N`` counts up from base's (or the command line's) ``seed``; a list is taken as it
+    is (the command line's ``--seed`` is refused then)."""
+    if isinstance(seeds_value, bool) or not isinstance(seeds_value, (int, list)):
+        raise RecipeError(f"Sweep config {path}: seeds must be a count or a list of seeds, got {seeds_value!r}.")
+    if isinstance(seeds_value, int):
+        if seeds_value < 1:
+            raise RecipeError(f"Sweep config {path}: seeds must be at least 1, got {seeds_value}.")
+        if isinstance(first_seed, bool) or not isinstance(first_seed, int):
+            raise RecipeError(f"Sweep config {path}: seed must be an integer, got {first_seed!r}.")
+        seeds = [first_seed + offset for offset in range(seeds_value)]
+    else:
+        if seed_on_command_line:
+            raise RecipeError(f"--seed: sweep config {path} lists its seeds ({seeds_value}); edit the list instead.")
+        seeds = seeds_value
+        if (
+            not seeds
+            or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds)
+            or len(set(seeds)) != len(seeds)
+        ):
+            raise RecipeError(f"Sweep config {path}: seeds must be distinct integers, got {seeds!r}.")
+    return seeds
+
+
+def build_plan(
+    config_path: str | os.PathLike, grid: str = "full", argv: list[str] | None = None, part: str = ""
+) -> SweepPlan:
+    """Read and check the sweep config (of a config of parts, the part named ``part``) and every run it implies;
+    nothing is run or written."""
     path = Path(config_path)
-    values = select_grid(read_config(path), grid, path)
+    values = read_config(path)
+    parts = dict(config_parts(values, path))
+    if part not in parts:
+        raise RecipeError(f"Sweep config {path} has no part {part!r}; its parts are {list(parts)}.")
+    values = select_grid(parts[part], grid, path)
     parser = build_parser()
     recipe_flags = set(parser.recipe_flags) - {"config"}
     mode = values.get("mode", "ablation")
@@ -377,35 +440,24 @@ def build_plan(config_path: str | os.PathLike, grid: str = "full", argv: list[st
         )
     shared = merge_command_line(base, command_line)
     root_value = shared.pop("output_dir", None)
+    if part and "output_dir" in command_line:
+        raise RecipeError(
+            f"--output_dir: sweep config {path} has parts, each with its own output_dir (a later part may read an "
+            "earlier one's runs there); edit them in the config."
+        )
     root = (
         Path(root_value)
         if root_value
-        else Path("outputs") / f"sweep-{path.stem}{'-reduced' if grid == 'reduced' else ''}"
+        else Path("outputs") / f"sweep-{path.stem}{'-reduced' if grid == 'reduced' else ''}" / part
     )
+    metric = values.get("metric")
+    if metric is not None and not isinstance(metric, str):
+        raise RecipeError(f"Sweep config {path}: metric must be a metric's name, e.g. eval_loss.")
 
-    seeds_value = values.get("seeds", 1)
-    first_seed = shared.pop("seed", 42)
-    if isinstance(seeds_value, bool) or not isinstance(seeds_value, (int, list)):
-        raise RecipeError(f"Sweep config {path}: seeds must be a count or a list of seeds, got {seeds_value!r}.")
-    if isinstance(seeds_value, int):
-        if seeds_value < 1:
-            raise RecipeError(f"Sweep config {path}: seeds must be at least 1, got {seeds_value}.")
-        if isinstance(first_seed, bool) or not isinstance(first_seed, int):
-            raise RecipeError(f"Sweep config {path}: seed must be an integer, got {first_seed!r}.")
-        seeds = [first_seed + offset for offset in range(seeds_value)]
-    else:
-        if "seed" in command_line:
-            raise RecipeError(f"--seed: sweep config {path} lists its seeds ({seeds_value}); edit the list instead.")
-        seeds = seeds_value
-        if (
-            not seeds
-            or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds)
-            or len(set(seeds)) != len(seeds)
-        ):
-            raise RecipeError(f"Sweep config {path}: seeds must be distinct integers, got {seeds!r}.")
+    seeds = parse_seeds(values.get("seeds", 1), shared.pop("seed", 42), "seed" in command_line, path)
 
     plan = SweepPlan(
-        name=path.stem,
+        name=f"{path.stem}/{part}" if part else path.stem,
         config_path=path,
         grid=grid,
         mode=mode,
@@ -416,8 +468,13 @@ def build_plan(config_path: str | os.PathLike, grid: str = "full", argv: list[st
         axes=axes,
         base_flags=shared,
         command_line=list(argv or []),
+        metric=metric,
     )
-    return plan_runs(plan)
+    plan = plan_runs(plan)
+    columns = get_task(plan.configurations[-1].runs[0].args.task).metric_columns()
+    if metric is not None and metric not in columns:
+        raise RecipeError(f"Sweep config {path}: metric {metric!r} is not one the task reports ({columns}).")
+    return plan
 
 
 def plan_runs(plan: SweepPlan) -> SweepPlan:
@@ -559,7 +616,7 @@ def check_run_folders(plan: SweepPlan) -> None:
         if saved is None and record.is_file():
             saved, status = read_settings(record) or {}, "interrupted"
         if saved is None:
-            if folder.is_dir() and any(folder.iterdir()):
+            if folder.is_dir() and any(path.name != RUN_LOCK for path in folder.iterdir()):
                 problems.append(f"{folder} holds files but no {RUN_RECORD}: {plan.source} did not start it.")
                 continue
             status = "pending"

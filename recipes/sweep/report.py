@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from recipes import stats
-from recipes.report import METRIC_LABELS, RESULTS_FILE, no_difference_note
+from recipes.report import HISTORY_FILE, METRIC_LABELS, RESULTS_FILE, no_difference_note
 from recipes.sweep.plan import RUN_RECORD, Configuration, SweepPlan, format_label, safe_name
 from recipes.tasks import get_task
 
 SWEEP_TABLE, SWEEP_CSV, SUMMARY_CSV, SUMMARY_FILE = "sweep.md", "sweep.csv", "sweep_summary.csv", "SUMMARY.md"
+CURVES_PLOT = "sweep_curves.png"
 BASE_LABEL = "(base)"  # an ablation plot's point for the base configuration, where no value of the axis is it
 
 
@@ -29,6 +30,8 @@ class Row:
     verdict: str
     params_added: int | None
     runtime: list[float]
+    peak_rss_mib: list[float]  # each finished seed's peak memory (all_results.json's peak_memory), where recorded
+    at_start: list[float]  # each finished seed's metric at step 0 (runs with eval_at_start)
 
 
 @dataclass
@@ -45,6 +48,24 @@ class Summary:
     def done(self) -> int:
         """How many runs have finished."""
         return sum(len(results) for results in self.found.values())
+
+
+def greater_is_better(task, metric: str) -> bool:
+    """The direction of ``metric``: the task's for its primary metric; a loss is lower-is-better, others higher."""
+    if metric == task.primary_metric:
+        return task.greater_is_better
+    return "loss" not in metric
+
+
+def read_history(run_dir: Path) -> dict[str, Any]:
+    """A finished run's training_history.json (empty where it is missing)."""
+    path = run_dir / HISTORY_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def metric_at_start(history: dict[str, Any], metric: str) -> float | None:
+    """The metric of the step-0 evaluation (``--eval_at_start``), or None."""
+    return next((e[metric] for e in history.get("evaluations", []) if e["step"] == 0 and metric in e), None)
 
 
 def collect(plan: SweepPlan) -> dict[str, dict[int, dict[str, Any]]]:
@@ -64,7 +85,8 @@ def summarize(plan: SweepPlan) -> Summary:
     difference to its baseline and its verdict, the parameters added, the training times."""
     found = collect(plan)
     task = get_task(plan.configurations[-1].runs[0].args.task)
-    metric, greater = task.primary_metric, task.greater_is_better
+    metric = plan.metric or task.primary_metric
+    greater = greater_is_better(task, metric)
     rows = []
     for configuration in plan.configurations:
         results = found[configuration.name]
@@ -81,7 +103,15 @@ def summarize(plan: SweepPlan) -> Summary:
         first = next(iter(results.values()), None)
         params = first.get("parameters", {}).get("added_by_patch", 0) if first else None
         runtime = [float(r.get("train_runtime_s", 0.0)) for r in results.values()]
-        rows.append(Row(configuration, values, difference, verdict, params, runtime))
+        memory = [
+            r["peak_memory"]["peak_rss_mib"]
+            for r in results.values()
+            if (r.get("peak_memory") or {}).get("peak_rss_mib")
+        ]
+        runs = {run.seed: run for run in configuration.runs}
+        starts = [metric_at_start(read_history(runs[seed].output_dir), metric) for seed in results]
+        at_start = [value for value in starts if value is not None]
+        rows.append(Row(configuration, values, difference, verdict, params, runtime, memory, at_start))
     metrics = task.metric_columns()
     return Summary(found, rows, metric, greater, metrics)
 
@@ -92,15 +122,20 @@ def markdown_table(plan: SweepPlan, summary: Summary) -> str:
     interval) and its verdict, the seeds finished and the mean training time of a run."""
     label = METRIC_LABELS.get(summary.metric, summary.metric)
     several = len(plan.seeds) > 1
-    header = ["configuration", "flags", "params added", f"{label} (mean ± std)" if several else label]
+    from_start = any(row.at_start for row in summary.rows)
+    header = ["configuration", "flags", "params added"]
+    header += [f"{label} at step 0"] if from_start else []
+    header += [f"{label} (mean ± std)" if several else label]
     if plan.baseline:
         header += [f"Δ {label} vs baseline" + (", paired (95 % CI)" if several else ""), "verdict"]
-    header += ["seeds", "train time (s)"]
+    header += ["seeds", "train time (s)", "peak memory (MiB)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in summary.rows:
         values = [row.values[s] for s in plan.seeds if s in row.values]
         cells = [f"`{row.configuration.name}`", row.configuration.changes]
         cells.append("—" if row.params_added is None else f"{row.params_added:,}")
+        if from_start:
+            cells.append(stats.format_mean_std(row.at_start) if row.at_start else "—")
         cells.append(stats.format_mean_std(values) if values else "not run")
         if plan.baseline:
             if row.configuration.kind == "baseline":
@@ -111,6 +146,7 @@ def markdown_table(plan: SweepPlan, summary: Summary) -> str:
                 cells += [stats.format_difference(row.difference), row.verdict]
         cells.append(f"{len(values)}/{len(plan.seeds)}")
         cells.append(stats.format_mean_std(row.runtime, digits=1) if row.runtime else "—")
+        cells.append(f"{stats.mean(row.peak_rss_mib):,.0f}" if row.peak_rss_mib else "—")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -126,7 +162,7 @@ def write_csvs(plan: SweepPlan, summary: Summary) -> None:
     docs/recipes.md)."""
     found, rows, metrics = summary.found, summary.rows, summary.metrics
     fields = ["configuration", "kind", "baseline", "seed", "status", *[f"axis:{a}" for a in plan.axes], "flags"]
-    fields += [*metrics, "params_added", "train_steps", "train_runtime_s", "output_dir"]
+    fields += [*metrics, "params_added", "train_steps", "train_runtime_s", "peak_rss_mib", "output_dir"]
     with open(plan.root / SWEEP_CSV, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
@@ -151,11 +187,13 @@ def write_csvs(plan: SweepPlan, summary: Summary) -> None:
                         params_added=results.get("parameters", {}).get("added_by_patch", 0),
                         train_steps=results.get("train_steps"),
                         train_runtime_s=results.get("train_runtime_s"),
+                        peak_rss_mib=(results.get("peak_memory") or {}).get("peak_rss_mib", ""),
                     )
                 writer.writerow(row)
     summary_fields = ["configuration", "kind", "baseline", *[f"axis:{a}" for a in plan.axes], "flags", "seeds_done"]
     summary_fields += ["metric", "mean", "std", "baseline_mean", "diff_mean", "diff_std", "ci_low", "ci_high"]
     summary_fields += ["relative_diff_percent", "verdict", "params_added", "train_runtime_s_mean"]
+    summary_fields += ["peak_rss_mib_mean", "at_start_mean"]
     with open(plan.root / SUMMARY_CSV, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=summary_fields)
         writer.writeheader()
@@ -184,6 +222,8 @@ def write_csvs(plan: SweepPlan, summary: Summary) -> None:
                     "verdict": row.verdict,
                     "params_added": "" if row.params_added is None else row.params_added,
                     "train_runtime_s_mean": stats.mean(row.runtime) if row.runtime else "",
+                    "peak_rss_mib_mean": stats.mean(row.peak_rss_mib) if row.peak_rss_mib else "",
+                    "at_start_mean": stats.mean(row.at_start) if row.at_start else "",
                 }
             )
 
@@ -275,6 +315,71 @@ def plot_axis(plan: SweepPlan, axis: str, summary: Summary, path: Path) -> bool:
     return True
 
 
+def mean_curve(histories: list[dict[str, Any]], metric: str) -> list[tuple[int, float, float | None]]:
+    """(step, mean metric, mean elapsed seconds or None) over the seeds' evaluations, at the steps all of them
+    evaluated."""
+    per_seed = [{e["step"]: e for e in h.get("evaluations", []) if metric in e} for h in histories]
+    steps = sorted(set.intersection(*(set(points) for points in per_seed))) if per_seed else []
+    curve = []
+    for step in steps:
+        points = [points[step] for points in per_seed]
+        elapsed = [p["elapsed_s"] for p in points if "elapsed_s" in p]
+        curve.append(
+            (
+                step,
+                stats.mean([p[metric] for p in points]),
+                stats.mean(elapsed) if len(elapsed) == len(points) else None,
+            )
+        )
+    return curve
+
+
+def plot_curves(plan: SweepPlan, summary: Summary, path: Path) -> bool:
+    """``sweep_curves.png``: each configuration's metric against optimizer steps and against wall-clock time (the
+    mean over its finished seeds at each evaluation; the time counts earlier evaluations). False while no run has
+    finished."""
+    curves = {}
+    for configuration in plan.configurations:
+        finished = summary.found[configuration.name]
+        histories = [read_history(run.output_dir) for run in configuration.runs if run.seed in finished]
+        curve = mean_curve([h for h in histories if h], summary.metric)
+        if curve:
+            curves[configuration.name] = (curve, len(histories))
+    if not curves:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    label = METRIC_LABELS.get(summary.metric, summary.metric)
+    figure, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    for name, (curve, seeds) in curves.items():
+        steps, values, elapsed = zip(*curve)
+        (line,) = by_step.plot(steps, values, marker="o", markersize=3, label=f"{name} ({seeds} seed(s))")
+        timed = [(t, v) for t, v in zip(elapsed, values) if t is not None]
+        if timed:
+            by_time.plot(*zip(*timed), marker="o", markersize=3, color=line.get_color())
+    # The first evaluation of a run from scratch (chance level) would flatten the rest: the axis starts at the second
+    # evaluation unless the first is close to the others (a fine-tune's, where step 0 shows the function kept).
+    low = min(v for curve, _ in curves.values() for _, v, _ in curve)
+    top = max(curve[min(1, len(curve) - 1)][1] for curve, _ in curves.values())
+    first = max(curve[0][1] for curve, _ in curves.values())
+    top = first if first - low <= 2 * (top - low) else top
+    if top > low:
+        by_step.set_ylim(low - 0.05 * (top - low), top + 0.05 * (top - low))
+    by_step.set(xlabel="optimizer step", ylabel=label, title=f"{label} against steps")
+    by_time.set(xlabel="wall-clock seconds (evaluations included)", title=f"{label} against time")
+    for axes in (by_step, by_time):
+        axes.grid(alpha=0.3)
+    by_step.legend(fontsize=8)
+    figure.suptitle(f"Sweep {plan.name}: mean over seeds")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return True
+
+
 def write_report(plan: SweepPlan) -> dict[str, Path]:
     """sweep.md, sweep.csv, sweep_summary.csv, sweep_<axis>.png and SUMMARY.md from the runs finished so far;
     returns what it wrote (name -> path)."""
@@ -288,6 +393,9 @@ def write_report(plan: SweepPlan) -> dict[str, Path]:
         if plot_axis(plan, axis, summary, path):
             plots.append((axis, path.name))
             written[f"plot:{axis}"] = path
+    if plot_curves(plan, summary, plan.root / CURVES_PLOT):
+        plots.append(("curves", CURVES_PLOT))
+        written["plot:curves"] = plan.root / CURVES_PLOT
     table = markdown_table(plan, summary)
     total = len(plan.configurations) * len(plan.seeds)
     notes = sweep_notes(plan)
@@ -325,7 +433,10 @@ def sweep_notes(plan: SweepPlan) -> str:
             if plan.baseline
             else "No baseline was run (baseline: false), so there are no paired differences."
         )
-    return f"{spread} Train time: the mean training time of one run, evaluations included.\n"
+    return (
+        f"{spread} Train time: the mean training time of one run, evaluations included. Peak memory: the mean over "
+        "seeds of the process's peak resident memory during training (Python and torch included).\n"
+    )
 
 
 def what_was_run(found: dict[str, dict[int, dict[str, Any]]]) -> tuple[str, str, str]:
