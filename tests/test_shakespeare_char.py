@@ -1,0 +1,162 @@
+"""The evidence run's recipe (docs/experiments.md, "A public reference"): nanoGPT's shakespeare_char data, vocabulary,
+split and CPU recipe, as recipes/configs/shakespeare_char.yaml and recipes/sweeps/shakespeare_char.yaml hold them.
+
+Fails if the text, the character vocabulary, the split, the config or the sweep drifts from nanoGPT's; a few steps of
+the recipe on a slice of the evaluation data check that the run builds nanoGPT's model and optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import recipes_helpers as helpers
+import yaml
+from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fixtures
+    finetune_in_process,
+    fresh_accelerate_state,  # noqa: F401
+    one_thread,  # noqa: F401
+    read_history,
+)
+
+from recipes import finetune
+from recipes.args import parse_values
+from recipes.errors import RecipeError
+from recipes.sweep import plan as sweep_plan
+from recipes.tasks import shakespeare
+
+CONFIG = helpers.ROOT / "recipes" / "configs" / "shakespeare_char.yaml"
+SWEEP = helpers.ROOT / "recipes" / "sweeps" / "shakespeare_char.yaml"
+# nanoGPT's data/shakespeare_char/prepare.py prints these: its vocabulary and the sizes of its split.
+NANOGPT_VOCABULARY = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+NANOGPT_TRAIN_TOKENS, NANOGPT_VALIDATION_TOKENS = 1_003_854, 111_540
+# nanoGPT's README CPU command over config/train_shakespeare_char.py, as recipe flags.
+NANOGPT_CPU_RECIPE = {
+    "block_size": 64,
+    "per_device_train_batch_size": 12,
+    "max_train_steps": 2000,
+    "learning_rate": 1e-3,
+    "min_learning_rate": 1e-4,
+    "lr_scheduler_type": "cosine_with_min_lr",
+    "num_warmup_steps": 100,
+    "weight_decay": 0.1,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.99,
+    "max_grad_norm": 1.0,
+    "gradient_accumulation_steps": 1,
+    "train_stride": 1,  # windows at every offset, shuffled: nanoGPT's random windows
+    "scorer": "none",
+}
+NANOGPT_MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "n_positions": 64, "vocab_size": 65}
+
+
+def config_values() -> dict:
+    return yaml.safe_load(CONFIG.read_text())
+
+
+def test_text_vocabulary_and_split_are_nanogpts():
+    assert "".join(shakespeare.vocabulary()) == NANOGPT_VOCABULARY
+    split = shakespeare.split_text()
+    assert (len(split["train"]), len(split["validation"])) == (NANOGPT_TRAIN_TOKENS, NANOGPT_VALIDATION_TOKENS)
+    assert split["train"].startswith("First Citizen:\nBefore we proceed any further")
+    assert split["train"] + split["validation"] == shakespeare.corpus_text()
+
+
+def test_character_tokenizer_is_one_token_per_character_and_reloads(tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = shakespeare.character_tokenizer()
+    text = shakespeare.split_text()["validation"][:2000]  # newlines, spaces, punctuation, both cases
+    ids = tokenizer(text)["input_ids"]
+    assert ids == [NANOGPT_VOCABULARY.index(char) for char in text]  # nanoGPT's stoi
+    assert len(tokenizer) == 65 and tokenizer.decode(ids) == text
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert reloaded(text)["input_ids"] == ids and reloaded.decode(ids) == text
+
+
+def test_an_edited_corpus_is_refused(tmp_path, monkeypatch):
+    copy = tmp_path / "input.txt"
+    copy.write_text(shakespeare.corpus_text().replace("First Citizen", "Second Citizen", 1))
+    monkeypatch.setattr(shakespeare, "CORPUS_PATH", copy)
+    shakespeare.corpus_text.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="restore it from git"):
+            shakespeare.corpus_text()
+    finally:
+        shakespeare.corpus_text.cache_clear()
+
+
+def test_the_config_is_nanogpts_cpu_recipe():
+    args = parse_values(config_values(), source=str(CONFIG))
+    for flag, value in NANOGPT_CPU_RECIPE.items():
+        assert getattr(args, flag) == value, flag
+    assert args.dataset_name == "tinyshakespeare" and args.model_type == "gpt2"
+    overrides = dict(item.split("=") for item in args.config_overrides.split(","))
+    assert {key: int(overrides[key]) for key in ("n_layer", "n_head", "n_embd", "n_positions")} == {
+        key: NANOGPT_MODEL[key] for key in ("n_layer", "n_head", "n_embd", "n_positions")
+    }
+    assert {overrides[key] for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop")} == {"0.0"}  # --dropout=0.0
+    assert overrides["activation_function"] == "gelu"  # nanoGPT's nn.GELU(), not GPT-2's tanh approximation
+    # The estimator: every non-overlapping window of the validation text, each window's mean loss, averaged.
+    assert (args.perplexity_protocol, args.stride) == ("full_window", 64)
+
+
+def test_the_sweep_trains_the_configs_baseline_and_fine_tunes_it():
+    config = {key: value for key, value in config_values().items() if key not in ("output_dir", "seed")}
+    scratch = sweep_plan.build_plan(SWEEP, part="scratch")
+    assert (scratch.metric, scratch.mode, scratch.seeds, scratch.baseline) == (
+        "eval_loss",
+        "grid",
+        [1337, 1338, 1339],
+        True,
+    )
+    assert config_values()["seed"] == scratch.seeds[0]
+    baseline = scratch.by_name("baseline")
+    assert {
+        k: v for k, v in baseline.flags.items() if k != "output_dir"
+    } == config  # the sweep's baseline is the config
+    names = [c.name for c in scratch.configurations]
+    assert names == ["baseline", "scorer=qana_h4", "scorer=neural_first_layer", "scorer=neural_all_layers"]
+    first_layer = scratch.by_name("scorer=neural_first_layer").runs[0].args
+    assert (first_layer.layers, first_layer.proj_dim, first_layer.mode) == ([0], 2, "replace")
+    fine_tune_from = yaml.safe_load(SWEEP.read_text())["parts"]["finetune"]["base"]["model_name_or_path"]
+    assert fine_tune_from == str(baseline.runs[0].output_dir)  # the first seed's trained baseline
+
+
+def test_a_few_steps_of_the_recipe_build_nanogpts_model_and_optimizer(tmp_path, monkeypatch):
+    optimizers = []
+    real_build = finetune.build_optimizer
+    monkeypatch.setattr(
+        finetune, "build_optimizer", lambda model, args: optimizers.append(real_build(model, args)) or optimizers[-1]
+    )
+    flags = ["--config", str(CONFIG), "--max_train_steps", "30", "--eval_steps", "15", "--max_eval_samples", "64"]
+    flags += ["--num_warmup_steps", "5", "--min_learning_rate", "1e-4"]
+    results = finetune_in_process(tmp_path / "run", *flags)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tmp_path / "run")
+    assert {key: getattr(config, key) for key in NANOGPT_MODEL} == NANOGPT_MODEL
+    assert results["parameters"]["total"] == 809_856  # nanoGPT's 0.80M, plus GPT-2's biases
+    (optimizer,) = optimizers
+    assert {group["betas"] for group in optimizer.param_groups} == {(0.9, 0.99)}
+    decayed = {group["weight_decay"]: len(group["params"]) for group in optimizer.param_groups}
+    assert decayed[0.1] == 2 + 4 * 4 and decayed[0.0] > 0  # wte, wpe and 4 matrices per block; no decay on 1-d
+    evaluations = read_history(tmp_path / "run")["evaluations"]
+    assert [e["step"] for e in evaluations] == [0, 15, 30]
+    assert evaluations[0]["eval_loss"] == pytest.approx(math.log(65), abs=0.05)  # at init, about uniform
+    assert evaluations[-1]["eval_loss"] < evaluations[0]["eval_loss"] - 0.5
+    assert evaluations[-1]["elapsed_s"] > evaluations[0]["elapsed_s"] > 0
+    assert results["eval_samples"] == {"validation": 64} and results["train_samples"] == NANOGPT_TRAIN_TOKENS - 63
+    assert results["peak_memory"]["peak_rss_mib"] > 100
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run")  # the trained checkpoint reloads, tokenizer too
+    assert model.config.vocab_size == 65
+
+
+def test_the_cosine_floor_needs_its_scheduler():
+    values = {**config_values(), "lr_scheduler_type": "cosine"}
+    with pytest.raises(RecipeError, match="--min_learning_rate needs that scheduler"):
+        parse_values(values, source="test")
+    values = {**config_values(), "min_learning_rate": None}
+    with pytest.raises(RecipeError, match="cosine_with_min_lr needs --min_learning_rate"):
+        parse_values(values, source="test")
