@@ -310,6 +310,16 @@ def test_a_killed_sweep_resumes_its_interrupted_run_and_skips_finished_ones(
     assert "| `base` | — (base) |" in table and "| `h=4` | h=4 |" in table and table.count("| 2/2 |") == 2
     assert "One seed" not in table and "± is the sample standard deviation over the 2 seeds" in table
 
+    # A run recorded before a flag existed (settings without it) is the same run when the plan keeps its default.
+    results_file = out / "base" / "seed_42" / "all_results.json"
+    saved = json.loads(results_file.read_text())
+    for flag in ("adam_beta1", "adam_beta2", "min_learning_rate", "train_stride"):
+        del saved["settings"][flag]
+    results_file.write_text(json.dumps(saved))
+    plan = sweep_plan.build_plan(config)
+    sweep_plan.check_run_folders(plan)
+    assert plan.runs()[0].status == "done"
+
     # A folder of a run with other settings is refused, naming the setting, before anything runs.
     changed = write_config(tmp_path / "s2.yaml", base=tiny_base(assets, out, learning_rate=0.5), axes={"h": [2, 4]})
     assert sweep.main(["--config", str(changed)]) == 2

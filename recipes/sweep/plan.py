@@ -332,10 +332,12 @@ def comparable(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def differences(saved: dict[str, Any], planned: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """Settings that differ; a setting the saved run did not know counts as equal if the plan leaves it unset."""
+    """Settings that differ. A setting the saved run did not know (a flag added since) counts as equal if the plan
+    leaves it unset or at the flag's default, which is what that run trained with."""
+    parser = build_parser()
     different = {}
     for key in sorted(set(saved) | set(planned)):
-        if key not in saved and planned.get(key) is None:
+        if key not in saved and planned.get(key) in (None, parser.get_default(key)):
             continue
         if saved.get(key) != planned.get(key):
             different[key] = (saved.get(key), planned.get(key))
