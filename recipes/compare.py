@@ -30,7 +30,6 @@ folder holding a run with other settings stops the comparison before anything ru
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from typing import Any
 from recipes.args import build_parser, parse_args, parse_values, split_own_flags
 from recipes.errors import RecipeError, refuse
 from recipes.patch_flags import BASELINE, example_scorers
-from recipes.report import HISTORY_FILE, RESULTS_FILE, describe_patch, plot_evaluation_curves, scorer_section
+from recipes.report import HISTORY_FILE, RESULTS_FILE, describe_patch, plot_evaluation_curves, read_json, scorer_section
 from recipes.sweep.plan import (
     MANAGED_FLAGS,
     NOT_ACCEPTED_FLAGS,
@@ -117,11 +116,6 @@ def comparison_plan(
         no_difference_below=no_difference_below,
     )
     return plan_runs(plan)
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    """A run's JSON output, or None where it is not there (a process that does not share the main one's disk)."""
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def compare(

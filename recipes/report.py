@@ -52,6 +52,11 @@ CARD_TRAINING_SETTINGS = (
 )
 
 
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A run's JSON output, or None where it is not there (a process that does not share the main one's disk)."""
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def write_json(path: str | os.PathLike, values: dict[str, Any]) -> None:
     with open(path, "w") as handle:
         json.dump(values, handle, indent=2, default=str)

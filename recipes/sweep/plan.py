@@ -9,6 +9,7 @@ go through the recipes' own argument checks here, and :func:`check_run_folders` 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -331,13 +332,20 @@ def comparable(settings: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(kept, default=str))
 
 
+@functools.cache
+def flag_defaults() -> dict[str, Any]:
+    """Every recipe flag's default (built once: the parser is generated from the scorer configs)."""
+    parser = build_parser()
+    return {name: parser.get_default(name) for name in parser.recipe_flags}
+
+
 def differences(saved: dict[str, Any], planned: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """Settings that differ. A setting the saved run did not know (a flag added since) counts as equal if the plan
     leaves it unset or at the flag's default, which is what that run trained with."""
-    parser = build_parser()
+    defaults = flag_defaults()
     different = {}
     for key in sorted(set(saved) | set(planned)):
-        if key not in saved and planned.get(key) in (None, parser.get_default(key)):
+        if key not in saved and planned.get(key) in (None, defaults.get(key)):
             continue
         if saved.get(key) != planned.get(key):
             different[key] = (saved.get(key), planned.get(key))

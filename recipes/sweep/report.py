@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from recipes import stats
-from recipes.report import HISTORY_FILE, METRIC_LABELS, RESULTS_FILE, no_difference_note
+from recipes.report import HISTORY_FILE, METRIC_LABELS, RESULTS_FILE, no_difference_note, read_json
 from recipes.sweep.plan import RUN_RECORD, Configuration, SweepPlan, format_label, safe_name
 from recipes.tasks import get_task
 
@@ -55,12 +55,6 @@ def greater_is_better(task, metric: str) -> bool:
     if metric == task.primary_metric:
         return task.greater_is_better
     return "loss" not in metric
-
-
-def read_history(run_dir: Path) -> dict[str, Any]:
-    """A finished run's training_history.json (empty where it is missing)."""
-    path = run_dir / HISTORY_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def metric_at_start(history: dict[str, Any], metric: str) -> float | None:
@@ -109,7 +103,7 @@ def summarize(plan: SweepPlan) -> Summary:
             if (r.get("peak_memory") or {}).get("peak_rss_mib")
         ]
         runs = {run.seed: run for run in configuration.runs}
-        starts = [metric_at_start(read_history(runs[seed].output_dir), metric) for seed in results]
+        starts = [metric_at_start(read_json(runs[seed].output_dir / HISTORY_FILE) or {}, metric) for seed in results]
         at_start = [value for value in starts if value is not None]
         rows.append(Row(configuration, values, difference, verdict, params, runtime, memory, at_start))
     metrics = task.metric_columns()
@@ -341,7 +335,9 @@ def plot_curves(plan: SweepPlan, summary: Summary, path: Path) -> bool:
     curves = {}
     for configuration in plan.configurations:
         finished = summary.found[configuration.name]
-        histories = [read_history(run.output_dir) for run in configuration.runs if run.seed in finished]
+        histories = [
+            read_json(run.output_dir / HISTORY_FILE) or {} for run in configuration.runs if run.seed in finished
+        ]
         curve = mean_curve([h for h in histories if h], summary.metric)
         if curve:
             curves[configuration.name] = (curve, len(histories))
