@@ -18,12 +18,12 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+from transformers.masking_utils import eager_mask, sdpa_mask
 
 from .families import FAMILIES, ModelFamily
 from .families.offload import offloaded_weights_loaded
-from .families.parallelism import (
+from .integrations.internals import output_attentions_collector
+from .integrations.parallelism import (
     attention_across_ranks,
     check_context_parallel_scorer,
     check_no_sequence_parallelism,
@@ -49,12 +49,6 @@ from .ops.packed import (
 from .patched_config import is_patched_config
 from .record import ATTN_IMPLEMENTATION, EXTRAS_KWARG, FALLBACK_ATTR, SCORER_ATTR
 from .scorers import Scorer
-
-try:  # where transformers 5 collects output_attentions (forward hooks on the attention modules)
-    from transformers.utils.output_capturing import _active_collector
-except ImportError:  # another layout: models then say it through the output_attentions kwarg only
-    _active_collector = None
-
 
 # Base implementations that keep a model's keys in a paged cache of their own, which only they can read and write
 # (vLLM's "vllm"), by name: the function that serves a patched model's attention modules over such a base. It is
@@ -246,7 +240,7 @@ def wants_attention_weights(kwargs: dict) -> bool:
     """
     if kwargs.get("output_attentions"):
         return True
-    collected = _active_collector.get() if _active_collector is not None else None
+    collected = output_attentions_collector()
     return bool(collected) and any(key.endswith("attentions") for key in collected)
 
 
@@ -332,10 +326,3 @@ def hf_neural_attention_mask(*args, config=None, **kwargs):
         return None
     builder = eager_mask if base in (None, "eager") else sdpa_mask
     return builder(*args, config=config, **kwargs)
-
-
-def register() -> None:
-    """Register the attention function and mask builder as ``"hf_neural_attn"`` (``hf_neural_attn/__init__.py``
-    calls it on import)."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION, hf_neural_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, hf_neural_attention_mask)

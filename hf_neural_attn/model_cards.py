@@ -18,15 +18,14 @@ the library.
 
 transformers writes cards of its own: ``model.push_to_hub`` (and ``save_pretrained(push_to_hub=True)``) save the
 card :func:`transformers.utils.hub.create_and_tag_model_card` returns, which is the repo's card when it has one and
-otherwise a generic template. :func:`install_push_card` wraps that function (the one place the library changes how
-transformers writes cards) so that for a patched checkpoint the template gives way to the card this module writes;
+otherwise a generic template. :mod:`hf_neural_attn.integrations.transformers_hub` wraps that function (the one place
+the library changes how transformers writes cards) so that for a patched checkpoint the template gives way to the card this module writes;
 a card already on the repo is kept and only tagged, as transformers does. ``patch_model`` adds the tags to the
 model's ``model_tags``, which transformers' card writers (that one, the Trainer's) add to the cards they write.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -52,10 +51,6 @@ _TASKS = (
     ("feature-extraction", "MODEL_MAPPING_NAMES", "AutoModel"),
 )
 
-# transformers' generic card for a repo without one says (transformers.utils.hub): how the push
-# wrapper tells that template from a card the repo already has.
-_TRANSFORMERS_TEMPLATE_MARK = "This model card has been automatically generated."
-_WRAPPED_ATTR = "_hf_neural_attn_wrapped"
 
 
 def checkpoint_tags(scorer: str) -> list[str]:
@@ -194,7 +189,7 @@ def write_full_checkpoint_card(config, save_directory: str | os.PathLike) -> Non
     path.write_text(full_checkpoint_card(record, architecture, base_model=base_model, repo_id=None), encoding="utf-8")
 
 
-def _card_of_pushed_folder(folder: Path, repo_id: str, extra_tags: Iterable[str]) -> str | None:
+def card_of_pushed_folder(folder: Path, repo_id: str, extra_tags: Iterable[str]) -> str | None:
     """The card for ``repo_id`` of the patched checkpoint saved in ``folder``, or None when it holds none. Its base
     model is the one the card :func:`write_full_checkpoint_card` left there names (config.json does not keep it)."""
     from huggingface_hub import ModelCard
@@ -213,38 +208,3 @@ def _card_of_pushed_folder(folder: Path, repo_id: str, extra_tags: Iterable[str]
             base_model = hub_base_model(written.base_model, repo_id)
     architecture = (config.get("architectures") or [None])[0]
     return full_checkpoint_card(record, architecture, base_model=base_model, repo_id=repo_id, extra_tags=extra_tags)
-
-
-def install_push_card(module) -> None:
-    """Wrap ``module.create_and_tag_model_card`` (``transformers.utils.hub``'s, and the name
-    ``transformers.modeling_utils`` imported from it), once.
-
-    Why a wrapper: ``PushToHubMixin.push_to_hub`` makes that card before ``save_pretrained`` and saves it over the
-    folder's README.md after, and it does not know the model, so no hook of the save can keep the library's card.
-    For a repo that has no card yet, the returned card's ``save`` writes the library's card instead of transformers'
-    template when the folder it saves into holds a patched checkpoint (with transformers' tags added). Everything
-    else (unpatched models, repos with a card) is transformers' own behaviour, unchanged.
-    """
-    original = module.create_and_tag_model_card
-    if getattr(original, _WRAPPED_ATTR, False):
-        return
-
-    @functools.wraps(original)
-    def create_and_tag_model_card(repo_id, tags=None, token=None):
-        card = original(repo_id, tags, token=token)
-        if _TRANSFORMERS_TEMPLATE_MARK not in card.text:
-            return card  # the repo's own card: kept, tagged by transformers
-        save_template = card.save
-
-        def save(filepath, *args, **kwargs):
-            ours = _card_of_pushed_folder(Path(filepath).parent, repo_id, card.data.tags or [])
-            if ours is None:
-                return save_template(filepath, *args, **kwargs)
-            Path(filepath).write_text(ours, encoding="utf-8")
-            return None
-
-        card.save = save
-        return card
-
-    setattr(create_and_tag_model_card, _WRAPPED_ATTR, True)
-    module.create_and_tag_model_card = create_and_tag_model_card

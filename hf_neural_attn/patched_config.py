@@ -13,7 +13,7 @@ class is switched to a subclass of its own config class (``LlamaConfig`` -> ``Ll
 * ``save_pretrained`` writes ``model_type: "hf_neural_attn"`` (the base type is kept in the record) and
   ``attn_implementation: "hf_neural_attn"``, plus a two-line loader file listed in ``auto_map`` and, when the folder
   has none, a model card (:mod:`hf_neural_attn.model_cards`). With the
-  library imported, transformers' Auto classes load such a checkpoint patched (:mod:`hf_neural_attn.loading.auto`);
+  library imported, transformers' Auto classes load such a checkpoint patched (:mod:`hf_neural_attn.integrations.auto_classes`);
   without it every transformers entry point refuses instead of returning the unpatched base model.
 """
 
@@ -28,9 +28,15 @@ from collections.abc import Callable, Iterator
 from functools import cache
 from typing import Any
 
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from .integrations.internals import (
+    attn_implementation_of,
+    define_implementation_descriptor,
+    saved_implementation,
+    store_implementation,
+)
 from .model_cards import write_full_checkpoint_card
 from .record import (
     ATTN_IMPLEMENTATION,
@@ -72,17 +78,16 @@ class _PatchedConfigMixin:
 
     _base_config_class: type[PretrainedConfig]
 
-    # A data descriptor wins over the instance's ``_attn_implementation_internal``, which keeps the *base*
-    # implementation: the one the modules the patch does not score run, whose masks the scored modules get, and
-    # that unpatch_model restores. transformers reads and writes the implementation through this name
-    # (``set_attn_implementation``, ``config._attn_implementation = ...``, generation utilities): it always reads
-    # "hf_neural_attn", which is what makes transformers call the scorers, and a value written is the new base.
-    @property
-    def _attn_implementation_internal(self) -> str:
+    # The class's descriptor for transformers' implementation field (defined below the class, through
+    # integrations.internals) wins over the instance's own field, which keeps the *base* implementation: the one
+    # the modules the patch does not score run, whose masks the scored modules get, and that unpatch_model
+    # restores. transformers reads and writes the implementation through that field (``set_attn_implementation``,
+    # ``config._attn_implementation = ...``, generation utilities): it always reads "hf_neural_attn", which is
+    # what makes transformers call the scorers, and a value written is the new base.
+    def _read_implementation(self) -> str:
         return ATTN_IMPLEMENTATION
 
-    @_attn_implementation_internal.setter
-    def _attn_implementation_internal(self, value: str | None) -> None:
+    def _write_implementation(self, value: str | None) -> None:
         if value in (None, ATTN_IMPLEMENTATION):  # transformers re-asserting what it read: nothing changes
             return
         if not isinstance(value, str):
@@ -92,7 +97,7 @@ class _PatchedConfigMixin:
                 f"attn_implementation={value!r} is not an attention implementation transformers knows; the "
                 f"possible ones are {known_implementations()}."
             )
-        self.__dict__["_attn_implementation_internal"] = value
+        store_implementation(self, value)
         record = PatchRecord.of(self)
         if record is not None:  # the top config: a save records the new base (sub-configs carry no record)
             dataclasses.replace(record, base_attn_implementation=value).write_to(self)
@@ -102,7 +107,7 @@ class _PatchedConfigMixin:
         """The implementation the model runs under the patch: its unscored modules run it (eager or SDPA; flash and
         flex need masks of their own, so under those the unscored modules run SDPA), the scored ones get its masks.
         Set it as on any model, ``model.set_attn_implementation("eager")``; the scorers keep running."""
-        return self.__dict__.get("_attn_implementation_internal") or "eager"
+        return saved_implementation(self) or "eager"
 
     # transformers refuses output_attentions=True on a config whose implementation is not "eager", since SDPA and
     # flash return no probabilities. The patched attention returns them for every layer, scored or not.
@@ -139,6 +144,12 @@ class _PatchedConfigMixin:
         return _rebuild_patched_config, (self._base_config_class, self.__dict__.copy())
 
 
+define_implementation_descriptor(
+    _PatchedConfigMixin,
+    property(_PatchedConfigMixin._read_implementation, _PatchedConfigMixin._write_implementation),
+)
+
+
 def _rebuild_patched_config(base_class: type[PretrainedConfig], state: dict[str, Any]) -> PretrainedConfig:
     config = base_class.__new__(base_class)
     config.__dict__.update(state)
@@ -146,8 +157,9 @@ def _rebuild_patched_config(base_class: type[PretrainedConfig], state: dict[str,
     return config
 
 
-# Called with (patched class, base class) for every patched config class made: hf_neural_attn/__init__.py registers
-# transformers' Auto-class mapping here, so this module need not know the loaders that sit above it.
+# Called with (patched class, base class) for every patched config class made: the integrations register the
+# attention function and transformers' Auto-class mapping here (hf_neural_attn.integrations.install), so this module
+# need not know the loaders that sit above it.
 _PATCHED_CLASS_CALLBACKS: list[Callable[[type[PretrainedConfig], type[PretrainedConfig]], None]] = []
 
 
@@ -159,6 +171,11 @@ def on_patched_class(callback: Callable[[type[PretrainedConfig], type[Pretrained
 
 
 _made_classes: list[type[PretrainedConfig]] = []
+
+
+def made_patched_classes() -> list[tuple[type[PretrainedConfig], type[PretrainedConfig]]]:
+    """(patched class, base class) of every patched config class made so far in this process."""
+    return [(patched_config_class(base_class), base_class) for base_class in _made_classes]
 
 
 @cache
@@ -181,8 +198,8 @@ def base_config_as_recorded(config: PretrainedConfig, memo: dict[int, Any] | Non
     runs the record's base (:attr:`PatchRecord.base_to_run`), as the loaders run it."""
     plain = base_config(config, memo)
     record = PatchRecord.of(config)
-    if plain.__dict__.get("_attn_implementation_internal") is None and record is not None and record.base_to_run:
-        plain.__dict__["_attn_implementation_internal"] = record.base_to_run
+    if saved_implementation(plain) is None and record is not None and record.base_to_run:
+        store_implementation(plain, record.base_to_run)
     return plain
 
 
@@ -207,7 +224,7 @@ def implementation_under_patch(config: PretrainedConfig) -> str:
     under the patch, as a patched config without a base does."""
     if is_patched_config(config):
         return config.base_attn_implementation
-    implementation = config._attn_implementation
+    implementation = attn_implementation_of(config)
     return implementation if implementation not in (None, ATTN_IMPLEMENTATION) else "eager"
 
 
@@ -224,8 +241,8 @@ def base_config(config: PretrainedConfig, memo: dict[int, Any] | None = None) ->
     which then maps each sub-config to its copy."""
     plain = copy.deepcopy(config, memo)
     make_unpatched(plain)
-    if plain.__dict__.get("_attn_implementation_internal") == ATTN_IMPLEMENTATION:
-        plain.__dict__["_attn_implementation_internal"] = None  # set by hand or read from a plain class load
+    if saved_implementation(plain) == ATTN_IMPLEMENTATION:
+        store_implementation(plain, None)  # set by hand or read from a plain class load
     if plain.__dict__.get("model_type") == PATCHED_MODEL_TYPE:
         del plain.__dict__["model_type"]  # read from a patched config.json by the plain class: its class's again
     return plain
@@ -266,12 +283,6 @@ class PatchedCheckpointConfig(PretrainedConfig):
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
         return config_from_saved_dict(config_dict, **kwargs)
-
-
-def register_checkpoint_config() -> None:
-    """Register ``model_type: "hf_neural_attn"`` with ``AutoConfig`` (``import hf_neural_attn`` does; the Auto model
-    classes are mapped per patched config class, as each is made: :func:`on_patched_class`)."""
-    AutoConfig.register(PATCHED_MODEL_TYPE, PatchedCheckpointConfig, exist_ok=True)
 
 
 @contextlib.contextmanager

@@ -38,7 +38,6 @@ from ._version import __version__
 from ._warnings import warn_user
 from .families import FAMILIES, ModelFamily, find_attention
 from .families.offload import offloaded_weights_loaded
-from .families.parallelism import forget_scorer_plan, shard_scorer, sharded_parameters_local, tensor_parallel_heads
 from .families.quantized import activation_dtype
 from .families.zero3 import (
     partition_like,
@@ -46,6 +45,8 @@ from .families.zero3 import (
     register_scorer_parameters,
     unregister_scorer_parameters,
 )
+from .integrations.internals import remove_forward_pre_hooks
+from .integrations.parallelism import forget_scorer_plan, shard_scorer, sharded_parameters_local, tensor_parallel_heads
 from .model_cards import checkpoint_tags
 from .ops import check_impl
 from .ops.dropout import check_probability
@@ -348,8 +349,8 @@ def patch_as_recorded(model: PreTrainedModel, config: PretrainedConfig) -> PreTr
     """Patch ``model``, just built from ``config`` (a patched model's, or a patched checkpoint's) or from a plain copy
     of it, as the record ``config`` carries says: the same scorer, options and layers, with freshly initialised
     scorers, as any model built from a config is freshly initialised. The one rule for a model built from a patched
-    config, whichever way it was built: ``AutoModel*.from_config(config)`` (:mod:`hf_neural_attn.loading.auto`) and
-    the model's own class, ``LlamaForCausalLM(config)`` (:mod:`hf_neural_attn.loading.plain_classes`).
+    config, whichever way it was built: ``AutoModel*.from_config(config)`` (:mod:`hf_neural_attn.integrations.auto_classes`) and
+    the model's own class, ``LlamaForCausalLM(config)`` (:mod:`hf_neural_attn.integrations.transformers_loading`).
 
     A model built from ``config`` itself shares it, and its modules run ``"hf_neural_attn"`` without scorers: it
     gets a plain copy of the config first, on the base implementation ``config`` runs (the record's where it names
@@ -417,8 +418,4 @@ def _add_query_extras(family: ModelFamily, module: nn.Module, args: tuple, kwarg
 
 
 def _remove_query_extras_hooks(module: nn.Module) -> None:
-    hooks = module._forward_pre_hooks
-    for hook_id, hook in list(hooks.items()):
-        if isinstance(hook, partial) and hook.func is _add_query_extras:
-            del hooks[hook_id]
-            module._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+    remove_forward_pre_hooks(module, lambda hook: isinstance(hook, partial) and hook.func is _add_query_extras)

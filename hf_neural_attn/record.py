@@ -45,7 +45,7 @@ FALLBACK_ATTR = "_hf_neural_attn_fallback"
 ADDED_MODULE_ATTR = "_hf_neural_attn_added"
 EXTRAS_KWARG = "hf_neural_attn_extras"  # per-query scorer inputs passed from the pre-hook to the attention function
 # On the classes the loaders build a patched checkpoint's base model with: transformers' from_pretrained, which sends
-# patched checkpoints to the loaders (hf_neural_attn.loading.plain_classes), lets them through.
+# patched checkpoints to the loaders (hf_neural_attn.integrations.transformers_loading), lets them through.
 BASE_LOAD_ATTR = "_hf_neural_attn_loads_base"
 # The parts of the names PEFT gives a wrapped module's tensors (ModulesToSaveWrapper, a tuner layer's base_layer): a
 # scorer tensor saved under one of them was saved while PEFT wrapped the scorer.

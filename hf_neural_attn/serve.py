@@ -5,7 +5,7 @@ Every flag is ``transformers serve``'s (``--continuous-batching``, ``--port``, `
 ``python -m hf_neural_attn.serve --help`` lists them): this module imports the library and hands the command line
 over, nothing else. With the library imported the checkpoint's config is the library's own class (no remote code to
 trust), and the class the server names from ``config.architectures`` loads the checkpoint patched
-(:mod:`hf_neural_attn.loading.plain_classes`). Plain ``transformers serve --trust-remote-code PATH`` serves it
+(:mod:`hf_neural_attn.integrations.transformers_loading`). Plain ``transformers serve --trust-remote-code PATH`` serves it
 patched as well: the checkpoint's loader file imports the library. See docs/serving.md.
 """
 

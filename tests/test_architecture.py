@@ -28,7 +28,11 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "hf_neural_attn._version",
             "hf_neural_attn._compat",
             "hf_neural_attn._warnings",
-            "hf_neural_attn._import_hooks",
+            # The integrations' mechanics: accessors of other libraries' private names, wrap_once, import hooks.
+            "hf_neural_attn.integrations.import_hooks",
+            "hf_neural_attn.integrations.internals",
+            "hf_neural_attn.integrations.wrapping",
+            "hf_neural_attn.integrations.attention_registry",
         ),
     ),
     ("fused-term contract", ("hf_neural_attn.ops.terms",)),
@@ -36,7 +40,11 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("hf_neural_attn.ops.triton", "hf_neural_attn.ops.triton.*")),
     ("compute", ("hf_neural_attn.ops", "hf_neural_attn.ops.*")),
     ("math", ("hf_neural_attn.scorers", "hf_neural_attn.scorers.*")),
-    ("model plumbing", ("hf_neural_attn.families", "hf_neural_attn.families.*")),
+    # Parallelism shards the scorers (tensor), gathers keys (context) and refuses Ulysses: beside the families.
+    (
+        "model plumbing",
+        ("hf_neural_attn.families", "hf_neural_attn.families.*", "hf_neural_attn.integrations.parallelism"),
+    ),
     ("record", ("hf_neural_attn.record",)),
     ("config", ("hf_neural_attn.model_cards", "hf_neural_attn.patched_config")),
     ("attention", ("hf_neural_attn.attention",)),
@@ -48,10 +56,11 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "hf_neural_attn.peft_utils",
             "hf_neural_attn.plotting",
             "hf_neural_attn.auto",
-            "hf_neural_attn.continuous_batching",
+            "hf_neural_attn.integrations.continuous_batching",
         ),
     ),
-    # What the library adds to libraries that load it from the outside (a vLLM plugin): it stands on the library.
+    # What the library installs in other libraries (the table, the wrappers) and what they load from the outside
+    # (a vLLM plugin): it stands on the library.
     ("integrations", ("hf_neural_attn.integrations", "hf_neural_attn.integrations.*")),
     ("package", ("hf_neural_attn",)),
     ("commands", ("hf_neural_attn.serve",)),
@@ -398,5 +407,222 @@ def test_no_recipe_module_outside_the_tasks_names_a_task():
         for name, path in MODULES.items()
         if name.startswith("recipes") and not name.startswith(("recipes.tasks", "recipes.metrics"))
         for line, text in string_constants_equal_to(path.read_text(), words)
+    ]
+    assert found == []
+
+
+# --- one room for what the library changes in other libraries ---------------------------------------------------
+
+ROOM = "hf_neural_attn.integrations"
+# The libraries the library extends or reads (the standard library is Python's, not "another library").
+OTHER_LIBRARIES = frozenset(
+    {
+        "accelerate",
+        "bitsandbytes",
+        "deepspeed",
+        "huggingface_hub",
+        "lm_eval",
+        "peft",
+        "safetensors",
+        "sentence_transformers",
+        "torch",
+        "torchao",
+        "transformers",
+        "triton",
+        "vllm",
+    }
+)
+# Python's public namedtuple API, whose names start with an underscore so as not to clash with field names.
+NAMEDTUPLE_API = frozenset({"_make", "_replace", "_asdict", "_fields", "_field_defaults"})
+# torch.nn.Module's ``_apply`` is the extension point torch itself overrides for ``.to()``/``to_empty()``; the scorer
+# base overrides it to draw its init once a meta model gets storage (scorers/base.py says why). The one exception.
+OVERRIDDEN_PRIVATE_METHODS = frozenset({("hf_neural_attn.scorers.base", "_apply")})
+
+
+def outside_room(name: str) -> bool:
+    return name.startswith("hf_neural_attn") and name != ROOM and not name.startswith(ROOM + ".")
+
+
+def other_library_names(tree: ast.AST) -> dict[str, str]:
+    """Local name -> what it was imported as, for every import of another library in ``tree``."""
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in OTHER_LIBRARIES:
+                    names[alias.asname or alias.name.split(".")[0]] = alias.name
+        elif (
+            isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in OTHER_LIBRARIES
+        ):
+            for alias in node.names:
+                names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return names
+
+
+def private_part(dotted: str) -> bool:
+    return any(part.startswith("_") and not part.startswith("__") for part in dotted.split("."))
+
+
+def library_defined_private_names() -> set[str]:
+    """Every underscore name the library defines outside the room: functions, classes, assigned names and
+    attributes, parameters, keys of dict literals (a class made with ``type()``). Accessing one of these is the
+    library reading its own names."""
+    defined = set()
+    for name, path in MODULES.items():
+        if not outside_room(name):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.arg):
+                defined.add(node.arg)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                defined.add(node.attr)
+            elif isinstance(node, ast.Dict):
+                defined.update(key.value for key in node.keys if isinstance(key, ast.Constant))
+    return {name for name in defined if isinstance(name, str) and name.startswith("_") and not name.startswith("__")}
+
+
+def room_private_names() -> set[str]:
+    """The private names of other libraries the room's accessors read: an underscore attribute or keyword in
+    ``integrations/internals.py``. These are other libraries' even where the library also defines one (the patched
+    config class's descriptor for transformers' implementation field)."""
+    tree = ast.parse(MODULES[f"{ROOM}.internals"].read_text())
+    found = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    found |= {node.arg for node in ast.walk(tree) if isinstance(node, ast.keyword) and node.arg}
+    found |= {value for _, value in code_strings(MODULES[f"{ROOM}.internals"].read_text())}
+    return {name for name in found if name.startswith("_") and not name.startswith("__")}
+
+
+def private_reads(name: str, source: str, ours: set[str], theirs: set[str]) -> list[str]:
+    """Where ``source`` (module ``name``) reads a private name of another library: an import of one, an underscore
+    attribute or keyword the library does not define (or one of ``theirs``), a string naming one of ``theirs``."""
+    tree = ast.parse(source)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [
+                f"{name}:{node.lineno} imports {alias.name}"
+                for alias in node.names
+                if alias.name.split(".")[0] in OTHER_LIBRARIES and private_part(alias.name)
+            ]
+        elif (
+            isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in OTHER_LIBRARIES
+        ):
+            found += [
+                f"{name}:{node.lineno} imports {node.module}.{alias.name}"
+                for alias in node.names
+                if private_part(f"{node.module}.{alias.name}")
+            ]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            standard_library = isinstance(node.value, ast.Name) and node.value.id in ("sys", "os", "inspect")
+            if (name, node.attr) in OVERRIDDEN_PRIVATE_METHODS or node.attr in NAMEDTUPLE_API or standard_library:
+                continue
+            if node.attr in theirs or node.attr not in ours:
+                found.append(f"{name}:{node.lineno} reads .{node.attr}")
+        elif isinstance(node, ast.keyword) and (node.arg or "").startswith("_"):
+            if node.arg in theirs or node.arg not in ours:  # noqa: SIM102 (the cases read as the docstring lists them)
+                found.append(f"{name}:{node.lineno} passes {node.arg}=")
+    for line, text in code_strings(source):
+        dotted_module = text.split(".")[0] in OTHER_LIBRARIES and private_part(text) and " " not in text
+        if text in theirs or dotted_module:
+            found.append(f"{name}:{line} names {text!r}")
+    return found
+
+
+def assignments_into_other_libraries(name: str, source: str) -> list[str]:
+    """Where ``source`` (module ``name``) changes another library: an attribute of an imported module or class
+    assigned or deleted, ``setattr``/``delattr`` on one, a ``register`` call on one (a registry of theirs), or an
+    import hook placed on ``sys.meta_path``."""
+    tree = ast.parse(source)
+    imported = other_library_names(tree)
+
+    def rooted_in_other_library(node: ast.AST) -> bool:
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+        return isinstance(node, ast.Name) and node.id in imported
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            if rooted_in_other_library(node.value):
+                found.append(f"{name}:{node.lineno} assigns {ast.unparse(node)}")
+            if ast.unparse(node.value) == "sys.meta_path":
+                found.append(f"{name}:{node.lineno} changes sys.meta_path")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+            if node.args and rooted_in_other_library(node.args[0]):
+                found.append(f"{name}:{node.lineno} calls {ast.unparse(node)[:80]}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr == "register" and rooted_in_other_library(node.func.value):
+                found.append(f"{name}:{node.lineno} registers in {ast.unparse(node.func.value)}")
+            if ast.unparse(node.func.value) == "sys.meta_path":
+                found.append(f"{name}:{node.lineno} changes sys.meta_path")
+    return found
+
+
+def test_the_room_scanners_find_what_they_look_for():
+    changes = """
+import sys
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.utils import hub as transformers_hub
+
+PreTrainedModel.save_pretrained = None
+setattr(transformers_hub, "create_and_tag_model_card", None)
+AttentionInterface.register("x", None)
+sys.meta_path.insert(0, None)
+own = object()
+own.value = 1
+"""
+    assert [line.split(" ", 1)[1] for line in assignments_into_other_libraries("m", changes)] == [
+        "assigns PreTrainedModel.save_pretrained",
+        "calls setattr(transformers_hub, 'create_and_tag_model_card', None)",
+        "registers in AttentionInterface",
+        "changes sys.meta_path",
+    ]
+    reads = """
+import torch._dynamo
+from transformers.utils.output_capturing import _active_collector
+x = config._attn_implementation
+y = model._own_name
+z = sys._getframe(1)
+cached_file(path, _raise_exceptions_for_missing_entries=False)
+w = vars(config).get("_tp_plan")
+m = "torch.distributed.tensor.experimental._context_parallel"
+"""
+    found = [line.split(" ", 1)[1] for line in private_reads("m", reads, ours={"_own_name"}, theirs={"_tp_plan"})]
+    assert found == [
+        "imports torch._dynamo",
+        "imports transformers.utils.output_capturing._active_collector",
+        "reads ._attn_implementation",
+        "passes _raise_exceptions_for_missing_entries=",
+        "names '_tp_plan'",
+        "names 'torch.distributed.tensor.experimental._context_parallel'",
+    ]
+
+
+def test_only_the_integrations_room_changes_other_libraries():
+    """What the library changes in transformers, torch, DeepSpeed, vLLM (wrapped methods, registrations, import hooks)
+    is done in ``hf_neural_attn/integrations/`` alone, and listed in its table (``integrations/install.py``)."""
+    found = [
+        change
+        for name, path in MODULES.items()
+        if outside_room(name)
+        for change in assignments_into_other_libraries(name, path.read_text())
+    ]
+    assert found == []
+
+
+def test_only_the_integrations_room_reads_private_names_of_other_libraries():
+    """transformers' and torch's underscore names are read behind the accessors of ``integrations/internals.py``: an
+    upgrade of those libraries is reviewed in one folder."""
+    ours, theirs = library_defined_private_names(), room_private_names()
+    assert {"_attn_implementation_internal", "_is_hf_initialized", "_tp_plan"} <= theirs
+    found = [
+        read
+        for name, path in MODULES.items()
+        if outside_room(name)
+        for read in private_reads(name, path.read_text(), ours - theirs, theirs)
     ]
     assert found == []

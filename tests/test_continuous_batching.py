@@ -3,7 +3,7 @@
 transformers' continuous batching (``generate_batch``, the manager behind ``transformers serve
 --continuous-batching``, ``generate(cache_implementation="paged")``) runs all requests of a step as one packed row
 with no mask. The scorers must see each request's own keys only (hf_neural_attn.ops.packed), and the manager must
-keep them (hf_neural_attn.continuous_batching). Compared here: tokens exactly, and the log-probabilities of the chosen
+keep them (hf_neural_attn.integrations.continuous_batching). Compared here: tokens exactly, and the log-probabilities of the chosen
 tokens against ``generate``'s scores to 1e-4 (float32; the packed path and ``generate`` run the same math on other
 shapes).
 """
@@ -16,7 +16,7 @@ from helpers import FUSED_SCORERS, perturb_scorers, tiny_gpt2, tiny_llama, tiny_
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import hf_neural_attn
-from hf_neural_attn.continuous_batching import continuous_batching_unsupported_reason
+from hf_neural_attn.integrations.continuous_batching import continuous_batching_unsupported_reason
 
 UNSUPPORTED = continuous_batching_unsupported_reason()
 needs_packed_keys = pytest.mark.skipif(UNSUPPORTED is not None, reason=UNSUPPORTED or "")

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .._import_hooks import constant_when_compiled
 from ..scorers import AttentionGeometry
 from .quantized import dense_weight
 
@@ -115,10 +114,6 @@ def forward_parameters(module_class: type[nn.Module]) -> tuple[str, ...]:
         return tuple(name for name in inspect.signature(module_class.forward).parameters if name != "self")
     except (TypeError, ValueError):
         return ()
-
-
-# Inside a torch.compile'd model the signature lookup is a constant of the class.
-constant_when_compiled(__name__, "forward_parameters")
 
 
 def rotation(module: nn.Module, cos: torch.Tensor, sin: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.pytorch_utils import Conv1D
 
+from ..integrations.internals import gpt2_reordered_attention
 from ..scorers import AttentionGeometry
 from .base import ModelFamily, query_weight_std
 from .quantized import dense_weight
@@ -23,7 +24,7 @@ class GPT2Family(ModelFamily):
     def original_attention(self, module, implementation, query, key, value, attention_mask, scaling, dropout, **kwargs):
         # GPT-2's eager path has a variant of its own: q.k in fp32 with the scale folded in.
         if implementation == "eager" and module.reorder_and_upcast_attn:
-            return module._upcast_and_reordered_attn(query, key, value, attention_mask)
+            return gpt2_reordered_attention(module)(query, key, value, attention_mask)
         return super().original_attention(
             module, implementation, query, key, value, attention_mask, scaling, dropout, **kwargs
         )

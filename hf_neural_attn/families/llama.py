@@ -19,6 +19,7 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 
+from ..integrations.internals import attn_implementation_of, mark_initialized
 from .base import ModelFamily, call_argument, linear_query_geometry, query_weight_std, rotation
 
 KEY_DIM_ATTR = "key_dim"  # on a NarrowKeyLlamaAttention: the width of its queries and keys
@@ -65,7 +66,7 @@ class LlamaFamily(ModelFamily):
                     if new.bias is not None:
                         new.bias.zero_()
                 for parameter in new.parameters():
-                    parameter._is_hf_initialized = True
+                    mark_initialized(parameter)
             projections[name] = new
         return projections
 
@@ -125,7 +126,7 @@ class NarrowKeyLlamaAttention(LlamaAttention):
 
         # A patched model runs attn_implementation "hf_neural_attn": this is its scoring path.
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
+            attn_implementation_of(self.config), eager_attention_forward
         )
         attn_output, attn_weights = attention_interface(
             self,

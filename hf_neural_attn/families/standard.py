@@ -39,8 +39,10 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, PretrainedConfig
+from transformers import PretrainedConfig
 
+from ..integrations.attention_registry import register_attention
+from ..integrations.internals import DISPATCH_ATTRIBUTE, store_implementation
 from ..scorers import AttentionGeometry
 from .base import ModelFamily, call_argument, forward_parameters, query_weight_std, rotation
 from .quantized import dense_weight
@@ -273,7 +275,7 @@ def _reads_attention_registry(module_class: type[nn.Module]) -> bool:
         source = inspect.getsource(module_class.forward)
     except (OSError, TypeError):
         return False
-    return "ALL_ATTENTION_FUNCTIONS" in source and "_attn_implementation" in source
+    return "ALL_ATTENTION_FUNCTIONS" in source and DISPATCH_ATTRIBUTE in source
 
 
 class _Recording:
@@ -290,9 +292,6 @@ def _probe_attention(module, query, key, value, attention_mask, scaling=None, dr
     return torch.zeros_like(query).transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(PROBE_IMPLEMENTATION, _probe_attention)
-
-
 def _record_call(module: nn.Module, hidden: torch.Tensor, position_embeddings: tuple, label: str) -> dict:
     """Call ``module`` on ``hidden`` with the probe as its attention function; the one call it made."""
     config, was_training = module.config, module.training
@@ -302,7 +301,8 @@ def _record_call(module: nn.Module, hidden: torch.Tensor, position_embeddings: t
     # not the property: the property's setter would also rewrite every sub-config.
     probe_config = copy.copy(config)
     probe_config.__class__ = getattr(config, "_base_config_class", type(config))
-    probe_config._attn_implementation_internal = PROBE_IMPLEMENTATION
+    store_implementation(probe_config, PROBE_IMPLEMENTATION)
+    register_attention(PROBE_IMPLEMENTATION, _probe_attention)  # registered on first use: importing changes nothing
     _Recording.calls = []
     try:
         module.config = probe_config

@@ -7,7 +7,8 @@
   runs, with the one check that the base model fits the record;
 * :mod:`.full` and :mod:`.adapters`: full checkpoints (``save_pretrained``) and adapter-only ones
   (``save_adapter``); :mod:`.peft_adapters`: PEFT adapters over a patched checkpoint;
-* :mod:`.dispatch`: ``from_pretrained``, which tells the kinds apart and hands each to its loader;
-* :mod:`.auto` and :mod:`.plain_classes`: transformers' Auto classes, and its model classes' own
-  ``from_pretrained``, load patched checkpoints patched.
+* :mod:`.dispatch`: ``from_pretrained``, which tells the kinds apart and hands each to its loader.
+
+transformers' own entry points (the Auto classes, a model class's ``from_pretrained``) reach these loaders through the
+integrations: :mod:`hf_neural_attn.integrations.auto_classes` and :mod:`hf_neural_attn.integrations.transformers_loading`.
 """

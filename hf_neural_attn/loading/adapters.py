@@ -36,7 +36,8 @@ from transformers.utils import cached_file
 
 from .._version import __version__
 from .._warnings import warn_user
-from ..families.parallelism import one_writer, whole_tensor
+from ..integrations.internals import hub_file_or_none
+from ..integrations.parallelism import one_writer, whole_tensor
 from ..model_cards import CARD_NAME, adapter_card
 from ..patched_config import base_config
 from ..record import (
@@ -167,13 +168,8 @@ def find_adapter_config(path_or_repo_id: str | os.PathLike, hf_kwargs: dict[str,
     loading reports an unreachable or unknown repo in transformers' own words."""
     lookup = {key: hf_kwargs[key] for key in FILE_KWARGS if key in hf_kwargs}
     try:
-        return cached_file(
-            path_or_repo_id,
-            ADAPTER_CONFIG_NAME,
-            **lookup,
-            _raise_exceptions_for_missing_entries=False,
-            _raise_exceptions_for_connection_errors=False,
-            _raise_exceptions_for_gated_repo=False,
+        return hub_file_or_none(
+            path_or_repo_id, ADAPTER_CONFIG_NAME, raise_connection_errors=False, raise_gated_errors=False, **lookup
         )
     except OSError:
         return None

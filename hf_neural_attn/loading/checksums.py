@@ -11,8 +11,8 @@ from contextlib import contextmanager
 import torch
 
 from ..families.offload import offloaded_weights_loaded
-from ..families.parallelism import whole_tensor
 from ..families.quantized import is_quantized
+from ..integrations.parallelism import whole_tensor
 from ..record import scorer_parameters
 
 # At most this many elements of each base tensor go into its checksum (evenly strided): training moves every

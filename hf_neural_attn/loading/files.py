@@ -10,7 +10,6 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -18,8 +17,10 @@ import transformers
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
-from transformers.utils import CONFIG_NAME, cached_file
+from transformers.utils import CONFIG_NAME
 
+from ..integrations.internals import hub_file_or_none, with_reversible_conversions_only
+from ..patched_config import PatchedCheckpointConfig
 from ..record import PATCHED_MODEL_TYPE, carries_record
 
 # Keyword arguments that locate files (on disk or on the Hub); shared by the config, weights and our reads.
@@ -59,7 +60,11 @@ def load_config(path_or_repo_id: str, hf_kwargs: dict[str, Any]) -> tuple[Any, d
         return config, hf_kwargs
     loading, overrides = split_config_overrides(hf_kwargs)
     lookup = {key: loading[key] for key in (*FILE_KWARGS, "trust_remote_code") if key in loading}
-    config, unused = AutoConfig.from_pretrained(path_or_repo_id, return_unused_kwargs=True, **lookup, **overrides)
+    # A patched checkpoint's config.json is read by the library's config class itself, not through AutoConfig's
+    # registry: loading works with the integrations switched off (hf_neural_attn.integrations.install).
+    saved = saved_config_dict(path_or_repo_id, lookup)
+    reader = PatchedCheckpointConfig if (saved or {}).get("model_type") == PATCHED_MODEL_TYPE else AutoConfig
+    config, unused = reader.from_pretrained(path_or_repo_id, return_unused_kwargs=True, **lookup, **overrides)
     return config, {**loading, **unused}
 
 
@@ -80,10 +85,7 @@ def saved_config_dict(
     else:
         lookup = {key: hf_kwargs[key] for key in FILE_KWARGS if key in hf_kwargs}
         try:
-            path = cached_file(
-                os.fspath(source), CONFIG_NAME, _raise_exceptions_for_missing_entries=False,
-                _raise_exceptions_for_connection_errors=not quiet, **lookup,
-            )  # fmt: skip
+            path = hub_file_or_none(os.fspath(source), CONFIG_NAME, raise_connection_errors=not quiet, **lookup)
         except (OSError, ValueError):  # a malformed repo id, a gated repo, no connection
             if not quiet:
                 raise
@@ -220,15 +222,7 @@ def _saved_names(model, parameters: dict[str, torch.Tensor]) -> dict[str, torch.
     try:
         return revert_weight_conversion(model, parameters)
     except NotImplementedError:
-        reversible = []
-        for conversion in getattr(model, "_weight_conversions", None) or []:
-            try:
-                conversion.reverse_transform()
-            except NotImplementedError:
-                continue
-            reversible.append(conversion)
-        stand_in = SimpleNamespace(_weight_conversions=reversible, config=model.config)
-        return revert_weight_conversion(stand_in, parameters)
+        return revert_weight_conversion(with_reversible_conversions_only(model), parameters)
 
 
 def read_tensors(
@@ -236,8 +230,7 @@ def read_tensors(
 ) -> dict[str, torch.Tensor]:
     """Read those of ``names`` present in the checkpoint's safetensors file(s), single or sharded, and every tensor
     whose name ``also`` accepts."""
-    lookup = {**file_kwargs, "_raise_exceptions_for_missing_entries": False}
-    index_file = cached_file(source, WEIGHTS_INDEX_NAME, **lookup)
+    index_file = hub_file_or_none(source, WEIGHTS_INDEX_NAME, **file_kwargs)
     if index_file is not None:
         with open(index_file) as handle:
             weight_map = json.load(handle)["weight_map"]
@@ -246,7 +239,7 @@ def read_tensors(
         files = [WEIGHTS_NAME]
     tensors: dict[str, torch.Tensor] = {}
     for filename in files:
-        local = cached_file(source, filename, **lookup)
+        local = hub_file_or_none(source, filename, **file_kwargs)
         if local is None:
             raise ValueError(f"{source} has no {filename}; patched checkpoints are saved as safetensors.")
         with safe_open(local, framework="pt") as weights:

@@ -14,8 +14,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from transformers.utils import cached_file
-
+from ..integrations.internals import hub_file_or_none
 from .files import FILE_KWARGS, is_patched_config_dict, saved_config_dict
 
 PEFT_CONFIG_NAME = "adapter_config.json"  # PEFT's name for its adapter config
@@ -26,13 +25,7 @@ def peft_adapter_base(path_or_repo_id: str, hf_kwargs: dict[str, Any]) -> str | 
     and no model of its own (no config.json: transformers then loads the named base, and so do we); else None."""
     lookup = {key: hf_kwargs[key] for key in FILE_KWARGS if key in hf_kwargs}
     found = {
-        name: cached_file(
-            path_or_repo_id,
-            name,
-            **lookup,
-            _raise_exceptions_for_missing_entries=False,
-            _raise_exceptions_for_connection_errors=False,
-        )
+        name: hub_file_or_none(path_or_repo_id, name, raise_connection_errors=False, **lookup)
         for name in (PEFT_CONFIG_NAME, "config.json")
     }
     if found[PEFT_CONFIG_NAME] is None or found["config.json"] is not None:

@@ -18,8 +18,9 @@ import torch
 from .._version import __version__
 from .._warnings import warn_user
 from ..families import find_attention
-from ..families.parallelism import copy_whole_tensor
 from ..families.zero3 import full_shape, partitioned_weights_gathered
+from ..integrations.internals import pop_adapter_model_path, saved_implementation
+from ..integrations.parallelism import copy_whole_tensor
 from ..patching import patch_model
 from ..record import BASE_LOAD_ATTR, PEFT_WRAPPER_PARTS, SCORER_ATTR, PatchRecord, scorer_parameters
 from ..scorers import ScorerConfig
@@ -162,11 +163,11 @@ def load_patched_model(
     # before the patch exists, and drop the scorer copies it holds. It goes on once the model is patched.
     adapter_name = loading_kwargs.pop("adapter_name", "default")
     adapter_kwargs = dict(loading_kwargs.pop("adapter_kwargs", None) or {})
-    adapter_path = adapter_kwargs.pop("_adapter_model_path", None)
+    adapter_path = pop_adapter_model_path(adapter_kwargs)
     # Unpatched layers (and unpatch_model) should run what the saved model ran, unless told otherwise: by the keyword,
     # or by a config= that names one (the Auto classes hand the keyword to AutoConfig, which sets it on the config).
-    told = "attn_implementation" in loading_kwargs or config.__dict__.get("_attn_implementation_internal") is not None
-    asked = loading_kwargs.get("attn_implementation", config.__dict__.get("_attn_implementation_internal"))
+    told = "attn_implementation" in loading_kwargs or saved_implementation(config) is not None
+    asked = loading_kwargs.get("attn_implementation", saved_implementation(config))
     if asked is not None and not isinstance(asked, str):  # transformers' own check fails on it with an AttributeError
         raise TypeError(
             f"attn_implementation must name an attention implementation ('eager', 'sdpa', ...), got {asked!r}."

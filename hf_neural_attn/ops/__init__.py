@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from .._import_hooks import constant_when_compiled
 from .blockwise import blockwise_attention, blockwise_unsupported_reason
 from .choices import IMPL_OPTIONS as IMPL_OPTIONS  # the values of the impl option, re-exported
 from .chunked import chunked_attention
@@ -194,11 +193,6 @@ PATHS = {
     "blockwise": blockwise_path,
     "triton": triton_path,
 }
-
-
-# Whether triton imports, asked on every call that may take the kernels: a constant inside a torch.compile'd model.
-# (Set up here: ops/triton imports nothing above the ops folder, which loads on its own.)
-constant_when_compiled(f"{__name__}.triton", "triton_available")
 
 
 def scored_attention(

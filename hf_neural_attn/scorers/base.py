@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..integrations.internals import mark_initialized
 from ..ops.choices import DEFAULT_IMPL, IMPL_OPTIONS
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -298,7 +299,7 @@ class Scorer(nn.Module):
             return
         self.reset_parameters()
         for parameter in self.parameters():
-            parameter._is_hf_initialized = True
+            mark_initialized(parameter)
 
     def _apply(self, fn, recurse=True):
         # model.to_empty(device=...) (like .to, .cuda, .half) goes through _apply. When it gives meta parameters

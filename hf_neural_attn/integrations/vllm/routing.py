@@ -16,6 +16,7 @@ from vllm import ModelRegistry
 from vllm.config import ModelConfig
 
 from ...patched_config import is_patched_config
+from ..wrapping import wrap_once
 from .checks import check_parallelism
 
 ARCHITECTURE = "HfNeuralAttnForCausalLM"  # the name the model class is registered under in vLLM's ModelRegistry
@@ -27,28 +28,26 @@ _SERVED_BACKEND_CLASS = "TransformersForCausalLM"
 def install() -> None:
     """Register the model class and make vLLM's model config resolve patched configs to it (once per process)."""
     ModelRegistry.register_model(ARCHITECTURE, _MODEL_CLASS)
-    if getattr(ModelConfig.get_model_arch_config, "_hf_neural_attn", False):
-        return
-    ModelConfig.get_model_arch_config = _wrapped(ModelConfig.get_model_arch_config, _before_arch_config)
-    ModelConfig._get_transformers_backend_cls = _wrapped(
-        ModelConfig._get_transformers_backend_cls, None, _backend_class_for_patched
-    )
-    ModelConfig.verify_with_parallel_config = _wrapped(ModelConfig.verify_with_parallel_config, _parallelism)
+    wrap_once(ModelConfig, "get_model_arch_config", _around(before=_before_arch_config))
+    wrap_once(ModelConfig, "_get_transformers_backend_cls", _around(after=_backend_class_for_patched))
+    wrap_once(ModelConfig, "verify_with_parallel_config", _around(before=_parallelism))
 
 
-def _wrapped(method, before=None, after=None):
-    """``method`` of ModelConfig, with ``before(config, *arguments)`` and ``result = after(config, result)`` around
-    it."""
+def _around(before=None, after=None):
+    """What makes a wrapper of a ModelConfig method, with ``before(config, *arguments)`` and
+    ``result = after(config, result)`` around it."""
 
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        if before is not None:
-            before(self, *args, **kwargs)
-        result = method(self, *args, **kwargs)
-        return after(self, result) if after is not None else result
+    def make_wrapper(method):
+        @functools.wraps(method)
+        def wrapper(self, *args, **kwargs):
+            if before is not None:
+                before(self, *args, **kwargs)
+            result = method(self, *args, **kwargs)
+            return after(self, result) if after is not None else result
 
-    wrapper._hf_neural_attn = True
-    return wrapper
+        return wrapper
+
+    return make_wrapper
 
 
 def _before_arch_config(model_config: ModelConfig) -> None:

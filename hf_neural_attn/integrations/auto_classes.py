@@ -13,7 +13,8 @@ serves its base class, mapped to a small loader class:
   patched as recorded (freshly initialised scorers, like any ``from_config``).
 
 This is the same route transformers offers any library with its own model types (``AutoConfig.register`` and
-``AutoModel*.register``). ``hf_neural_attn/__init__.py`` hands :func:`register_patched_config` to
+``AutoModel*.register``). :mod:`hf_neural_attn.integrations.install` registers the checkpoint type with
+``AutoConfig`` and hands :func:`register_patched_config` to
 :func:`hf_neural_attn.patched_config.on_patched_class`, so each patched config class is mapped as it is made.
 """
 
@@ -24,26 +25,16 @@ from functools import cache
 
 from transformers import PretrainedConfig
 from transformers.models.auto import modeling_auto
-from transformers.models.auto.auto_factory import _BaseAutoModelClass
 from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING
 from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
+from ..loading.dispatch import from_pretrained
 from ..patched_config import base_config, base_config_as_recorded
 from ..patching import patch_as_recorded, recorded_patch
-from .dispatch import from_pretrained
-
-
-def _auto_model_classes() -> list[type[_BaseAutoModelClass]]:
-    return [
-        value
-        for value in vars(modeling_auto).values()
-        if isinstance(value, type)
-        and issubclass(value, _BaseAutoModelClass)
-        and getattr(value, "_model_mapping", None) is not None
-    ]
-
+from .internals import auto_model_classes, auto_model_mapping
+from .wrapping import register
 
 # Where transformers maps a config class to what goes with the model (AutoTokenizer, AutoImageProcessor,
 # AutoFeatureExtractor, AutoProcessor): a patched folder's files resolve to the classes its base's would.
@@ -53,9 +44,9 @@ _PREPROCESSOR_MAPPINGS = (TOKENIZER_MAPPING, IMAGE_PROCESSOR_MAPPING, FEATURE_EX
 def register_patched_config(patched_class: type[PretrainedConfig], base_class: type[PretrainedConfig]) -> None:
     """Map ``patched_class`` to a loader in every Auto model class that builds ``base_class``, and to
     ``base_class``'s tokenizer, image processor, feature extractor and processor classes."""
-    for auto_class in _auto_model_classes():
-        if base_class in auto_class._model_mapping:
-            auto_class._model_mapping.register(patched_class, _loader_for(auto_class), exist_ok=True)
+    for auto_class in auto_model_classes(modeling_auto):
+        if base_class in auto_model_mapping(auto_class):
+            register(auto_model_mapping(auto_class), patched_class, _loader_for(auto_class))
     for mapping in _PREPROCESSOR_MAPPINGS:
         if base_class not in mapping:
             continue
@@ -63,12 +54,12 @@ def register_patched_config(patched_class: type[PretrainedConfig], base_class: t
             classes = mapping[base_class]
         except (ImportError, AttributeError):  # its dependency is missing: the base's Auto class fails the same way
             continue
-        mapping.register(patched_class, classes, exist_ok=True)
+        register(mapping, patched_class, classes)
 
 
-def _base_model_class(auto_class: type[_BaseAutoModelClass], config: PretrainedConfig):
+def _base_model_class(auto_class: type, config: PretrainedConfig):
     """The transformers class ``auto_class`` builds for the unpatched ``config``."""
-    candidates = auto_class._model_mapping[type(config)]
+    candidates = auto_model_mapping(auto_class)[type(config)]
     if not isinstance(candidates, (list, tuple)):
         return candidates
     by_name = {candidate.__name__: candidate for candidate in candidates}
@@ -79,7 +70,7 @@ def _base_model_class(auto_class: type[_BaseAutoModelClass], config: PretrainedC
 
 
 @cache
-def _loader_for(auto_class: type[_BaseAutoModelClass]) -> type:
+def _loader_for(auto_class: type) -> type:
     """The class ``auto_class`` maps patched configs to: it builds the base class ``auto_class`` would build."""
 
     class PatchedModelLoader:

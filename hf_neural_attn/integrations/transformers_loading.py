@@ -8,7 +8,7 @@ one the file asks for. On a patched checkpoint that would be the base model, its
 ``config.architectures`` that way, with its own ``attn_implementation``).
 
 Once the library is imported, :func:`install` (run as soon as transformers' modeling stack is imported as well, see
-:mod:`hf_neural_attn._import_hooks`) wraps transformers' ``PreTrainedModel.from_pretrained``: a call whose source
+:mod:`hf_neural_attn.integrations.import_hooks`) wraps transformers' ``PreTrainedModel.from_pretrained``: a call whose source
 is a patched checkpoint (its config.json, or the ``config=`` passed in, carries the patch record) is served by
 :func:`hf_neural_attn.from_pretrained` with the class asked for and every keyword as given (``attn_implementation``,
 ``config``, ``device_map``, ``dtype``, ...), so it returns the patched model, of that class. Any other call runs
@@ -37,28 +37,17 @@ from typing import Any
 
 from transformers import PretrainedConfig, PreTrainedModel
 
+from ..loading.files import is_patched_config_dict, saved_config_dict
 from ..record import BASE_LOAD_ATTR, PEFT_WRAPPER_PARTS, SCORER_ATTR, carries_record, is_patched
-from .files import is_patched_config_dict, saved_config_dict
-
-_WRAPPED_ATTR = "_hf_neural_attn_wrapped"  # on the functions install() put in place, so a second install does nothing
+from .wrapping import wrap_once
 
 
 def install() -> None:
     """Wrap ``PreTrainedModel.from_pretrained``, ``save_pretrained`` and ``post_init`` (once; see the module
     docstring)."""
-    wraps = (
-        ("from_pretrained", _routing_from_pretrained),
-        ("save_pretrained", _checked_save_pretrained),
-        ("post_init", _patching_post_init),
-    )
-    for name, wrap in wraps:
-        current = PreTrainedModel.__dict__[name]
-        function = current.__func__ if isinstance(current, classmethod) else current
-        if getattr(function, _WRAPPED_ATTR, False):
-            continue
-        wrapper = wrap(function)
-        setattr(wrapper, _WRAPPED_ATTR, True)
-        setattr(PreTrainedModel, name, classmethod(wrapper) if isinstance(current, classmethod) else wrapper)
+    wrap_once(PreTrainedModel, "from_pretrained", _routing_from_pretrained)
+    wrap_once(PreTrainedModel, "save_pretrained", _checked_save_pretrained)
+    wrap_once(PreTrainedModel, "post_init", _patching_post_init)
 
 
 def _routing_from_pretrained(original):
@@ -73,7 +62,7 @@ def _routing_from_pretrained(original):
             )
         # Imported here: install() runs while transformers' modeling stack finishes importing, which may be in the
         # middle of one of the library's own imports, so this module imports no loader at its top.
-        from .dispatch import from_pretrained as load_patched
+        from ..loading.dispatch import from_pretrained as load_patched
 
         return load_patched(pretrained_model_name_or_path, model_class=cls, **kwargs)
 

@@ -21,9 +21,8 @@ import inspect
 
 import transformers
 
-from .patched_config import is_patched_config
-
-_WRAPPED_ATTR = "_hf_neural_attn_wrapped"
+from ..patched_config import is_patched_config
+from .wrapping import wrap_once
 
 
 def continuous_batching_unsupported_reason() -> str | None:
@@ -50,11 +49,10 @@ def continuous_batching_unsupported_reason() -> str | None:
 def install(continuous_api) -> None:
     """Wrap ``ContinuousBatchingManager.switch_to_cb_friendly_attn`` (once) in the module ``continuous_api``
     (``transformers.generation.continuous_batching.continuous_api``), as the module docstring says."""
-    manager_class = continuous_api.ContinuousBatchingManager
-    original = manager_class.switch_to_cb_friendly_attn
-    if getattr(original, _WRAPPED_ATTR, False):
-        return
+    wrap_once(continuous_api.ContinuousBatchingManager, "switch_to_cb_friendly_attn", _keep_patched_models)
 
+
+def _keep_patched_models(original):
     @functools.wraps(original)
     def switch_to_cb_friendly_attn(manager, model, *args, **kwargs):
         if not is_patched_config(getattr(model, "config", None)):
@@ -65,5 +63,4 @@ def install(continuous_api) -> None:
         # Nothing to switch: the attention function takes packed calls itself, so nothing to restore at stop either.
         return None
 
-    setattr(switch_to_cb_friendly_attn, _WRAPPED_ATTR, True)
-    manager_class.switch_to_cb_friendly_attn = switch_to_cb_friendly_attn
+    return switch_to_cb_friendly_attn

@@ -50,6 +50,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..scorers import HeadLayout, Scorer
+from .internals import (
+    attn_implementation_of,
+    mark_initialized,
+    set_tensor_parallel_plan,
+    tensor_parallel_plan,
+)
+from .wrapping import wrap_once
 
 # The parallel styles the library registers in transformers' registry (ALL_PARALLEL_STYLES), by name.
 PER_HEAD_STYLE = "hf_neural_attn_per_head"
@@ -59,7 +66,7 @@ COLWISE = "colwise"
 HEAD_SHARDING_STYLES = frozenset({COLWISE, "rowwise"})  # q/k/v colwise and o rowwise: each process its heads
 WHOLE_HEAD_STYLES = frozenset({"colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep"})
 SHARDS_ATTR = "_hf_neural_attn_shards"  # on a sharded scorer: its ScorerShards
-_TP_HELP = "docs/api.md (\"Tensor, context and sequence parallelism\")"
+_TP_HELP = 'docs/api.md ("Tensor, context and sequence parallelism")'
 
 
 def _dtensor_class() -> type | None:
@@ -130,7 +137,7 @@ def tensor_parallel_heads(model: nn.Module, module: nn.Module, scorer: Scorer) -
     if not sharded:
         return None
     module_name = next(name for name, candidate in model.named_modules() if candidate is module)
-    plan = dict(getattr(model, "_tp_plan", None) or {})
+    plan = tensor_parallel_plan(model)
     styles = {name: plan_style(plan, f"{module_name}.{name}") for name in sharded}
     if set(styles.values()) <= WHOLE_HEAD_STYLES:
         return None  # every projection's output is whole on every process: so are the heads, and the scorer
@@ -204,17 +211,19 @@ def shard_scorer(
     tensor_parallel.apply_tensor_parallelism(model, shards.mesh, plan)
     for part in (scorer, *projections.values()):
         for parameter in part.parameters():
-            parameter._is_hf_initialized = True  # transformers' init_weights must not redraw them
+            mark_initialized(parameter)  # transformers' init_weights must not redraw them
     setattr(scorer, SHARDS_ATTR, ScorerShards(shards.mesh, tuple(local), tuple(shared)))
     entries = {wildcard(name): style for name, style in plan.items()}
-    model._tp_plan = {**(getattr(model, "_tp_plan", None) or {}), **entries}
+    set_tensor_parallel_plan(model, {**tensor_parallel_plan(model), **entries})
 
 
 def forget_scorer_plan(model: nn.Module, scorer_attr: str) -> None:
     """Take the scorers' entries (``...<scorer_attr>...``) out of the model's ``tp_plan`` (``unpatch_model``)."""
-    plan = getattr(model, "_tp_plan", None)
+    plan = tensor_parallel_plan(model)
     if plan:
-        model._tp_plan = {name: style for name, style in plan.items() if f".{scorer_attr}." not in f"{name}."}
+        set_tensor_parallel_plan(
+            model, {name: style for name, style in plan.items() if f".{scorer_attr}." not in f"{name}."}
+        )
 
 
 def _per_head_linears(scorer: Scorer, layout: dict[str, HeadLayout]) -> list[str]:
@@ -362,7 +371,7 @@ def _register_styles(tensor_parallel: ModuleType) -> None:
 
     class SharedParallel(tensor_parallel.TensorParallelLayer):
         """A scorer parameter every head shares: whole on every process; hf_neural_attn sums its gradient over the
-        processes where the scorer reads it (``families.parallelism.sharded_parameters_local``)."""
+        processes where the scorer reads it (``integrations.parallelism.sharded_parameters_local``)."""
 
     styles.register(PER_HEAD_STYLE, PerHeadParallel())
     styles.register(SHARED_STYLE, SharedParallel())
@@ -372,7 +381,7 @@ def _register_styles(tensor_parallel: ModuleType) -> None:
 # Context parallelism
 
 _CONTEXT_PARALLEL = "torch.distributed.tensor.experimental._context_parallel._attention"
-_CP_HELP = "docs/api.md (\"Tensor, context and sequence parallelism\")"
+_CP_HELP = 'docs/api.md ("Tensor, context and sequence parallelism")'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -577,7 +586,6 @@ class _GatherSequence(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------------------------
 # Sequence parallelism
 
-ULYSSES = "deepspeed.runtime.sequence_parallel.ulysses_sp"
 _ULYSSES_STATE = "deepspeed.runtime.sequence_parallel.parallel_state_sp"
 _SP_REFUSAL = (
     "hf_neural_attn does not support DeepSpeed's Ulysses sequence parallelism (accelerate's sp_size): Ulysses trades "
@@ -593,22 +601,23 @@ def refuse_ulysses(ulysses: ModuleType, *, attn_implementation: str) -> None:
     that it refuses a patched model (one whose config runs ``attn_implementation``), or that implementation named as
     the core, with the library's words, before it sets anything up."""
     hub = getattr(ulysses, "UlyssesSPAttentionHF", None)
-    registration = vars(hub).get("register_with_transformers") if hub is not None else None
-    if not isinstance(registration, classmethod):
+    if not isinstance(vars(hub).get("register_with_transformers") if hub is not None else None, classmethod):
         return  # another DeepSpeed layout: the check at the first scored call still refuses
-    original = registration.__func__
 
-    @functools.wraps(original)
-    def register_with_transformers(
-        cls, model_name_or_path, core_attn_implementation, sequence_parallel_size, *args, **kwargs
-    ):
-        config = getattr(model_name_or_path, "config", None)
-        patched = getattr(config, "_attn_implementation", None) == attn_implementation
-        if sequence_parallel_size != 1 and (patched or core_attn_implementation == attn_implementation):
-            raise ValueError(_SP_REFUSAL)
-        return original(cls, model_name_or_path, core_attn_implementation, sequence_parallel_size, *args, **kwargs)
+    def refusing(original):
+        @functools.wraps(original)
+        def register_with_transformers(
+            cls, model_name_or_path, core_attn_implementation, sequence_parallel_size, *args, **kwargs
+        ):
+            config = getattr(model_name_or_path, "config", None)
+            patched = config is not None and attn_implementation_of(config) == attn_implementation
+            if sequence_parallel_size != 1 and (patched or core_attn_implementation == attn_implementation):
+                raise ValueError(_SP_REFUSAL)
+            return original(cls, model_name_or_path, core_attn_implementation, sequence_parallel_size, *args, **kwargs)
 
-    hub.register_with_transformers = classmethod(register_with_transformers)
+        return register_with_transformers
+
+    wrap_once(hub, "register_with_transformers", refusing)
 
 
 # Read once per trace under torch.compile: traced, the lookup in sys.modules would guard on its length, and every
