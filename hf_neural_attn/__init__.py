@@ -12,7 +12,7 @@ model = hf_neural_attn.from_pretrained("adapter")            # base model loaded
 LoraConfig(..., modules_to_save=hf_neural_attn.peft_modules_to_save(model))   # scorers trained beside LoRA
 
 Importing the library is cheap: what needs transformers' modeling stack (seconds to import) is imported on first use,
-and what the library sets up in it waits until something else imports it (hf_neural_attn.integrations.install).
+and what the library sets up in it waits until something else imports it (hf_neural_attn.integrations.installer).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ._version import __version__
 # Before anything touches transformers: below the floor the failures are hard to read, so say which release is needed.
 _compat.check_transformers_version()
 
-from .integrations import install as _integrations
+from .integrations import installer as _integrations
 from .record import PatchRecord, is_patched, patch_record, scorer_parameters
 from .scorers import (
     AdditiveConfig,
@@ -76,7 +76,7 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY_NAMES, *_SUBMODULES})
 
 
-# Every change the library makes to other libraries is a row of one table, hf_neural_attn.integrations.install
+# Every change the library makes to other libraries is a row of one table, hf_neural_attn.integrations.installer
 # (INTEGRATIONS): what it changes and when. Installing them is the one import side effect; HF_NEURAL_ATTN_NO_INTEGRATIONS=1
 # keeps only the attention function patched models call by name (see docs/api.md, "What the library changes in
 # other libraries").

@@ -158,7 +158,7 @@ def _rebuild_patched_config(base_class: type[PretrainedConfig], state: dict[str,
 
 
 # Called with (patched class, base class) for every patched config class made: the integrations register the
-# attention function and transformers' Auto-class mapping here (hf_neural_attn.integrations.install), so this module
+# attention function and transformers' Auto-class mapping here (hf_neural_attn.integrations.installer), so this module
 # need not know the loaders that sit above it.
 _PATCHED_CLASS_CALLBACKS: list[Callable[[type[PretrainedConfig], type[PretrainedConfig]], None]] = []
 

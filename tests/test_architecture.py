@@ -604,7 +604,7 @@ m = "torch.distributed.tensor.experimental._context_parallel"
 
 def test_only_the_integrations_room_changes_other_libraries():
     """What the library changes in transformers, torch, DeepSpeed, vLLM (wrapped methods, registrations, import hooks)
-    is done in ``hf_neural_attn/integrations/`` alone, and listed in its table (``integrations/install.py``)."""
+    is done in ``hf_neural_attn/integrations/`` alone, and listed in its table (``integrations/installer.py``)."""
     found = [
         change
         for name, path in MODULES.items()

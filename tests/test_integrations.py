@@ -21,7 +21,7 @@ from transformers.utils import hub
 import hf_neural_attn
 from hf_neural_attn import integrations
 from hf_neural_attn.integrations import wrapping
-from hf_neural_attn.integrations.install import AT_IMPORT, PER_PATCHED_CONFIG_CLASS
+from hf_neural_attn.integrations.installer import AT_IMPORT, PER_PATCHED_CONFIG_CLASS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,7 +129,7 @@ def test_uninstall_leaves_transformers_as_it_ships_and_the_explicit_api_working(
     reloaded = hf_neural_attn.from_pretrained(tmp_path).eval()
     assert hf_neural_attn.is_patched(reloaded)
     torch.testing.assert_close(logits(reloaded, inputs), expected, atol=1e-6, rtol=0)
-    with pytest.raises(ValueError, match="hf_neural_attn"):  # AutoConfig does not know the type without the library
+    with pytest.raises(ValueError, match="trust_remote_code"):  # as without the library: the type is custom code
         AutoConfig.from_pretrained(tmp_path)
 
     integrations.install()  # everything back, the patched classes made meanwhile mapped too
@@ -200,7 +200,7 @@ def test_the_environment_opt_out_installs_nothing_in_transformers():
 
 @pytest.mark.parametrize("value, opted_out", [("1", True), ("true", True), ("0", False), ("", False), ("no", False)])
 def test_the_opt_out_variable_reads_like_a_switch(monkeypatch, value, opted_out):
-    from hf_neural_attn.integrations.install import opted_out as reads_opted_out
+    from hf_neural_attn.integrations.installer import opted_out as reads_opted_out
 
     monkeypatch.setenv(integrations.OPT_OUT_VARIABLE, value)
     assert reads_opted_out() is opted_out

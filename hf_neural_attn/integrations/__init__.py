@@ -1,6 +1,6 @@
 """The one room for what hf_neural_attn changes in other libraries, and for every private name of theirs it reads.
 
-* :mod:`.install`: the table of what ``import hf_neural_attn`` installs (``INTEGRATIONS``), and the opt-out:
+* :mod:`.installer`: the table of what ``import hf_neural_attn`` installs (``INTEGRATIONS``), and the opt-out:
   ``HF_NEURAL_ATTN_NO_INTEGRATIONS=1`` before the import, or :func:`uninstall` after it (:func:`install` undoes it).
 * :mod:`.wrapping`: ``wrap_once`` and ``register``, the one way a method of another library is replaced or an entry
   added to its registry, each remembered so that it can be undone.
@@ -26,7 +26,7 @@ _FROM_INSTALL = ("INTEGRATIONS", "OPT_OUT_VARIABLE", "install", "installed", "un
 
 def __getattr__(name: str):
     if name in _FROM_INSTALL:
-        return getattr(importlib.import_module(f"{__name__}.install"), name)
+        return getattr(importlib.import_module(f"{__name__}.installer"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

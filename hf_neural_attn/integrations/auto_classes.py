@@ -13,7 +13,7 @@ serves its base class, mapped to a small loader class:
   patched as recorded (freshly initialised scorers, like any ``from_config``).
 
 This is the same route transformers offers any library with its own model types (``AutoConfig.register`` and
-``AutoModel*.register``). :mod:`hf_neural_attn.integrations.install` registers the checkpoint type with
+``AutoModel*.register``). :mod:`hf_neural_attn.integrations.installer` registers the checkpoint type with
 ``AutoConfig`` and hands :func:`register_patched_config` to
 :func:`hf_neural_attn.patched_config.on_patched_class`, so each patched config class is mapped as it is made.
 """

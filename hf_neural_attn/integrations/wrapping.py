@@ -91,7 +91,8 @@ def register(registry: Any, key: Any, value: Any) -> None:
     remembered so that :func:`undo_all` can take it out again."""
     with _lock:
         registry.register(key, value, exist_ok=True)
-        if (registry, key) not in _REGISTRATIONS:
+        # By identity: transformers' mappings are dicts, and two of them compare equal when their contents do.
+        if not any(known is registry and known_key == key for known, known_key in _REGISTRATIONS):
             _REGISTRATIONS.append((registry, key))
 
 

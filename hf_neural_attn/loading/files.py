@@ -61,7 +61,7 @@ def load_config(path_or_repo_id: str, hf_kwargs: dict[str, Any]) -> tuple[Any, d
     loading, overrides = split_config_overrides(hf_kwargs)
     lookup = {key: loading[key] for key in (*FILE_KWARGS, "trust_remote_code") if key in loading}
     # A patched checkpoint's config.json is read by the library's config class itself, not through AutoConfig's
-    # registry: loading works with the integrations switched off (hf_neural_attn.integrations.install).
+    # registry: loading works with the integrations switched off (hf_neural_attn.integrations.installer).
     saved = saved_config_dict(path_or_repo_id, lookup)
     reader = PatchedCheckpointConfig if (saved or {}).get("model_type") == PATCHED_MODEL_TYPE else AutoConfig
     config, unused = reader.from_pretrained(path_or_repo_id, return_unused_kwargs=True, **lookup, **overrides)
