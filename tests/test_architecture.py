@@ -522,9 +522,12 @@ def private_reads(name: str, source: str, ours: set[str], theirs: set[str]) -> l
                 continue
             if node.attr in theirs or node.attr not in ours:
                 found.append(f"{name}:{node.lineno} reads .{node.attr}")
-        elif isinstance(node, ast.keyword) and (node.arg or "").startswith("_"):
-            if node.arg in theirs or node.arg not in ours:
-                found.append(f"{name}:{node.lineno} passes {node.arg}=")
+        elif (
+            isinstance(node, ast.keyword)
+            and (node.arg or "").startswith("_")
+            and (node.arg in theirs or node.arg not in ours)
+        ):
+            found.append(f"{name}:{node.lineno} passes {node.arg}=")
     for line, text in code_strings(source):
         dotted_module = text.split(".")[0] in OTHER_LIBRARIES and private_part(text) and " " not in text
         if text in theirs or dotted_module:
