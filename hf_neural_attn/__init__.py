@@ -43,7 +43,7 @@ _LAZY_NAMES = {
     "unpatch_model": "patching",
     "set_impl": "patching",
     "from_pretrained": "loading.dispatch",
-    "full_shape": "families.zero3",
+    "full_shape": "placement.zero3",
     "save_adapter": "loading.adapters",
     "push_adapter_to_hub": "loading.adapters",
     "peft_modules_to_save": "peft_utils",

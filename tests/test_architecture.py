@@ -40,6 +40,9 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("hf_neural_attn.ops.triton", "hf_neural_attn.ops.triton.*")),
     ("compute", ("hf_neural_attn.ops", "hf_neural_attn.ops.*")),
     ("math", ("hf_neural_attn.scorers", "hf_neural_attn.scorers.*")),
+    # Where and how weights are held (offloaded, ZeRO-3 partitioned, quantized): every family reads its weights
+    # through it, so it sits just below them.
+    ("weight placement", ("hf_neural_attn.placement", "hf_neural_attn.placement.*")),
     # Parallelism shards the scorers (tensor), gathers keys (context) and refuses Ulysses: beside the families.
     (
         "model plumbing",
