@@ -26,6 +26,7 @@ from ._version import __version__
 _compat.check_transformers_version()
 
 from .integrations import installer as _integrations
+from .model_cards import LIBRARY_NAME, checkpoint_tags
 from .record import PatchRecord, is_patched, patch_record, scorer_parameters
 from .scorers import (
     AdditiveConfig,
@@ -43,7 +44,7 @@ _LAZY_NAMES = {
     "unpatch_model": "patching",
     "set_impl": "patching",
     "from_pretrained": "loading.dispatch",
-    "full_shape": "families.zero3",
+    "full_shape": "placement.zero3",
     "save_adapter": "loading.adapters",
     "push_adapter_to_hub": "loading.adapters",
     "peft_modules_to_save": "peft_utils",
@@ -86,12 +87,14 @@ __all__ = [
     "AdditiveConfig",
     "GeneralConfig",
     "HeaConfig",
+    "LIBRARY_NAME",
     "NeuralAttentionConfig",
     "NseaConfig",
     "PatchRecord",
     "QanaConfig",
     "ScorerConfig",
     "__version__",
+    "checkpoint_tags",
     "from_pretrained",
     "full_shape",
     "is_patched",

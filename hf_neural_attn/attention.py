@@ -21,7 +21,6 @@ from torch import nn
 from transformers.masking_utils import eager_mask, sdpa_mask
 
 from .families import FAMILIES, ModelFamily
-from .families.offload import offloaded_weights_loaded
 from .integrations.internals import output_attentions_collector
 from .integrations.parallelism import (
     attention_across_ranks,
@@ -47,6 +46,7 @@ from .ops.packed import (
     sequence_mask,
 )
 from .patched_config import is_patched_config
+from .placement.offload import offloaded_weights_loaded
 from .record import ATTN_IMPLEMENTATION, EXTRAS_KWARG, FALLBACK_ATTR, SCORER_ATTR
 from .scorers import Scorer
 

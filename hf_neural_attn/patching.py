@@ -37,14 +37,6 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ._version import __version__
 from ._warnings import warn_user
 from .families import FAMILIES, ModelFamily, find_attention
-from .families.offload import offloaded_weights_loaded
-from .families.quantized import activation_dtype
-from .families.zero3 import (
-    partition_like,
-    partitioned_weights_gathered,
-    register_scorer_parameters,
-    unregister_scorer_parameters,
-)
 from .integrations.internals import remove_forward_pre_hooks
 from .integrations.parallelism import forget_scorer_plan, shard_scorer, sharded_parameters_local, tensor_parallel_heads
 from .model_cards import checkpoint_tags
@@ -56,6 +48,14 @@ from .patched_config import (
     make_patched,
     make_unpatched,
     model_type_under_patch,
+)
+from .placement.offload import offloaded_weights_loaded
+from .placement.quantized import activation_dtype
+from .placement.zero3 import (
+    partition_like,
+    partitioned_weights_gathered,
+    register_scorer_parameters,
+    unregister_scorer_parameters,
 )
 from .record import (
     ADDED_MODULE_ATTR,

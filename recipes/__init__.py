@@ -1,10 +1,13 @@
 """Fine-tuning recipes for hf_neural_attn, a one-way layer over the library, run as modules from the repository
 root (``pip install -e ".[recipes]"`` first): ``accelerate launch -m recipes.finetune --help``.
 
-* ``finetune.py``: one run: parse, then setup -> train -> write outputs (causal LM, the nine GLUE tasks, images).
+* ``finetune.py``: one run's command line: parse, then ``training.run`` (causal LM, the nine GLUE tasks, images).
+* ``training.py``: one run: setup -> train -> write outputs; ``run_state.py``: ``TrainingRun``, what a run carries;
+  ``optimization.py``: the optimizer and the gate policy (``--gate_schedule``); ``outputs.py``: what a trained run
+  writes (model, results, plots, card, harness scores, upload).
 * ``compare.py``: baseline and patched runs with the same data, seed and budget, as a markdown table and a plot;
   with no arguments, the offline demo (``make demo``). It is a sweep of one configuration paired with its
-  baseline, so it imports ``sweep`` (which imports ``finetune``), never the other way round.
+  baseline, so it imports ``sweep`` (which imports ``training``), never the other way round.
 * ``tasks/``: one module per task (``clm``, ``glue``, ``image``; ``text`` shares the text tasks' parts) and their
   registry (``recipes.tasks.TASKS``, ``get_task``). A task owns its data flags' checks, data, metrics, model head,
   preprocessor, Hub names and model-card rows: adding one is a module and a registry line (docs/recipes.md, "Adding
@@ -30,8 +33,9 @@ root (``pip install -e ".[recipes]"`` first): ``accelerate launch -m recipes.fin
 The imports run one way: ``tasks``, ``patch_flags``, ``config_files`` and ``qlora`` import no other room (only
 ``errors``);
 ``checks``, ``modeling`` and ``report`` build on the first two; ``args`` on ``checks`` and ``config_files``;
-``finetune`` on all of these; ``sweep`` on ``finetune``; ``compare`` on ``sweep`` (tests/test_architecture.py
-checks that there is no circle).
+``optimization``, ``run_state``, ``outputs`` and ``training`` on these, in that order; ``finetune`` (the command line)
+and ``sweep`` on ``training``, the sweep never on ``finetune``; ``compare`` on ``sweep`` (tests/test_architecture.py
+checks that there is no circle and that the sweep does not import ``finetune``).
 
 See ``docs/recipes.md``.
 """

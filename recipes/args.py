@@ -40,6 +40,9 @@ SCHEDULERS = (
     "cosine_with_min_lr",
     "warmup_stable_decay",
 )
+# Flags never written into a run's recorded settings (all_results.json, the trackers, the logs).
+SECRET_SETTINGS = ("hub_token",)
+
 FINETUNE_DESCRIPTION = (
     "Fine-tune (or train from scratch) a Transformers model with its attention scoring replaced by "
     "hf_neural_attn (QANA or Neural Attention), and evaluate it on WikiText, GLUE or CIFAR. "
@@ -406,3 +409,9 @@ def given_flags(argv: list[str]) -> dict[str, Any]:
     parser.set_defaults(**{name: _NOT_GIVEN for name in parser.recipe_flags})
     namespace = parser.parse_args(list(argv))
     return {name: value for name, value in vars(namespace).items() if value is not _NOT_GIVEN}
+
+
+def public_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's settings as recorded (all_results.json, the logs, a sweep's comparison of runs): every flag's value
+    but the secret ones (:data:`SECRET_SETTINGS`)."""
+    return {key: value for key, value in vars(args).items() if key not in SECRET_SETTINGS}

@@ -22,7 +22,7 @@ SCORERS = (BASELINE, *SCORER_REGISTRY)
 DEFAULT_SCORER = next(iter(SCORER_REGISTRY))  # the first registered scorer
 # Scorer options whose flag has another name: a bare --init would read as the model's own initialisation.
 FLAG_FOR_OPTION = {"init": "scorer_init"}
-# --gate_schedule: how the scorers' per-head gates alpha move during training (recipes.finetune.GateSchedule).
+# --gate_schedule: how the scorers' per-head gates alpha move during training (recipes.optimization.GateSchedule).
 GATE_SCHEDULES = ("learned", "fixed", "warmup")
 # The settings that make up the gate schedule; like the patch settings, a baseline run has none of them.
 GATE_SETTINGS = ("gate_schedule", "gate_warmup_steps")

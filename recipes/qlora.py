@@ -39,7 +39,7 @@ TORCHAO_SCHEMES: dict[str, tuple[str, dict[str, Any]]] = {
     "int8_dynamic": ("Int8DynamicActivationInt8WeightConfig", {}),
 }
 DEFAULT_LORA_TARGETS = "all-linear"
-# The settings that shape the base and what trains: a resumed run must share them (recipes.finetune).
+# The settings that shape the base and what trains: a resumed run must share them (recipes.training.resume_settings).
 QLORA_SETTINGS = (
     "load_in_4bit",
     "load_in_8bit",

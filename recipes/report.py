@@ -24,7 +24,6 @@ RESULTS_FILE = "all_results.json"
 HISTORY_FILE = "training_history.json"
 PLOT_FILE = "training_curves.png"
 CARD_FILE = "README.md"
-LIBRARY_NAME = "hf-neural-attn"  # the library's name on the Hub: its PyPI distribution's
 # Folders and files of a run that are not part of the model repository.
 HUB_IGNORE_PATTERNS = ["step_*", "epoch_*", ".*", "runs/*", "finetune/*", "*.partial/*"]
 
@@ -208,9 +207,14 @@ def model_card(results: dict[str, Any], output_dir: str | os.PathLike) -> str:
     # A LoRA run's folder is PEFT's adapter: PEFT loads it, onto the base (patched, and quantized as in training).
     kind = results["task_kind"]
     lora = qlora.describe_lora(settings)
-    # A LoRA run's adapter folder holds no loader file of its own: no custom_code tag.
-    loader_tags = [] if lora else ["custom_code"]
-    tags = [LIBRARY_NAME, patch.scorer, *loader_tags, kind, "nonlinear-attention"] if patch else [kind, "baseline"]
+    # The library's tags for a patched checkpoint; a LoRA run's adapter folder holds no loader file of its own, so
+    # only the library's name and the scorer's, as on the library's own adapter cards.
+    if patch is None:
+        tags = [kind, "baseline"]
+    else:
+        library_tags = hf_neural_attn.checkpoint_tags(patch.scorer)
+        patch_tags = [hf_neural_attn.LIBRARY_NAME, patch.scorer] if lora else library_tags
+        tags = [*patch_tags, kind, "nonlinear-attention"]
     tags += qlora.hub_tags(settings)
     card_data = ModelCardData(
         base_model=results.get("base_model"),
@@ -316,7 +320,7 @@ def _loading_snippet(results: dict[str, Any], task: Task, patch: hf_neural_attn.
     if patch:
         imports = f"import hf_neural_attn\nfrom transformers import {processor_class}"
         model_line = f'model = hf_neural_attn.from_pretrained("{repo}")  # {results["model_class"]}, patch re-applied'
-        install = f"```bash\npip install {LIBRARY_NAME}\n```\n\n"
+        install = f"```bash\npip install {hf_neural_attn.LIBRARY_NAME}\n```\n\n"
     else:
         imports = f"from transformers import {processor_class}, {results['model_class']}"
         model_line = f'model = {results["model_class"]}.from_pretrained("{repo}")  # baseline: no patch'
@@ -349,7 +353,7 @@ def _adapter_loading_snippet(
     lines.append(f'model = PeftModel.from_pretrained(base, "{repo}")  # LoRA and the trained scorers')
     lines.append(f'{task.preprocessor_noun} = {task.preprocessor_class}.from_pretrained("{repo}")')
     code = "\n".join(lines)
-    return f"```bash\npip install {LIBRARY_NAME} peft\n```\n\n```python\n{code}\n```\n"
+    return f"```bash\npip install {hf_neural_attn.LIBRARY_NAME} peft\n```\n\n```python\n{code}\n```\n"
 
 
 def _patch_rows(results: dict[str, Any], patch: hf_neural_attn.PatchRecord | None) -> str:

@@ -44,6 +44,13 @@ from hf_neural_attn.record import RECORD_KEY
 from hf_neural_attn.scorers import SCORERS, AttentionGeometry, Scorer, scorer_class
 
 VOCAB = 64
+# fp32: a function-preserving patch computes the original's dot product with a different kernel (explicit matmul +
+# softmax instead of SDPA), so logits agree to rounding, far below this bound.
+EXACT = 1e-5
+# Two processes (DeepSpeed, FSDP) sum their gradients in another order than one process: trained weights and saved
+# states agree with one process's at rounding level. SGD keeps it there (Adam would turn the rounding noise of
+# gradients that are zero in exact arithmetic, QANA's c rows, into lr-sized steps).
+DISTRIBUTED_TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
 # --- Tiny models -------------------------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ def load_quantized(model_class, folder: Path, scheme: str, **kwargs) -> nn.Modul
 def quantized_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Copies of every quantized weight of ``model`` (bitsandbytes' packed storage; torchao's tensors dequantized):
     what must stay bit-identical while the scorers train beside them."""
-    from hf_neural_attn.families.quantized import TORCHAO, is_quantized, quantizer_of
+    from hf_neural_attn.placement.quantized import TORCHAO, is_quantized, quantizer_of
 
     return {
         name: (parameter.dequantize() if quantizer_of(parameter) == TORCHAO else parameter).detach().clone()

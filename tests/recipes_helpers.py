@@ -153,7 +153,7 @@ def recipe_assets(root: Path) -> dict[str, Path]:
 def finetune_in_process(output_dir: Path, *flags: str) -> dict:
     """``recipes.finetune`` run here, with ``flags`` into ``output_dir``; returns what ``run`` returns."""
     from recipes.args import parse_args
-    from recipes.finetune import run
+    from recipes.training import run
 
     return run(parse_args([*flags, "--output_dir", str(output_dir)]))
 

@@ -40,6 +40,9 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("hf_neural_attn.ops.triton", "hf_neural_attn.ops.triton.*")),
     ("compute", ("hf_neural_attn.ops", "hf_neural_attn.ops.*")),
     ("math", ("hf_neural_attn.scorers", "hf_neural_attn.scorers.*")),
+    # Where and how weights are held (offloaded, ZeRO-3 partitioned, quantized): every family reads its weights
+    # through it, so it sits just below them.
+    ("weight placement", ("hf_neural_attn.placement", "hf_neural_attn.placement.*")),
     # Parallelism shards the scorers (tensor), gathers keys (context) and refuses Ulysses: beside the families.
     (
         "model plumbing",
@@ -410,6 +413,14 @@ def test_no_recipe_module_outside_the_tasks_names_a_task():
     ]
     assert found == []
 
+
+
+def test_the_sweep_does_not_import_the_finetune_command():
+    """``recipes.finetune`` is one run's command line; the sweep runs ``recipes.training.run`` and reads the flags'
+    helpers from ``recipes.args``, so that a sweep never depends on a command (and the command may grow freely)."""
+    graph = internal_graph()
+    sweep = [name for name in graph if name == "recipes.sweep" or name.startswith("recipes.sweep.")]
+    assert sweep and [name for name in sweep if "recipes.finetune" in graph[name]] == []
 
 # --- one room for what the library changes in other libraries ---------------------------------------------------
 

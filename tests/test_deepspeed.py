@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import TINY_DECODER
+from helpers import DISTRIBUTED_TOL, TINY_DECODER
 
 import hf_neural_attn
 
@@ -38,7 +38,6 @@ ZERO3 = {
         "stage3_gather_16bit_weights_on_model_save": True,
     },
 }
-TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
 def batches() -> list[torch.Tensor]:
@@ -213,7 +212,7 @@ def test_zero3_patch_train_save_reload_generate(name, zero3_runs):
     saved = hf_neural_attn.from_pretrained(case_dir / "trained")
     saved_state = saved.state_dict()
     for tensor_name, tensor in trained.items():
-        torch.testing.assert_close(saved_state[tensor_name], tensor, **TOL, msg=tensor_name)
+        torch.testing.assert_close(saved_state[tensor_name], tensor, **DISTRIBUTED_TOL, msg=tensor_name)
     moved = [n for n, p in hf_neural_attn.scorer_parameters(saved).items() if not torch.allclose(p, trained[n] * 0)]
     assert moved, "the scorers were saved empty"
     if case["only_new"]:  # a frozen base is saved as it was loaded

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import TINY_DECODER
+from helpers import DISTRIBUTED_TOL, TINY_DECODER
 from recipes_helpers import finetune_in_process, in_process_runs, save_tiny_gpt2
 
 import hf_neural_attn
@@ -29,9 +29,6 @@ if not hasattr(fsdp, "fully_shard") or not dist.is_available():
     pytest.skip("this torch has no FSDP2 (fully_shard) or no torch.distributed", allow_module_level=True)
 
 STEPS, BATCH, SEQ = 3, 4, 12
-# Two processes sum their gradients in another order than one process. SGD keeps that at rounding level (Adam
-# would turn the rounding noise of gradients that are zero in exact arithmetic, QANA's c rows, into lr-sized steps).
-TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
 def tiny_patched_llama(scorer: str):
@@ -134,7 +131,9 @@ def test_sharded_training_matches_one_process(sharded_run):
     train_steps(model, optimizer_for(model), batches())
     new = hf_neural_attn.scorer_parameters(model)
     for name, parameter in model.named_parameters():
-        torch.testing.assert_close(states["full"][name], parameter.detach(), **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            states["full"][name], parameter.detach(), **DISTRIBUTED_TOL, msg=lambda m, n=name: f"{n}: {m}"
+        )
         if only_new and name not in new:
             assert torch.equal(states["full"][name], before[name]), f"{name} is frozen but moved"
     assert any(not torch.equal(states["full"][name], before[name]) for name in new)  # the scorers trained

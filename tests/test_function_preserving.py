@@ -2,13 +2,9 @@
 Preserved at init and live on every family, for every scorer case: tests/test_scorer_contracts.py."""
 
 import torch
-from helpers import logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_model
+from helpers import EXACT, logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_model
 
 import hf_neural_attn
-
-# fp32: the patched path computes the same dot product as the original with a different kernel
-# (explicit matmul + softmax instead of SDPA), so logits agree to rounding, far below this bound.
-EXACT = 1e-5
 
 
 def test_llama_uses_grouped_query_attention_and_every_layer_is_patched():

@@ -108,7 +108,7 @@ def test_the_recipe_runs_the_harness_after_training_and_reports_it(task_dir, tmp
     """`--lm_eval_tasks` on the offline default (a from-scratch GPT-2 shape on Python's docs, byte tokenizer): the
     harness's metrics land in all_results.json and the model card, for the model that was saved."""
     from recipes.args import parse_args
-    from recipes.finetune import run
+    from recipes.training import run
 
     out = tmp_path / "run"
     flags = [

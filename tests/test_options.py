@@ -32,8 +32,8 @@ from recipes.compare import baseline_args
 from recipes.config_files import load_config_file
 from recipes.errors import RecipeError
 from recipes.finetune import main as finetune_main
-from recipes.finetune import resume_settings, run
 from recipes.patch_flags import FLAG_FOR_OPTION, scorer_flags, scorer_options
+from recipes.training import resume_settings, run
 
 
 def declared_options():

@@ -173,7 +173,7 @@ def test_recipe_draws_the_maps_for_every_layers_and_impl_choice(
     scorer history at step 0 and every logging step, and attention_maps.png after training."""
     from recipes import scorer_plots
     from recipes.args import parse_args
-    from recipes.finetune import run
+    from recipes.training import run
 
     out = tmp_path / "run"
     argv = [

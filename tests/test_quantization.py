@@ -1,7 +1,7 @@
 """Quantized bases (bitsandbytes 4-bit and 8-bit, torchao): patched, trained, saved and loaded.
 
 A model quantized by bitsandbytes keeps its projections' weights in packed integer storage, and torchao's weights are
-tensor subclasses that refuse most ops: the patch reads their dequantized copies (families/quantized.py) and builds the
+tensor subclasses that refuse most ops: the patch reads their dequantized copies (placement/quantized.py) and builds the
 scorers in the dtype the base's activations run in. Each test loads a tiny float model saved by the test with the
 scheme's ``quantization_config``, as a user loads a real one; both libraries run on the CPU.
 """
@@ -15,7 +15,7 @@ from quantization_helpers import BITSANDBYTES_SCHEMES, SCHEME, SCHEME_NAMES, loa
 from transformers import AutoModelForCausalLM
 
 import hf_neural_attn
-from hf_neural_attn.families.quantized import is_quantized
+from hf_neural_attn.placement.quantized import is_quantized
 
 # float32 activations: the patched model computes the base's dot product on another path (explicit matmul and softmax
 # instead of SDPA), so the outputs agree to rounding, well inside this bound.

@@ -21,7 +21,7 @@ from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fix
     tiny_recipe_assets,
 )
 
-from recipes import finetune, scorer_plots, stats
+from recipes import scorer_plots, stats, training
 from recipes.args import parse_args
 from recipes.compare import COMPARISON_PLOT, COMPARISON_TABLE, compare, main, run_demo
 from recipes.errors import RecipeError
@@ -84,7 +84,7 @@ def test_compare_with_one_seed_says_there_is_no_error_bar(compared):
 def test_a_rerun_skips_the_finished_runs_and_refuses_runs_of_other_settings(compared, monkeypatch, capsys):
     out = compared.out
     table = (out / COMPARISON_TABLE).read_text()
-    monkeypatch.setattr(finetune, "run", lambda args: pytest.fail(f"{args.output_dir} was trained again"))
+    monkeypatch.setattr(training, "run", lambda args: pytest.fail(f"{args.output_dir} was trained again"))
     again = compare(parse_args([*compared.flags, "--output_dir", str(out)]))
     assert [(run["label"], run["action"]) for run in again] == [("baseline", "skipped"), ("qana", "skipped")]
     assert [run["results"] for run in again] == [run["results"] for run in compared.runs]

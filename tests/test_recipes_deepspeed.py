@@ -75,7 +75,7 @@ import json, sys
 from torch.utils.data import DataLoader
 from build_report import build_report
 from recipes.args import parse_args
-from recipes.finetune import make_accelerator
+from recipes.training import make_accelerator
 
 accelerator = make_accelerator(parse_args(["--task", "clm", "--output_dir", sys.argv[1]]))
 loader = accelerator.prepare(DataLoader(list(range(16)), batch_size=2))
@@ -93,7 +93,7 @@ BUILD_REPORT = """
 import hf_neural_attn
 from recipes import modeling
 from recipes.args import parse_args
-from recipes.finetune import build_optimizer
+from recipes.optimization import build_optimizer
 from recipes.tasks import get_task
 
 

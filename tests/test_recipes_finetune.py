@@ -80,6 +80,8 @@ def test_clm_run_leaves_a_loadable_checkpoint_results_card_and_plot(assets, tmp_
     assert (evaluation.metric_type, evaluation.task_type) == ("perplexity", "text-generation")
     assert evaluation.metric_value == pytest.approx(results["perplexity"])
     assert "hf-neural-attn" in card.data.tags and "qana" in card.data.tags
+    # The library's rule for a full patched checkpoint's tags, taken from the library, not restated by the recipe.
+    assert card.data.tags[:3] == hf_neural_attn.checkpoint_tags("qana") == ["hf-neural-attn", "qana", "custom_code"]
     assert "hf_neural_attn.from_pretrained" in card.text and "| h | 4 |" in card.text
     assert card.data.library_name == "transformers" and "pip install hf-neural-attn" in card.text
     with Image.open(out / report.PLOT_FILE) as plot:

@@ -22,7 +22,7 @@ from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fix
 )
 
 import hf_neural_attn
-from recipes import finetune, sweep, tasks
+from recipes import finetune, report, scorer_plots, sweep, tasks
 from recipes.tasks.base import DataInfo, TaskData
 from recipes.tasks.text import TextTask
 
@@ -141,8 +141,8 @@ def test_a_task_written_outside_the_recipes_runs_through_finetune_and_its_model_
 
 def test_a_task_written_outside_the_recipes_runs_through_a_sweep(toy_task, gpt2, tmp_path, monkeypatch):
     # Each run's own pictures are tested elsewhere (test_recipes_finetune.py); they take most of a tiny run's time.
-    monkeypatch.setattr(finetune.scorer_plots, "draw", lambda *args, **kwargs: {})
-    monkeypatch.setattr(finetune.report, "plot_training", lambda *args, **kwargs: None)
+    monkeypatch.setattr(scorer_plots, "draw", lambda *args, **kwargs: {})
+    monkeypatch.setattr(report, "plot_training", lambda *args, **kwargs: None)
     out = tmp_path / "sweep"
     flags = toy_flags(gpt2, "--scorer", "qana", "--h", "2", "--output_dir", str(out))
     base = {flag.lstrip("-"): value for flag, value in zip(flags[::2], flags[1::2])}  # every flag takes a value

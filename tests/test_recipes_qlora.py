@@ -22,7 +22,8 @@ import hf_neural_attn
 from recipes import report
 from recipes.args import parse_args
 from recipes.errors import RecipeError
-from recipes.finetune import setup, train, write_outputs
+from recipes.outputs import write_outputs
+from recipes.training import setup, train
 
 pytest.importorskip("bitsandbytes", reason=f"bitsandbytes is not installed: {INSTALL}")
 pytest.importorskip("torchao", reason=f"torchao is not installed: {INSTALL}")

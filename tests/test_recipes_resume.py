@@ -26,9 +26,9 @@ def assets(tmp_path_factory):
 
 
 def test_gate_warmup_resumes_exactly(assets, tmp_path, monkeypatch):
-    from recipes import finetune as finetune_module
+    from recipes import training
 
-    original = finetune_module.save_checkpoint
+    original = training.save_checkpoint
 
     def save_then_die(state, name):
         original(state, name)
@@ -37,10 +37,10 @@ def test_gate_warmup_resumes_exactly(assets, tmp_path, monkeypatch):
     common = clm_flags(assets, "--max_train_steps", "5", "--logging_steps", "1", "--checkpointing_steps", "2")
     common += ["--gate_schedule", "warmup", "--attention_map_layer", "none"]
     flags = [*common, "--gate_warmup_steps", "3"]
-    monkeypatch.setattr(finetune_module, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(training, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         finetune_in_process(tmp_path / "run", *flags)
-    monkeypatch.setattr(finetune_module, "save_checkpoint", original)
+    monkeypatch.setattr(training, "save_checkpoint", original)
     assert checkpointing.find_latest(tmp_path / "run") == tmp_path / "run" / "step_2"
     # Resumed at step 2 of a 3-step warmup: alpha 2/3, then 1 at step 3 and learned from there.
     resumed = finetune_in_process(tmp_path / "run", *flags, "--resume_from_checkpoint", "latest")

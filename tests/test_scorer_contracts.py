@@ -16,6 +16,7 @@ import functools
 import pytest
 import torch
 from helpers import (
+    EXACT,
     PATH_IMPLS,
     SCORER_CASES,
     logits,
@@ -32,7 +33,6 @@ import hf_neural_attn
 from hf_neural_attn.ops import blockwise, chunked
 from hf_neural_attn.scorers import SCORERS
 
-EXACT = 1e-5
 SEQ = 8  # tokens (ViT inputs keep their image size)
 
 

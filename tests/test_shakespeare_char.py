@@ -19,7 +19,7 @@ from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fix
     read_history,
 )
 
-from recipes import finetune
+from recipes import training
 from recipes.args import parse_values
 from recipes.errors import RecipeError
 from recipes.sweep import plan as sweep_plan
@@ -126,9 +126,9 @@ def test_the_sweep_trains_the_configs_baseline_and_fine_tunes_it():
 
 def test_a_few_steps_of_the_recipe_build_nanogpts_model_and_optimizer(tmp_path, monkeypatch):
     optimizers = []
-    real_build = finetune.build_optimizer
+    real_build = training.build_optimizer
     monkeypatch.setattr(
-        finetune, "build_optimizer", lambda model, args: optimizers.append(real_build(model, args)) or optimizers[-1]
+        training, "build_optimizer", lambda model, args: optimizers.append(real_build(model, args)) or optimizers[-1]
     )
     flags = ["--config", str(CONFIG), "--max_train_steps", "30", "--eval_steps", "15", "--max_eval_samples", "64"]
     flags += ["--num_warmup_steps", "5", "--min_learning_rate", "1e-4"]

@@ -24,7 +24,7 @@ from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fix
     tiny_recipe_assets,
 )
 
-from recipes import checkpointing, finetune, stats, sweep
+from recipes import checkpointing, report, scorer_plots, stats, sweep, training
 from recipes.errors import RecipeError
 from recipes.patch_flags import scorer_flags
 from recipes.sweep import plan as sweep_plan
@@ -50,8 +50,8 @@ def assets(tmp_path_factory):
 def no_run_plots(monkeypatch):
     """Each run's own pictures (training curves, scorer history) take most of a tiny run's time and are tested in
     test_recipes_finetune.py; the sweep's tests skip them."""
-    monkeypatch.setattr(finetune.scorer_plots, "draw", lambda *args, **kwargs: {})
-    monkeypatch.setattr(finetune.report, "plot_training", lambda *args, **kwargs: None)
+    monkeypatch.setattr(scorer_plots, "draw", lambda *args, **kwargs: {})
+    monkeypatch.setattr(report, "plot_training", lambda *args, **kwargs: None)
 
 
 def tiny_base(assets, output_dir: Path, **extra) -> dict:
@@ -118,7 +118,7 @@ def bad_configs(assets, tmp_path):
 
 
 def test_bad_sweep_configs_fail_before_anything_runs(assets, tmp_path, monkeypatch):
-    monkeypatch.setattr(finetune, "run", lambda args: pytest.fail("a run started"))
+    monkeypatch.setattr(training, "run", lambda args: pytest.fail("a run started"))
     for name, (values, message) in bad_configs(assets, tmp_path).items():
         path = write_config(tmp_path / f"{name.replace(' ', '_')}.yaml", **values)
         with pytest.raises(RecipeError, match=message):
@@ -139,7 +139,7 @@ def test_a_bad_config_is_one_line_and_leaves_nothing_behind(assets, tmp_path, ca
     """On the command line, as met: a value only the model refuses is found before the first run trains (no run
     folder, no record), and once the config is fixed the same command runs."""
     trained = []
-    monkeypatch.setattr(finetune, "run", lambda args: trained.append(args.output_dir))
+    monkeypatch.setattr(training, "run", lambda args: trained.append(args.output_dir))
     base = tiny_base(assets, tmp_path / "out")
     config = write_config(tmp_path / "sweep.yaml", base=base, axes={"h": [1, 2], "key_dim": [None, 8]})
     assert sweep.main(["--config", str(config)]) == 2
@@ -181,7 +181,7 @@ def test_a_bad_flag_is_an_error_of_the_sweep(argv, message, capsys):
 
 @pytest.mark.parametrize("overrides", list(helpers.BAD_OVERRIDES))
 def test_a_bad_config_override_in_base_stops_the_sweep_before_anything_runs(overrides, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(finetune, "run", lambda args: pytest.fail("a run started"))
+    monkeypatch.setattr(training, "run", lambda args: pytest.fail("a run started"))
     base = {"model_type": "gpt2", "dataset_name": "pydoc_data", "block_size": 32, "max_train_steps": 1}
     base.update(config_overrides=overrides, output_dir=str(tmp_path / "out"))
     config = write_config(tmp_path / "sweep.yaml", base=base, axes={"h": [1, 2]}, baseline=True)
@@ -268,17 +268,17 @@ def test_a_killed_sweep_resumes_its_interrupted_run_and_skips_finished_ones(
 ):
     out = tmp_path / "sweep"
     config = write_config(tmp_path / "s.yaml", base=tiny_base(assets, out), axes={"h": [2, 4]}, seeds=2)
-    original_save = finetune.save_checkpoint
+    original_save = training.save_checkpoint
 
     def killed_after_first_checkpoint_of_h4(state, name):
         original_save(state, name)
         if Path(state.args.output_dir) == out / "h=4" / "seed_42":
             raise KeyboardInterrupt("killed")
 
-    monkeypatch.setattr(finetune, "save_checkpoint", killed_after_first_checkpoint_of_h4)
+    monkeypatch.setattr(training, "save_checkpoint", killed_after_first_checkpoint_of_h4)
     with pytest.raises(KeyboardInterrupt):
         sweep.main(["--config", str(config)])
-    monkeypatch.setattr(finetune, "save_checkpoint", original_save)
+    monkeypatch.setattr(training, "save_checkpoint", original_save)
     assert (out / "base" / "seed_42" / "all_results.json").is_file()
     interrupted = out / "h=4" / "seed_42"
     assert checkpointing.find_latest(interrupted) == interrupted / "step_2"
@@ -304,7 +304,7 @@ def test_a_killed_sweep_resumes_its_interrupted_run_and_skips_finished_ones(
     assert read_results(interrupted)["train_steps"] == 4 and read_results(interrupted)["settings"]["h"] == 4
 
     # Everything finished: a third run of the command runs nothing and writes the report.
-    monkeypatch.setattr(finetune, "run", lambda args: pytest.fail(f"{args.output_dir} ran again"))
+    monkeypatch.setattr(training, "run", lambda args: pytest.fail(f"{args.output_dir} ran again"))
     assert sweep.main(["--config", str(config)]) == 0
     table = (out / "sweep.md").read_text()
     assert "| `base` | — (base) |" in table and "| `h=4` | h=4 |" in table and table.count("| 2/2 |") == 2
@@ -383,7 +383,7 @@ def test_sweep_report_pairs_each_configuration_with_its_baseline(assets, tmp_pat
     # --report_only: nothing runs; a run without results counts as unfinished and drops out of the pairing.
     (out / "h=4" / "seed_43" / "all_results.json").unlink()
     (out / "sweep.md").unlink()
-    monkeypatch.setattr(finetune, "run", lambda args: pytest.fail("--report_only ran a run"))
+    monkeypatch.setattr(training, "run", lambda args: pytest.fail("--report_only ran a run"))
     assert sweep.main(["--config", str(config), "--report_only"]) == 0
     row = next(line for line in (out / "sweep.md").read_text().splitlines() if line.startswith("| `h=4` |"))
     assert "| one seed: no error bar | 1/2 |" in row
@@ -440,7 +440,7 @@ def test_a_sweep_of_parts_fine_tunes_an_earlier_parts_run_and_reports_its_metric
     assert float(summary["h=2"]["mean"]) == pytest.approx(stats.mean(finals))
 
     # Rerun: nothing runs again.
-    monkeypatch.setattr(finetune, "run", lambda args: pytest.fail(f"{args.output_dir} ran again"))
+    monkeypatch.setattr(training, "run", lambda args: pytest.fail(f"{args.output_dir} ran again"))
     assert sweep.main(["--config", str(config)]) == 0
     # --output_dir cannot move parts that read each other's runs.
     assert sweep.main(["--config", str(config), "--output_dir", str(tmp_path / "elsewhere")]) == 2

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..placement.quantized import dense_weight
 from ..scorers import AttentionGeometry
-from .quantized import dense_weight
 
 
 class ModelFamily:

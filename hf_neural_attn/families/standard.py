@@ -43,9 +43,9 @@ from transformers import PretrainedConfig
 
 from ..integrations.attention_registry import register_attention
 from ..integrations.internals import DISPATCH_ATTRIBUTE, store_implementation
+from ..placement.quantized import dense_weight
 from ..scorers import AttentionGeometry
 from .base import ModelFamily, call_argument, forward_parameters, query_weight_std, rotation
-from .quantized import dense_weight
 
 PROBE_IMPLEMENTATION = "hf_neural_attn_probe"
 PROBE_TOKENS = 5

@@ -10,9 +10,9 @@ from contextlib import contextmanager
 
 import torch
 
-from ..families.offload import offloaded_weights_loaded
-from ..families.quantized import is_quantized
 from ..integrations.parallelism import whole_tensor
+from ..placement.offload import offloaded_weights_loaded
+from ..placement.quantized import is_quantized
 from ..record import scorer_parameters
 
 # At most this many elements of each base tensor go into its checksum (evenly strided): training moves every

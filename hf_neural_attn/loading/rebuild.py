@@ -18,10 +18,10 @@ import torch
 from .._version import __version__
 from .._warnings import warn_user
 from ..families import find_attention
-from ..families.zero3 import full_shape, partitioned_weights_gathered
 from ..integrations.internals import pop_adapter_model_path, saved_implementation
 from ..integrations.parallelism import copy_whole_tensor
 from ..patching import patch_model
+from ..placement.zero3 import full_shape, partitioned_weights_gathered
 from ..record import BASE_LOAD_ATTR, PEFT_WRAPPER_PARTS, SCORER_ATTR, PatchRecord, scorer_parameters
 from ..scorers import ScorerConfig
 from .files import check_model_class_fits, names_on_disk, unreadable_weights_are_errors

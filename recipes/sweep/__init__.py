@@ -31,7 +31,7 @@ replaces the config's: ``--model_name_or_path`` drops ``model_type``/``config_na
 The whole plan -- every run's flags, through the recipes' own argument checks, and every run folder already
 there -- is checked before the first run starts.
 
-Each run is ``recipes.finetune.run`` into ``<output_dir>/<run name>/seed_<s>/`` (run names: ``base``,
+Each run is ``recipes.training.run`` into ``<output_dir>/<run name>/seed_<s>/`` (run names: ``base``,
 ``<axis>=<label>``, in a grid ``<axis>=<label>__<axis>=<label>``; baselines ``baseline[__<axis>=<label>]``), with
 ``--checkpointing_steps`` (default: a quarter of ``--max_train_steps``), ``--checkpoints_total_limit 1`` and
 ``--resume_from_checkpoint latest``. Rerunning the same command skips finished runs (``all_results.json`` there,

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recipes import finetune, modeling
-from recipes.args import build_parser, given_flags, parse_values
+from recipes import modeling
+from recipes.args import build_parser, given_flags, parse_values, public_settings
 from recipes.config_files import check_config_values
 from recipes.errors import RecipeError
 from recipes.patch_flags import BASELINE, GATE_SETTINGS, patch_settings
@@ -553,7 +553,7 @@ def point_name(plan: SweepPlan, choices: tuple[AxisValue, ...]) -> str:
 
 def settings_key(args: argparse.Namespace) -> str:
     """What makes two runs the same run, whatever their seed: their comparable settings, as text."""
-    settings = comparable(finetune.public_settings(args))
+    settings = comparable(public_settings(args))
     settings.pop("seed", None)
     return json.dumps(settings, sort_keys=True)
 
@@ -602,7 +602,7 @@ def add_seed_runs(plan: SweepPlan) -> None:
                 "resume_from_checkpoint": "latest",
             }
             args = parse_values(flags, source=f"Run {configuration.name!r} (seed {seed}) of {plan.source}")
-            key = comparable(finetune.public_settings(args))
+            key = comparable(public_settings(args))
             configuration.runs.append(Run(configuration.name, seed, output_dir, args, key))
 
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recipes import checkpointing, finetune
+from recipes import checkpointing, training
 from recipes.report import RESULTS_FILE, write_json
 from recipes.sweep.plan import RUN_LOCK, RUN_RECORD, Run, SweepPlan
 
@@ -122,7 +122,7 @@ def run_sweep(plan: SweepPlan) -> list[dict[str, Any]]:
             )
         started = time.time()
         try:
-            finetune.run(copy.deepcopy(run.args))
+            training.run(copy.deepcopy(run.args))
         finally:
             release(run)
         run.status = "done"

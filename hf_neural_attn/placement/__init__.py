@@ -1,0 +1,6 @@
+"""Where and how a model's weights are held, as the patch reads and writes them: accelerate's offloading
+(``offload.py``: weights on the meta device until a hook loads them), DeepSpeed ZeRO-3's partitioning (``zero3.py``:
+each process holds a shard; the whole shape and the gathered weights), and quantized bases (``quantized.py``:
+bitsandbytes' and torchao's tensors, their dequantized copies, the scorers' dtype on such a base). Not model
+families: every family's adapter reads its weights through these.
+"""
