@@ -95,3 +95,37 @@ def test_key_spans_only_where_padding_saves_enough():
     allowed[1] = False  # a sequence with no key at all keeps every column
     assert sequences.key_spans(allowed, 2, 8) == [(4, 8), (0, 8)]
     assert sequences.key_spans(None, 2, 8) is None and sequences.key_spans(allowed[:1], 1, 8) is None
+
+
+def test_a_sequence_slice_cuts_a_row_or_a_span_and_keeps_broadcast_axes():
+    """The one cut both splits use: a padded batch's row (its keys' span) and a packed call's span of queries and
+    keys, applied to the query, the keys, a mask whose batch or query axis broadcasts, and per-query inputs."""
+    from typing import NamedTuple
+
+    class Extras(NamedTuple):
+        per_query: torch.Tensor  # (batch, heads, q_len, 1)
+        shared: torch.Tensor  # (1, heads, 1, 1): broadcast over the batch
+
+        def query_block(self, start, end):
+            return Extras(self.per_query[:, :, start:end], self.shared)
+
+    query, key = torch.randn(3, HEADS, 5, D), torch.randn(3, HEADS, 7, D)
+    mask = torch.randn(3, 1, 5, 7)
+    extras = Extras(torch.randn(3, HEADS, 5, 1), torch.randn(1, HEADS, 1, 1))
+
+    row = sequences.SequenceSlice(sequences.EVERY, slice(2, 6), row=1)
+    assert torch.equal(row.query_of(query), query[1:2]) and torch.equal(row.keys_of(key), key[1:2, :, 2:6])
+    assert torch.equal(row.mask_of(mask), mask[1:2, ..., 2:6])
+    assert torch.equal(row.mask_of(mask[:1, :, :1]), mask[:1, :, :1, 2:6])  # broadcast axes stay broadcast
+    row_extras = row.extras_of(extras, batch=3)
+    assert torch.equal(row_extras.per_query, extras.per_query[1:2]) and row_extras.shared is extras.shared
+    assert row.mask_of(None) is None and row.extras_of(None, batch=3) is None
+
+    span = sequences.SequenceSlice(slice(1, 3), slice(0, 4))  # a packed call: batch 1, a span of each axis
+    assert (span.q_len, span.kv_len) == (2, 4)
+    assert torch.equal(span.query_of(query[:1]), query[:1, :, 1:3]) and torch.equal(
+        span.keys_of(key[:1]), key[:1, :, :4]
+    )
+    assert torch.equal(span.mask_of(mask[:1]), mask[:1, :, 1:3, :4])
+    assert torch.equal(span.mask_of(mask[:1, :, :1]), mask[:1, :, :1, :4])
+    assert torch.equal(span.extras_of(extras, batch=1).per_query, extras.per_query[:, :, 1:3])

@@ -106,7 +106,7 @@ def padded_sequences(
     its :class:`SequenceSlice` and its query rows that must see every key (``rows_seeing_all`` of the paths).
 
     ``rows_by_sequence`` is :func:`.masks.query_rows_seeing_all` of the call (empty where the paths need no such
-    rows). Not while ``torch.compile`` traces: the split reads the mask's values.
+    rows). The split reads the mask's values, so it is not asked for while ``torch.compile`` traces.
     """
     if not is_causal:
         # A padded batch of unequal lengths: each sequence scores only the keys its mask leaves it, which the softmax
