@@ -32,9 +32,9 @@ from .integrations.parallelism import (
     sharded_heads,
     sharded_parameters_local,
 )
-from .ops import scored_attention, zero_rows_without_keys
+from .ops.dispatch import scored_attention
 from .ops.dropout import DropoutPlacement, draw_seed
-from .ops.masks import as_additive_mask
+from .ops.masks import as_additive_mask, zero_rows_without_keys
 from .ops.packed import (
     DECODE_GROUP_SCORES,
     PACKING_KWARGS,
@@ -42,7 +42,6 @@ from .ops.packed import (
     group_mask,
     group_span,
     packed_sequences,
-    sequence_block,
     sequence_mask,
 )
 from .patched_config import is_patched_config
@@ -118,30 +117,25 @@ def attention_with_keys(
     )  # fmt: skip
     for group in decode_groups(sequences, DECODE_GROUP_SCORES) if groupable else [[one] for one in sequences]:
         if len(group) > 1:
-            queries, keys = group_span(group)
-            group_extras = extras.query_block(queries.start, queries.stop) if extras is not None else None
-            output[:, queries], _ = _attention(
-                module, query[:, :, queries], key[:, :, keys], value[:, :, keys], group_mask(group, query.device),
-                scaling, dropout, group_extras, False, call_kwargs,
+            span = group_span(group)
+            output[:, span.queries], _ = _attention(
+                module, span.query_of(query), span.keys_of(key), span.keys_of(value), group_mask(group, query.device),
+                scaling, dropout, span.extras_of(extras, query.shape[0]), False, call_kwargs,
             )  # fmt: skip
             continue
         sequence = group[0]
-        sequence_query = query[:, :, sequence.queries]
-        sequence_key, sequence_value = key[:, :, sequence.keys], value[:, :, sequence.keys]
+        sequence_query, sequence_key = sequence.query_of(query), sequence.keys_of(key)
         if attention_mask is not None:
             # A mask over the whole packed row (a packed training batch whose model built one, causal over the row):
             # its block on this sequence's queries and keys, in the form the model's implementation gave it.
-            mask = sequence_block(attention_mask, sequence)
+            mask = sequence.mask_of(attention_mask)
         else:  # continuous batching builds none: each sequence's own, causal from the end of its keys
             mask = sequence_mask(sequence, is_causal=is_causal, sliding_window=sliding_window, device=query.device)
             if eager_base:  # eager adds its mask to the logits, and builds no causal mask of its own
                 mask = _additive_mask(mask, sequence_query, sequence_key, is_causal)
-        sequence_extras = (
-            extras.query_block(sequence.queries.start, sequence.queries.stop) if extras is not None else None
-        )
         output[:, sequence.queries], _ = _attention(
-            module, sequence_query, sequence_key, sequence_value, mask, scaling, dropout, sequence_extras, is_causal,
-            call_kwargs,
+            module, sequence_query, sequence_key, sequence.keys_of(value), mask, scaling, dropout,
+            sequence.extras_of(extras, query.shape[0]), is_causal, call_kwargs,
         )  # fmt: skip
     return output, None
 
@@ -164,24 +158,10 @@ def _attention(
     scorer: Scorer | None = getattr(module, SCORER_ATTR, None)
     context_shards = context_parallel_shards()
     if scorer is None:
-        implementation = _unscored_implementation(module)
-        family_name = getattr(module, FALLBACK_ATTR)[0]
-        if context_shards is not None:
-            refuse_unscored_under_context_parallelism(implementation, module)
-        if need_weights and implementation != "eager":
-            # Only the eager path returns probabilities. It adds its mask to the logits, so it gets the
-            # additive form of the mask this call carries (which may be SDPA's boolean one, or None for causal);
-            # the rows SDPA's boolean mask allows no key stay SDPA's zeros, so asking for maps changes no output.
-            boolean_mask = _scoring_mask(attention_mask, query, key, is_causal)
-            output, weights = FAMILIES[family_name].original_attention(
-                module, "eager", query, key, value, _additive_mask(attention_mask, query, key, is_causal), scaling,
-                dropout, **kwargs,
-            )  # fmt: skip
-            output, weights = zero_rows_without_keys(boolean_mask, output.transpose(1, 2), weights)
-            return output.transpose(1, 2), weights
-        return FAMILIES[family_name].original_attention(
-            module, implementation, query, key, value, attention_mask, scaling, dropout, **kwargs
-        )
+        return _unscored_attention(
+            module, query, key, value, attention_mask, scaling, dropout, is_causal, kwargs,
+            need_weights=need_weights, context_parallel=context_shards is not None,
+        )  # fmt: skip
     if scorer.needs_hidden_states and extras is None:
         raise RuntimeError(
             f"The {scorer.name!r} scorer of {type(module).__name__} got no query inputs: its forward pre-hook "
@@ -229,6 +209,42 @@ def _attention(
             attend=attend,
         )  # fmt: skip
         return output, None
+
+
+def _unscored_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    is_causal: bool,
+    kwargs: dict,
+    *,
+    need_weights: bool,
+    context_parallel: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_attention` for a module the patch does not score: the model's own attention, over the base it runs
+    (:func:`_unscored_implementation`). Shapes as in :func:`hf_neural_attention_forward`."""
+    implementation = _unscored_implementation(module)
+    family_name = getattr(module, FALLBACK_ATTR)[0]
+    if context_parallel:
+        refuse_unscored_under_context_parallelism(implementation, module)
+    if need_weights and implementation != "eager":
+        # Only the eager path returns probabilities. It adds its mask to the logits, so it gets the
+        # additive form of the mask this call carries (which may be SDPA's boolean one, or None for causal);
+        # the rows SDPA's boolean mask allows no key stay SDPA's zeros, so asking for maps changes no output.
+        boolean_mask = _scoring_mask(attention_mask, query, key, is_causal)
+        output, weights = FAMILIES[family_name].original_attention(
+            module, "eager", query, key, value, _additive_mask(attention_mask, query, key, is_causal), scaling,
+            dropout, **kwargs,
+        )  # fmt: skip
+        output, weights = zero_rows_without_keys(boolean_mask, output.transpose(1, 2), weights)
+        return output.transpose(1, 2), weights
+    return FAMILIES[family_name].original_attention(
+        module, implementation, query, key, value, attention_mask, scaling, dropout, **kwargs
+    )
 
 
 def wants_attention_weights(kwargs: dict) -> bool:

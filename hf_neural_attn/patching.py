@@ -40,7 +40,7 @@ from .families import FAMILIES, ModelFamily, find_attention
 from .integrations.internals import remove_forward_pre_hooks
 from .integrations.parallelism import forget_scorer_plan, shard_scorer, sharded_parameters_local, tensor_parallel_heads
 from .model_cards import checkpoint_tags
-from .ops import check_impl
+from .ops.dispatch import check_impl
 from .ops.dropout import check_probability
 from .patched_config import (
     base_config_as_recorded,
@@ -266,7 +266,7 @@ def set_impl(model: PreTrainedModel, impl: str) -> PreTrainedModel:
     Args:
         model: a model patched by :func:`patch_model` or loaded patched (or a sentence-transformers
             ``SentenceTransformer`` holding one, or a PEFT model around one: its scorers' copies switch too).
-        impl: ``"auto"``, ``"reference"``, ``"chunked"`` or ``"triton"`` (see :mod:`hf_neural_attn.ops`).
+        impl: ``"auto"``, ``"reference"``, ``"chunked"`` or ``"triton"`` (see :mod:`hf_neural_attn.ops.dispatch`).
 
     Raises:
         ValueError: ``model`` is not patched, ``impl`` is not a compute path (the message lists them) or does not

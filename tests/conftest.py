@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import CORE_FAMILIES, FUSED_SCORERS
 
-from hf_neural_attn import ops
+from hf_neural_attn.ops import dispatch
 from hf_neural_attn.ops.triton import launch
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -71,27 +71,27 @@ def triton_calls(monkeypatch):
     """Counts calls that reach the Triton path, so a silent fallback cannot pass for a kernel result."""
     calls = []
 
-    original = ops.PATHS["triton"]
+    original = dispatch.PATHS["triton"]
 
     def spy(*args, **kwargs):
         calls.append(args[1].shape)
         return original(*args, **kwargs)
 
-    monkeypatch.setitem(ops.PATHS, "triton", spy)
+    monkeypatch.setitem(dispatch.PATHS, "triton", spy)
     return calls
 
 
 @pytest.fixture
 def paths_taken(monkeypatch):
-    """The compute paths (keys of ops.PATHS) that served each attention call, in order."""
+    """The compute paths (keys of dispatch.PATHS) that served each attention call, in order."""
     taken = []
-    for name, path in list(ops.PATHS.items()):
+    for name, path in list(dispatch.PATHS.items()):
 
         def spy(*args, _name=name, _path=path, **kwargs):
             taken.append(_name)
             return _path(*args, **kwargs)
 
-        monkeypatch.setitem(ops.PATHS, name, spy)
+        monkeypatch.setitem(dispatch.PATHS, name, spy)
     return taken
 
 

@@ -39,7 +39,8 @@ from torch.func import functional_call
 
 import hf_neural_attn
 from hf_neural_attn.loading.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
-from hf_neural_attn.ops import IMPL_OPTIONS, scored_attention
+from hf_neural_attn.ops.choices import IMPL_OPTIONS
+from hf_neural_attn.ops.dispatch import scored_attention
 from hf_neural_attn.record import RECORD_KEY
 from hf_neural_attn.scorers import SCORERS, AttentionGeometry, Scorer, scorer_class
 

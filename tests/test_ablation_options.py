@@ -32,7 +32,7 @@ from helpers import (
 
 import hf_neural_attn
 from hf_neural_attn.families.llama import narrow_rotary
-from hf_neural_attn.ops import scored_attention
+from hf_neural_attn.ops.dispatch import scored_attention
 from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
 
 # Two fp32 computations of the same logits (shifted RoPE angles, cache vs. no cache): observed ~1e-7.

@@ -3,13 +3,17 @@ where the scorers' names may appear (the names come from the scorer registry its
 
 Every ``import`` counts, at module level or inside a function: a function-level import is an edge that only
 shows up late, and a circle through one is still a circle. docs/api.md ("How the code is laid out") describes
-the floors checked here.
+the floors checked here. One edge the source does not show, a package's ``__init__`` run before any module inside
+it, is checked by importing the low floors in a fresh interpreter.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import re
+import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -33,13 +37,20 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "hf_neural_attn.integrations.internals",
             "hf_neural_attn.integrations.wrapping",
             "hf_neural_attn.integrations.attention_registry",
+            # The faces of the compute package and of the integrations room: they import nothing at their top, so
+            # that importing any floor inside them runs nothing else (checked in a fresh interpreter below).
+            "hf_neural_attn.ops",
+            "hf_neural_attn.integrations",
         ),
     ),
     ("fused-term contract", ("hf_neural_attn.ops.terms",)),
     ("compute choices", ("hf_neural_attn.ops.choices",)),
     ("kernels", ("hf_neural_attn.ops.triton", "hf_neural_attn.ops.triton.*")),
-    ("compute", ("hf_neural_attn.ops", "hf_neural_attn.ops.*")),
+    # The paths and what they share: masks, dropout, grouped products, a call split into its sequences.
+    ("compute paths", ("hf_neural_attn.ops.*",)),
     ("math", ("hf_neural_attn.scorers", "hf_neural_attn.scorers.*")),
+    # Resolving the impl choice for a scorer's call and calling a path: above the scorers, which never import it.
+    ("dispatch", ("hf_neural_attn.ops.dispatch",)),
     # Where and how weights are held (offloaded, ZeRO-3 partitioned, quantized): every family reads its weights
     # through it, so it sits just below them.
     ("weight placement", ("hf_neural_attn.placement", "hf_neural_attn.placement.*")),
@@ -64,7 +75,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ),
     # What the library installs in other libraries (the table, the wrappers) and what they load from the outside
     # (a vLLM plugin): it stands on the library.
-    ("integrations", ("hf_neural_attn.integrations", "hf_neural_attn.integrations.*")),
+    ("integrations", ("hf_neural_attn.integrations.*",)),
     ("package", ("hf_neural_attn",)),
     ("commands", ("hf_neural_attn.serve",)),
 ]
@@ -174,18 +185,29 @@ def strongly_connected_components(graph: dict[str, set[str]]) -> list[list[str]]
 
 
 def floor_of(name: str) -> int | None:
+    """The floor of module ``name``: the one that names it, else the one whose package pattern (``.*``) covers it
+    most narrowly (``ops.triton.*`` before ``ops.*``); None where none does."""
     for level, (_, patterns) in enumerate(FLOORS):
-        for pattern in patterns:
-            if name == pattern or (pattern.endswith(".*") and name.startswith(pattern[:-1])):
-                return level
-    return None
+        if name in patterns:
+            return level
+    covering = [
+        (len(pattern), level)
+        for level, (_, patterns) in enumerate(FLOORS)
+        for pattern in patterns
+        if pattern.endswith(".*") and name.startswith(pattern[:-1])
+    ]
+    return max(covering)[1] if covering else None
 
 
 def test_the_checker_finds_a_circle_and_resolves_relative_imports():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert [c for c in strongly_connected_components(graph) if len(c) > 1] == [["a", "b", "c"]]
-    # from .ops import scored_attention (a name) -> the ops package; from .ops import masks -> the submodule.
-    assert "hf_neural_attn.ops" in internal_graph()["hf_neural_attn.attention"]
+    # from .families import FAMILIES (a name) -> the families package; from . import pair_mlp -> the submodule.
+    assert "hf_neural_attn.families" in internal_graph()["hf_neural_attn.attention"]
+    assert "hf_neural_attn.ops.triton.pair_mlp" in internal_graph()["hf_neural_attn.ops.triton.common"]
+    # The most narrowly covering pattern wins, and a module named on its own floor is there.
+    assert FLOORS[floor_of("hf_neural_attn.ops.triton.fused")][0] == "kernels"
+    assert FLOORS[floor_of("hf_neural_attn.ops.dispatch")][0] == "dispatch"
 
 
 def test_the_import_graph_has_no_circle():
@@ -213,10 +235,65 @@ def test_library_modules_import_only_their_floor_and_below():
 def test_the_scorers_do_not_import_the_dispatcher():
     """How a model computes (``impl``) is a run-time setting the dispatcher reads, not scorer math: the scorers read
     the compute choices' names (``ops.choices``), the fused-term contract and the grouped products, never
-    ``hf_neural_attn.ops`` itself."""
+    ``hf_neural_attn.ops.dispatch`` (nor the package's face)."""
     graph = internal_graph()
     scorers = [name for name in graph if floor_of(name) == floor_of("hf_neural_attn.scorers")]
-    assert scorers and [name for name in scorers if "hf_neural_attn.ops" in graph[name]] == []
+    dispatcher = {"hf_neural_attn.ops", "hf_neural_attn.ops.dispatch"}
+    assert scorers and [name for name in scorers if graph[name] & dispatcher] == []
+
+
+# Python runs a package's __init__ before any module inside it, an edge the graph above does not show. These modules,
+# lowest floor first, are imported one after another in a fresh interpreter; its root package is a bare stand-in,
+# since the real one imports the scorers and the installer on purpose.
+LOW_FLOORS = (
+    "hf_neural_attn.ops.terms",
+    "hf_neural_attn.ops.choices",
+    "hf_neural_attn.ops.triton",
+    "hf_neural_attn.scorers",
+)
+
+LOADED_MODULES_SCRIPT = """
+import json, sys, types
+if sys.argv[1] != "-":
+    root = types.ModuleType("hf_neural_attn")
+    root.__path__ = [sys.argv[1]]
+    sys.modules["hf_neural_attn"] = root
+loaded = {}
+for name in sys.argv[2:]:
+    __import__(name)
+    loaded[name] = sorted(module for module in sys.modules if module.startswith("hf_neural_attn."))
+print(json.dumps(loaded))
+"""
+
+
+def modules_loaded_by(names: Iterable[str], *, stand_in_root: bool) -> dict[str, list[str]]:
+    """Import ``names`` one after another in a fresh interpreter: after each, the library modules it has loaded."""
+    root = str(ROOT / "hf_neural_attn") if stand_in_root else "-"
+    finished = subprocess.run(
+        [sys.executable, "-c", LOADED_MODULES_SCRIPT, root, *names],
+        capture_output=True, text=True, timeout=300, check=False, cwd=ROOT,
+    )  # fmt: skip
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return json.loads(finished.stdout.strip().splitlines()[-1])
+
+
+def test_importing_a_low_floor_loads_only_that_floor_and_below():
+    """``import hf_neural_attn.ops.choices`` (as the scorer configs do) runs the compute package's face first, which
+    must not pull in the dispatcher, the paths or the kernels; nor may the kernels or the scorers."""
+    loaded = modules_loaded_by(LOW_FLOORS, stand_in_root=True)
+    above = {
+        name: [module for module in modules if floor_of(module) > floor_of(name)] for name, modules in loaded.items()
+    }
+    assert above == {name: [] for name in LOW_FLOORS}
+    assert "hf_neural_attn.ops.dispatch" not in loaded["hf_neural_attn.scorers"]
+
+
+def test_importing_the_library_loads_no_compute_path():
+    """``import hf_neural_attn`` (config classes, the record, the installer) loads the scorers' low floors only: the
+    dispatcher, the paths (their torch operators registered at import) and the kernels wait for the first model."""
+    (loaded,) = modules_loaded_by(["hf_neural_attn"], stand_in_root=False).values()
+    compute = ("dispatch", "reference", "chunked", "blockwise", "triton", "sequences", "packed")
+    assert [module for module in loaded if module.split(".")[2:3] in ([part] for part in compute)] == []
 
 
 def test_only_the_record_module_touches_the_saved_record():
@@ -364,6 +441,8 @@ def test_no_scorer_name_in_the_recipes():
 
 # The longest a recipe function may be (its ``def`` line to its last line, docstring included).
 RECIPE_FUNCTION_LINES = 80
+# The same rule for the library (the Triton kernels' bodies in ops/triton/ included).
+LIBRARY_FUNCTION_LINES = 80
 
 
 def string_constants_equal_to(source: str, words: set[str]) -> list[tuple[int, str]]:
@@ -388,14 +467,25 @@ def test_the_recipe_scanners_find_what_they_look_for():
     assert functions_longer_than("def g():\n" + "    x = 1\n" * 79, RECIPE_FUNCTION_LINES) == []
 
 
-def test_no_recipe_function_is_longer_than_the_limit():
-    long = [
+def long_functions_in(package: str, limit: int) -> list[str]:
+    """``module.function: N lines`` for every function of ``package`` longer than ``limit`` lines."""
+    return [
         f"{name}.{function}: {lines} lines"
         for name, path in MODULES.items()
-        if name.startswith("recipes")
-        for function, lines in functions_longer_than(path.read_text(), RECIPE_FUNCTION_LINES)
+        if name == package or name.startswith(package + ".")
+        for function, lines in functions_longer_than(path.read_text(), limit)
     ]
+
+
+def test_no_recipe_function_is_longer_than_the_limit():
+    long = long_functions_in("recipes", RECIPE_FUNCTION_LINES)
     assert long == [], f"recipe functions over {RECIPE_FUNCTION_LINES} lines: {long}"
+
+
+def test_no_library_function_is_longer_than_the_limit():
+    """A long function is a list of steps without names: each step a function of its own reads as what it does."""
+    long = long_functions_in("hf_neural_attn", LIBRARY_FUNCTION_LINES)
+    assert long == [], f"library functions over {LIBRARY_FUNCTION_LINES} lines: {long}"
 
 
 def test_no_recipe_module_outside_the_tasks_names_a_task():

@@ -32,7 +32,7 @@ import torch
 import torch._inductor.config
 import transformers as tf
 import hf_neural_attn
-from hf_neural_attn import ops
+from hf_neural_attn.ops import dispatch
 from hf_neural_attn.scorers import Scorer
 
 torch._inductor.config.fallback_random = True  # compiled graphs draw the dropout seeds eager code draws
@@ -66,8 +66,8 @@ def build(family, scorer, impl, n, dropout, base="sdpa"):
 def path_taken(model, impl, inputs, training):
     scorer = next(module for module in model.modules() if isinstance(module, Scorer))
     batch, n = inputs["input_ids"].shape
-    return ops.resolve_impl(impl, scorer, device="cpu", dtype=torch.float32, q_len=n, kv_len=n, head_dim=8,
-                            is_causal=True, batch=batch, heads=4, dropout_active=training)
+    return dispatch.resolve_impl(impl, scorer, device="cpu", dtype=torch.float32, q_len=n, kv_len=n, head_dim=8,
+                                 is_causal=True, batch=batch, heads=4, dropout_active=training)
 
 
 def step(module, model, inputs, training):

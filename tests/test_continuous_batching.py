@@ -281,7 +281,8 @@ def test_decoding_requests_scored_in_groups_equal_scored_apart(scorer, monkeypat
     they are scored a group at a time (block-diagonal mask) or one at a time, within 1e-5 (fp32); the grouping is
     checked to form groups of several requests, and to keep a prefill request (several queries) apart."""
     from hf_neural_attn import attention
-    from hf_neural_attn.ops.packed import PackedSequence, decode_groups
+    from hf_neural_attn.ops.packed import decode_groups
+    from hf_neural_attn.ops.sequences import SequenceSlice
     from hf_neural_attn.record import EXTRAS_KWARG, SCORER_ATTR
 
     torch.manual_seed(0)
@@ -301,7 +302,7 @@ def test_decoding_requests_scored_in_groups_equal_scored_apart(scorer, monkeypat
     if scorer_module.needs_hidden_states:
         kwargs[EXTRAS_KWARG] = scorer_module.query_extras(torch.randn(1, queries, model.config.hidden_size), None)
 
-    sequences = [PackedSequence(slice(q0, q1), slice(k0, k1)) for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
+    sequences = [SequenceSlice(slice(q0, q1), slice(k0, k1)) for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
     assert [len(group) for group in decode_groups(sequences, attention.DECODE_GROUP_SCORES)] == [2, 1, 2]
     with torch.no_grad():
         grouped, _ = attention.attention_with_keys(module, query, key, value, None, **dict(kwargs))

@@ -19,7 +19,7 @@ import torch
 from helpers import FUSED_SCORERS, HAS_TRITON, geometry, randomise
 
 import hf_neural_attn
-from hf_neural_attn.ops import scored_attention
+from hf_neural_attn.ops.dispatch import scored_attention
 from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
 
 pytestmark = [

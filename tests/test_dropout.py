@@ -29,8 +29,8 @@ from helpers import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_neural_attn
-from hf_neural_attn import ops
-from hf_neural_attn.ops import blockwise, chunked, scored_attention
+from hf_neural_attn.ops import blockwise, chunked, dispatch
+from hf_neural_attn.ops.dispatch import scored_attention
 from hf_neural_attn.ops.dropout import AttentionDropout, head_streams, keep_mask
 from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
 
@@ -122,14 +122,14 @@ def test_the_paths_take_the_dropout_the_dispatcher_draws(small_blocks, monkeypat
     """The chunked choice with dropout runs the blockwise path (not the reference), with one seed per call."""
     taken, seeds = [], []
     for name in ("reference", "chunked", "blockwise"):
-        original = ops.PATHS[name]
+        original = dispatch.PATHS[name]
 
         def spy(*args, _original=original, _name=name, **kwargs):
             taken.append(_name)
             seeds.append(kwargs["dropout"].seed)
             return _original(*args, **kwargs)
 
-        monkeypatch.setitem(ops.PATHS, name, spy)
+        monkeypatch.setitem(dispatch.PATHS, name, spy)
     scorer = make_scorer("qana", 2, 2)
     tensors, mask, is_causal = case("causal", 2, 2)
     run(scorer, "chunked", tensors, mask, is_causal, seed=1)
@@ -255,7 +255,7 @@ def test_auto_chooses_the_same_path_with_dropout_as_without():
     shapes = [(1, largest, largest), (1, largest + 1, largest + 1), (2, largest, largest), (1, 1, 8192), (8, 128, 128)]
     for batch, q_len, kv_len in shapes:
         chosen = {
-            ops.resolve_impl(
+            dispatch.resolve_impl(
                 "auto", scorer, device="cpu", dtype=torch.float32, q_len=q_len, kv_len=kv_len, head_dim=D,
                 is_causal=True, batch=batch, heads=4, dropout_active=active,
             )

@@ -26,21 +26,21 @@ from helpers import (
 )
 
 import hf_neural_attn
-from hf_neural_attn import ops
+from hf_neural_attn.ops import dispatch
 from hf_neural_attn.ops.triton import triton_unavailable_reason
 
 
 @pytest.fixture
 def paths_taken(monkeypatch) -> list[str]:
-    """The paths (keys of ops.PATHS) the scored calls take, in order."""
+    """The paths (keys of dispatch.PATHS) the scored calls take, in order."""
     taken = []
-    for name in list(ops.PATHS):
+    for name in list(dispatch.PATHS):
 
-        def spy(*args, _original=ops.PATHS[name], _name=name, **kwargs):
+        def spy(*args, _original=dispatch.PATHS[name], _name=name, **kwargs):
             taken.append(_name)
             return _original(*args, **kwargs)
 
-        monkeypatch.setitem(ops.PATHS, name, spy)
+        monkeypatch.setitem(dispatch.PATHS, name, spy)
     return taken
 
 

@@ -21,7 +21,8 @@ import torch
 from helpers import HIDDEN, LEFT_PADDED, family_cases, geometry, randomise
 
 import hf_neural_attn
-from hf_neural_attn.ops import blockwise, chunked, scored_attention
+from hf_neural_attn.ops import blockwise, chunked
+from hf_neural_attn.ops.dispatch import scored_attention
 from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
 
 SEQ, PADS = 12, 7

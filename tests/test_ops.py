@@ -22,7 +22,8 @@ from helpers import (
 )
 
 import hf_neural_attn
-from hf_neural_attn.ops import blockwise, chunked, scored_attention
+from hf_neural_attn.ops import blockwise, chunked
+from hf_neural_attn.ops.dispatch import scored_attention
 from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
 
 

@@ -1,6 +1,6 @@
 """A padded encoder batch of unequal lengths: the blockwise paths score each sequence against the keys its mask
-leaves it (ops.key_spans), and give what the reference gives on the whole padded batch, outputs and every gradient,
-with dropout and without (fp32, 1e-5 times a gradient's magnitude above 1)."""
+leaves it (sequences.key_spans), and give what the reference gives on the whole padded batch, outputs and every
+gradient, with dropout and without (fp32, 1e-5 times a gradient's magnitude above 1)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers import HIDDEN, geometry, randomise
 
-from hf_neural_attn import ops
-from hf_neural_attn.ops import blockwise, chunked, scored_attention
+from hf_neural_attn.ops import blockwise, chunked, dispatch, sequences
+from hf_neural_attn.ops.dispatch import scored_attention
 from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
 
 D, HEADS, Q = 4, 2, 10
@@ -64,13 +64,13 @@ def test_a_padded_batch_scores_each_sequence_on_its_own_keys(monkeypatch, name, 
     expected = run(scorer, "reference", leaves, mask, dropout)
     seen = []
     path = "chunked" if name == "neural-deep" else "blockwise"
-    original = ops.PATHS[path]
+    original = dispatch.PATHS[path]
 
     def spy(*args, **kwargs):
         seen.append((args[1].shape[0], args[2].shape[-2]))  # the sequences and keys each call scores
         return original(*args, **kwargs)
 
-    monkeypatch.setitem(ops.PATHS, path, spy)
+    monkeypatch.setitem(dispatch.PATHS, path, spy)
     output, grads = run(scorer, "chunked", leaves, mask, dropout)
     assert seen == [(1, length) for length in LENGTHS]
     torch.testing.assert_close(output, expected[0], rtol=0, atol=1e-5)
@@ -83,15 +83,49 @@ def test_a_padded_batch_scores_each_sequence_on_its_own_keys(monkeypatch, name, 
 
 def test_key_spans_only_where_padding_saves_enough():
     allowed = torch.ones(2, 1, 8, 8, dtype=torch.bool)
-    assert ops.key_spans(allowed, 2, 8) is None  # nothing to skip
+    assert sequences.key_spans(allowed, 2, 8) is None  # nothing to skip
     allowed[1, ..., 6:] = False  # 2 of 16 columns: 12.5 %
-    assert ops.key_spans(allowed, 2, 8) == [(0, 8), (0, 6)]
+    assert sequences.key_spans(allowed, 2, 8) == [(0, 8), (0, 6)]
     allowed[1, ..., 7:] = True
     allowed[1, ..., 6] = False  # a hole in the middle is not a span's edge: 1 of 16 left out, too little
-    assert ops.key_spans(allowed, 2, 8) is None
+    assert sequences.key_spans(allowed, 2, 8) is None
     allowed = torch.ones(2, 1, 8, 8, dtype=torch.bool)
     allowed[0, ..., :4] = False  # left padding: the span starts later
-    assert ops.key_spans(allowed, 2, 8) == [(4, 8), (0, 8)]
+    assert sequences.key_spans(allowed, 2, 8) == [(4, 8), (0, 8)]
     allowed[1] = False  # a sequence with no key at all keeps every column
-    assert ops.key_spans(allowed, 2, 8) == [(4, 8), (0, 8)]
-    assert ops.key_spans(None, 2, 8) is None and ops.key_spans(allowed[:1], 1, 8) is None
+    assert sequences.key_spans(allowed, 2, 8) == [(4, 8), (0, 8)]
+    assert sequences.key_spans(None, 2, 8) is None and sequences.key_spans(allowed[:1], 1, 8) is None
+
+
+def test_a_sequence_slice_cuts_a_row_or_a_span_and_keeps_broadcast_axes():
+    """The one cut both splits use: a padded batch's row (its keys' span) and a packed call's span of queries and
+    keys, applied to the query, the keys, a mask whose batch or query axis broadcasts, and per-query inputs."""
+    from typing import NamedTuple
+
+    class Extras(NamedTuple):
+        per_query: torch.Tensor  # (batch, heads, q_len, 1)
+        shared: torch.Tensor  # (1, heads, 1, 1): broadcast over the batch
+
+        def query_block(self, start, end):
+            return Extras(self.per_query[:, :, start:end], self.shared)
+
+    query, key = torch.randn(3, HEADS, 5, D), torch.randn(3, HEADS, 7, D)
+    mask = torch.randn(3, 1, 5, 7)
+    extras = Extras(torch.randn(3, HEADS, 5, 1), torch.randn(1, HEADS, 1, 1))
+
+    row = sequences.SequenceSlice(sequences.EVERY, slice(2, 6), row=1)
+    assert torch.equal(row.query_of(query), query[1:2]) and torch.equal(row.keys_of(key), key[1:2, :, 2:6])
+    assert torch.equal(row.mask_of(mask), mask[1:2, ..., 2:6])
+    assert torch.equal(row.mask_of(mask[:1, :, :1]), mask[:1, :, :1, 2:6])  # broadcast axes stay broadcast
+    row_extras = row.extras_of(extras, batch=3)
+    assert torch.equal(row_extras.per_query, extras.per_query[1:2]) and row_extras.shared is extras.shared
+    assert row.mask_of(None) is None and row.extras_of(None, batch=3) is None
+
+    span = sequences.SequenceSlice(slice(1, 3), slice(0, 4))  # a packed call: batch 1, a span of each axis
+    assert (span.q_len, span.kv_len) == (2, 4)
+    assert torch.equal(span.query_of(query[:1]), query[:1, :, 1:3]) and torch.equal(
+        span.keys_of(key[:1]), key[:1, :, :4]
+    )
+    assert torch.equal(span.mask_of(mask[:1]), mask[:1, :, 1:3, :4])
+    assert torch.equal(span.mask_of(mask[:1, :, :1]), mask[:1, :, :1, :4])
+    assert torch.equal(span.extras_of(extras, batch=1).per_query, extras.per_query[:, :, 1:3])

@@ -34,8 +34,8 @@ from helpers import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_neural_attn
-from hf_neural_attn import ops
-from hf_neural_attn.ops import blockwise, chunked, scored_attention
+from hf_neural_attn.ops import blockwise, chunked, dispatch
+from hf_neural_attn.ops.dispatch import scored_attention
 from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
 
 D = 4
@@ -226,8 +226,8 @@ def test_no_path_repeats_keys_or_values_under_grouped_query_attention(monkeypatc
 
 
 def resolve_path(scorer, impl, q_len=8, kv_len=8, **flags):
-    """The path (a key of ops.PATHS) ``impl`` takes for a causal fp32 CPU call of ``scorer``."""
-    return ops.resolve_impl(
+    """The path (a key of dispatch.PATHS) ``impl`` takes for a causal fp32 CPU call of ``scorer``."""
+    return dispatch.resolve_impl(
         impl, scorer, device="cpu", dtype=torch.float32, q_len=q_len, kv_len=kv_len, head_dim=D, is_causal=True,
         **flags,
     )  # fmt: skip
@@ -239,7 +239,7 @@ def test_auto_rule_by_shape(monkeypatch):
     scorer = make_scorer("qana", "gelu", 4, 4)  # h = 3
 
     def path(batch, q_len, kv_len, device="cpu", **flags):
-        return ops.resolve_impl(
+        return dispatch.resolve_impl(
             "auto", scorer, device=device, dtype=torch.float32, q_len=q_len, kv_len=kv_len, head_dim=D,
             is_causal=True, batch=batch, heads=4, **flags,
         )  # fmt: skip
@@ -249,7 +249,7 @@ def test_auto_rule_by_shape(monkeypatch):
     assert path(1, largest + 1, largest + 1) == "blockwise"  # QANA has a fused form: "chunked" runs it blockwise
     assert path(2, largest, largest) == "blockwise"  # the batch counts: the score tensor doubles
     assert path(1, 1, 8192) == "reference"  # a decode step scores one row
-    monkeypatch.setattr(ops, "TRITON_IN_AUTO", False)
+    monkeypatch.setattr(dispatch, "TRITON_IN_AUTO", False)
     assert path(1, 4096, 4096, device="cuda") == "blockwise"
     assert path(8, 4096, 4096, need_weights=True) == "reference"  # only the reference path returns maps
 
@@ -262,7 +262,7 @@ def test_auto_threshold_is_per_scorer():
     assert qana.reference_max_scores < neural.reference_max_scores
 
     def path(scorer, q_len):
-        return ops.resolve_impl(
+        return dispatch.resolve_impl(
             "auto", scorer, device="cpu", dtype=torch.float32, q_len=q_len, kv_len=q_len, head_dim=D,
             is_causal=True, batch=1, heads=4,
         )  # fmt: skip
@@ -280,14 +280,14 @@ def test_patch_model_defaults_to_auto_and_auto_follows_the_call(monkeypatch):
     perturb_scorers(model)
     assert scorer_impls(model) == {"auto"}
     taken = []
-    for name in list(ops.PATHS):
-        original = ops.PATHS[name]
+    for name in list(dispatch.PATHS):
+        original = dispatch.PATHS[name]
 
         def spy(*args, _original=original, _name=name, **kwargs):
             taken.append(_name)
             return _original(*args, **kwargs)
 
-        monkeypatch.setitem(ops.PATHS, name, spy)
+        monkeypatch.setitem(dispatch.PATHS, name, spy)
     inputs = model_inputs("gpt2")
     short = logits(model, inputs)
     assert taken and set(taken) == {"reference"}

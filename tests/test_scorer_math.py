@@ -24,7 +24,7 @@ from helpers import (
     rope_vector,
 )
 
-from hf_neural_attn.ops import scored_attention
+from hf_neural_attn.ops.dispatch import scored_attention
 from hf_neural_attn.scorers import (
     NeuralAttentionConfig,
     NeuralAttentionScorer,

@@ -8,7 +8,7 @@ import torch
 from helpers import F64, VOCAB, family_names, geometry, tiny_bert, tiny_llama, tiny_model
 
 import hf_neural_attn
-from hf_neural_attn.ops import scored_attention
+from hf_neural_attn.ops.dispatch import scored_attention
 from hf_neural_attn.scorers import HeaConfig, HeaScorer, NseaConfig, NseaScorer
 from hf_neural_attn.scorers.exponential import nonsquare_exp, nonsquare_product
 

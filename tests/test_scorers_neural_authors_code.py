@@ -19,7 +19,8 @@ from helpers import F64, HEADS, HIDDEN, KV_HEADS, D, causal_gradcheck, geometry,
 from torch import nn
 
 import hf_neural_attn
-from hf_neural_attn.ops import blockwise, chunked, scored_attention
+from hf_neural_attn.ops import blockwise, chunked
+from hf_neural_attn.ops.dispatch import scored_attention
 from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer
 
 TOLERANCE = {"rtol": 1e-10, "atol": 1e-10}

@@ -36,9 +36,9 @@ from helpers import (
 from torch.utils._pytree import tree_map_only
 
 import hf_neural_attn
-from hf_neural_attn import ops
-from hf_neural_attn.ops import resolve_impl, scored_attention
+from hf_neural_attn.ops import dispatch
 from hf_neural_attn.ops import triton as ops_triton
+from hf_neural_attn.ops.dispatch import resolve_impl, scored_attention
 from hf_neural_attn.ops.triton import fused
 from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
 
@@ -304,13 +304,13 @@ def resolve(scorer, impl, device="cpu", dtype=torch.float32, q_len=8, kv_len=8, 
 
 @pytest.mark.parametrize("name", FUSED_SCORERS)
 def test_auto_takes_triton_on_cuda_except_while_compiling(monkeypatch, name):
-    """With ops.TRITON_IN_AUTO (set since the kernels were verified on a GPU), CUDA calls the kernels support go to
-    them, except while torch.compile traces (inductor cannot compile them yet); switched off, CUDA calls get the
+    """With dispatch.TRITON_IN_AUTO (set since the kernels were verified on a GPU), CUDA calls the kernels support go
+    to them, except while torch.compile traces (inductor cannot compile them yet); switched off, CUDA calls get the
     CPU's rule. CPU calls never do."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     scorer = make_scorer(name, 2, 1)
     long = {"q_len": 4096, "kv_len": 4096}
-    assert ops.TRITON_IN_AUTO
+    assert dispatch.TRITON_IN_AUTO
     expected = "triton" if HAS_TRITON else "blockwise"
     assert resolve(scorer, "auto", device="cuda", **long) == expected
     assert resolve(scorer, "auto", device="cuda") == ("triton" if HAS_TRITON else "reference")
@@ -319,10 +319,10 @@ def test_auto_takes_triton_on_cuda_except_while_compiling(monkeypatch, name):
     assert resolve(scorer, "auto", device="cuda") == "reference"
     monkeypatch.undo()
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(ops, "TRITON_IN_AUTO", False)
+    monkeypatch.setattr(dispatch, "TRITON_IN_AUTO", False)
     assert resolve(scorer, "auto", device="cuda") == "reference"
     assert resolve(scorer, "auto", device="cuda", **long) == "blockwise"
-    monkeypatch.setattr(ops, "TRITON_IN_AUTO", True)
+    monkeypatch.setattr(dispatch, "TRITON_IN_AUTO", True)
     assert resolve(scorer, "auto", device="cuda", **long) == expected
     assert resolve(scorer, "auto", device=torch.device("cuda", 1), dtype=torch.bfloat16, **long) == expected
     assert resolve(scorer, "auto", device="cpu", **long) == "blockwise"
@@ -343,13 +343,13 @@ def test_auto_takes_triton_on_cuda_except_while_compiling(monkeypatch, name):
 
 def test_auto_runs_the_chunked_path_above_the_threshold(monkeypatch):
     calls = []
-    original = ops.PATHS["blockwise"]
+    original = dispatch.PATHS["blockwise"]
 
     def spy(*args, **kwargs):
         calls.append(args[2].shape)  # the keys it was given: their kv heads, not repeated
         return original(*args, **kwargs)
 
-    monkeypatch.setitem(ops.PATHS, "blockwise", spy)
+    monkeypatch.setitem(dispatch.PATHS, "blockwise", spy)
     always_blockwise(monkeypatch)
     scorer = make_scorer("neural", 2, 1, impl="auto")
     _, query, key, value, mask, _ = attention_case(2, 1, 5, 5, "causal")
@@ -363,7 +363,7 @@ def test_auto_runs_the_chunked_path_above_the_threshold(monkeypatch):
 @needs_triton
 def test_unsupported_configs_fall_back_under_auto_and_raise_under_triton(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(ops, "TRITON_IN_AUTO", True)
+    monkeypatch.setattr(dispatch, "TRITON_IN_AUTO", True)
     deep = make_scorer("neural", 2, 1, h=4, depth=2)
     cases = [
         (deep, {}, "depth=2"),
@@ -392,8 +392,8 @@ def test_triton_error_reaches_the_caller_through_a_patched_model(interpreter):
 
 def test_without_triton_auto_falls_back_and_triton_says_how_to_install(monkeypatch):
     monkeypatch.setattr(ops_triton, "triton_available", lambda: False)
-    monkeypatch.setattr(ops, "TRITON_IN_AUTO", True)
-    monkeypatch.setattr(ops, "_WARNED", set())
+    monkeypatch.setattr(dispatch, "TRITON_IN_AUTO", True)
+    monkeypatch.setattr(dispatch, "_WARNED", set())
     scorer = make_scorer("qana", 2, 1)
     with pytest.warns(UserWarning, match="pip install triton"):
         assert resolve(scorer, "auto", device="cuda", q_len=4096, kv_len=4096) == "blockwise"
@@ -412,28 +412,28 @@ def test_check_impl_names_what_triton_is_missing(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for impl in PORTABLE_IMPLS:
-        ops.check_impl(impl)
-        ops.check_impl(impl, torch.device("cpu"))
+        dispatch.check_impl(impl)
+        dispatch.check_impl(impl, torch.device("cpu"))
     with pytest.raises(ValueError, match="needs a CUDA device.*TRITON_INTERPRET=1"):
-        ops.check_impl("triton")
+        dispatch.check_impl("triton")
     with pytest.raises(ValueError, match="on 'cpu'.*TRITON_INTERPRET=1.*not enabled"):
-        ops.check_impl("triton", torch.device("cpu"))
+        dispatch.check_impl("triton", torch.device("cpu"))
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    ops.check_impl("triton")
-    ops.check_impl("triton", torch.device("cuda", 0))
+    dispatch.check_impl("triton")
+    dispatch.check_impl("triton", torch.device("cuda", 0))
     with pytest.raises(ValueError, match="on 'cpu'"):
-        ops.check_impl("triton", torch.device("cpu"))  # CUDA exists, but these tensors are not on it
+        dispatch.check_impl("triton", torch.device("cpu"))  # CUDA exists, but these tensors are not on it
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    ops.check_impl("triton")
-    ops.check_impl("triton", torch.device("cpu"))
+    dispatch.check_impl("triton")
+    dispatch.check_impl("triton", torch.device("cpu"))
 
     monkeypatch.setattr(ops_triton, "triton_available", lambda: False)
     with pytest.raises(ValueError, match="needs the triton package.*pip install triton"):
-        ops.check_impl("triton")
-    ops.check_impl("auto")  # falls back to the chunked path instead
+        dispatch.check_impl("triton")
+    dispatch.check_impl("auto")  # falls back to the chunked path instead
 
 
 def test_kernel_layer_imports_no_scorer():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..ops import check_impl
+from ..ops.dispatch import check_impl
 from .adapters import find_adapter_config, load_adapter_model
 from .files import check_model_class, check_not_training_state, check_source
 from .full import load_full_checkpoint

@@ -2,7 +2,7 @@
 
 ``impl="chunked"`` runs this path for scorers without a fused form; those with one (QANA, one-layer Neural
 Attention) get the blockwise pair-MLP path (:mod:`.blockwise`) instead, which computes the same thing with a
-hand-written backward. The dispatcher in :mod:`hf_neural_attn.ops` makes that choice.
+hand-written backward. The dispatcher in :mod:`hf_neural_attn.ops.dispatch` makes that choice.
 
 The reference path keeps every (query, key) activation of the scoring MLP for backward:
 batch × heads × n × n × h numbers per patched layer. Here queries are processed in blocks of

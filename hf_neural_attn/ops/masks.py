@@ -108,3 +108,13 @@ def query_rows_seeing_all(attention_mask: torch.Tensor | None, q_len: int) -> li
     if empty.shape[-1] == 1:  # one mask row for every query
         empty = empty.expand(-1, q_len)
     return [tuple(row.nonzero().flatten().tolist()) for row in empty]
+
+
+def zero_rows_without_keys(attention_mask: torch.Tensor | None, *tensors: torch.Tensor | None) -> tuple:
+    """``tensors`` (each (batch, heads, q_len, …), or None) with zeros in the query rows a boolean mask allows no key:
+    SDPA's safe softmax gives them zero, with no gradient (see :func:`rows_without_keys`). The mask is read once for
+    all of them; other masks leave them as they are."""
+    if attention_mask is None or attention_mask.dtype != torch.bool:
+        return tensors
+    empty = rows_without_keys(attention_mask)
+    return tuple(tensor.masked_fill(empty, 0) if tensor is not None else None for tensor in tensors)

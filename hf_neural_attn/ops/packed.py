@@ -12,11 +12,10 @@ linear in the tokens and no sequence sees another.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from .masks import causal_allowed
+from .sequences import SequenceSlice
 
 # The keyword arguments of a packed call that describe the packing (and its paged cache): what is left once a
 # sequence is cut out of it is an ordinary call.
@@ -36,24 +35,9 @@ PACKING_KWARGS = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class PackedSequence:
-    """Where one sequence of a packed call lies: its queries and its keys (slices of the sequence axis)."""
-
-    queries: slice
-    keys: slice
-
-    @property
-    def q_len(self) -> int:
-        return self.queries.stop - self.queries.start
-
-    @property
-    def kv_len(self) -> int:
-        return self.keys.stop - self.keys.start
-
-
-def packed_sequences(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> list[PackedSequence] | None:
-    """The sequences of a packed call, or None for an ordinary call (no ``cu_seq_lens_q`` / ``cu_seq_lens_k``).
+def packed_sequences(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> list[SequenceSlice] | None:
+    """The sequences of a packed call, each its span of queries and of keys (:class:`.sequences.SequenceSlice`, which
+    cuts its tensors out of the call's), or None for an ordinary call (no ``cu_seq_lens_q`` / ``cu_seq_lens_k``).
 
     query: (1, heads, total_q, head_dim); key: (1, kv_heads, total_kv, head_dim). Sequences without queries (the
     padding entries of a static-shape batch, where the cumulative lengths plateau) are left out.
@@ -92,7 +76,7 @@ def packed_sequences(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> li
                 f"{query.shape[-2]} queries and {key.shape[-2]} keys: a sequence's queries must be the last of its "
                 "keys."
             )
-        sequences.append(PackedSequence(slice(q_start, q_end), slice(k_start, k_end)))
+        sequences.append(SequenceSlice(slice(q_start, q_end), slice(k_start, k_end)))
     return sequences
 
 
@@ -104,10 +88,10 @@ def packed_sequences(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> li
 DECODE_GROUP_SCORES = 2**12
 
 
-def decode_groups(sequences: list[PackedSequence], max_scores: int) -> list[list[PackedSequence]]:
+def decode_groups(sequences: list[SequenceSlice], max_scores: int) -> list[list[SequenceSlice]]:
     """``sequences`` in order, runs of one-query sequences (decoding requests) gathered into groups whose queries x
     keys stay within ``max_scores``; every other sequence is a group of its own."""
-    groups: list[list[PackedSequence]] = []
+    groups: list[list[SequenceSlice]] = []
     for sequence in sequences:
         last = groups[-1] if groups else None
         if (
@@ -120,18 +104,20 @@ def decode_groups(sequences: list[PackedSequence], max_scores: int) -> list[list
     return groups
 
 
-def group_span(group: list[PackedSequence]) -> tuple[slice, slice]:
+def group_span(group: list[SequenceSlice]) -> SequenceSlice:
     """The queries and the keys of a group of consecutive sequences, which lie end to end."""
-    return slice(group[0].queries.start, group[-1].queries.stop), slice(group[0].keys.start, group[-1].keys.stop)
+    return SequenceSlice(
+        slice(group[0].queries.start, group[-1].queries.stop), slice(group[0].keys.start, group[-1].keys.stop)
+    )
 
 
-def group_mask(group: list[PackedSequence], device) -> torch.Tensor:
+def group_mask(group: list[SequenceSlice], device) -> torch.Tensor:
     """The boolean mask (1, 1, queries, keys), True = attend, of a group of one-query sequences: each query sees all
     its own sequence's keys (a decoding step's causal mask) and no other's."""
-    queries, keys = group_span(group)
-    allowed = torch.zeros(queries.stop - queries.start, keys.stop - keys.start, dtype=torch.bool, device=device)
+    span = group_span(group)
+    allowed = torch.zeros(span.q_len, span.kv_len, dtype=torch.bool, device=device)
     for row, sequence in enumerate(group):
-        allowed[row, sequence.keys.start - keys.start : sequence.keys.stop - keys.start] = True
+        allowed[row, sequence.keys.start - span.keys.start : sequence.keys.stop - span.keys.start] = True
     return allowed[None, None]
 
 
@@ -140,7 +126,7 @@ def _bounds(cumulative: torch.Tensor | list[int]) -> list[int]:
 
 
 def sequence_mask(
-    sequence: PackedSequence, *, is_causal: bool, sliding_window: int | None, device
+    sequence: SequenceSlice, *, is_causal: bool, sliding_window: int | None, device
 ) -> torch.Tensor | None:
     """The boolean mask (1, 1, q_len, kv_len), True = attend, of one sequence of a causal packed call: causal with its
     queries at the end of its keys, and within ``sliding_window`` positions of each query where the layer has a
@@ -156,10 +142,3 @@ def sequence_mask(
         rows = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
         allowed &= torch.arange(kv_len, device=device)[None, :] > rows - sliding_window
     return allowed[None, None]
-
-
-def sequence_block(attention_mask: torch.Tensor, sequence: PackedSequence) -> torch.Tensor:
-    """The block of a mask over the whole packed row, (batch or 1, heads or 1, total_q or 1, total_kv), on one
-    sequence's queries and keys; a broadcast query axis stays broadcast."""
-    queries = sequence.queries if attention_mask.shape[-2] > 1 else slice(None)
-    return attention_mask[..., queries, sequence.keys]

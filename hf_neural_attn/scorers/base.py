@@ -74,9 +74,9 @@ class ScorerConfig:
     impl: str = option(
         DEFAULT_IMPL,
         "how scores become attention outputs: auto (the default) picks per call, the reference path for small "
-        "score tensors and chunked above (see ops.resolve_impl); reference materialises the score matrix (the test "
-        "oracle); chunked computes blocks of queries and recomputes them in backward (memory linear in n); triton "
-        "runs fused CUDA kernels (QANA, Neural Attention with depth 1)",
+        "score tensors and chunked above (see ops.dispatch.resolve_impl); reference materialises the score matrix "
+        "(the test oracle); chunked computes blocks of queries and recomputes them in backward (memory linear in n); "
+        "triton runs fused CUDA kernels (QANA, Neural Attention with depth 1)",
         choices=IMPL_OPTIONS,
         runtime=True,
     )
@@ -265,10 +265,10 @@ class Scorer(nn.Module):
     # implement :meth:`attend`; the ``impl`` paths, which are all softmax attention, then do not apply.
     uses_softmax: ClassVar[bool] = True
     # impl="auto" materialises the scores (the reference path) while batch * heads * q_len * kv_len * h is at most
-    # this many numbers, and computes them a block of queries at a time above (ops.resolve_impl reads it). Where the
-    # two paths cross depends on the scorer: one whose blockwise form crosses elsewhere sets its own value, measured
-    # by benchmarks/auto_threshold.py (docs/benchmarks.md, "The auto rule"). This default serves the generic chunked
-    # path, measured before the fused scorers got values of their own.
+    # this many numbers, and computes them a block of queries at a time above (ops.dispatch.resolve_impl reads it).
+    # Where the two paths cross depends on the scorer: one whose blockwise form crosses elsewhere sets its own value,
+    # measured by benchmarks/auto_threshold.py (docs/benchmarks.md, "The auto rule"). This default serves the generic
+    # chunked path, measured before the fused scorers got values of their own.
     reference_max_scores: ClassVar[int] = 3 * 2**19
     # Whether a query's output can depend on other queries (NSEA's column sums run over every query). Such a scorer
     # cannot score a slice of the queries alone, which is what context parallelism hands each process.

@@ -3,9 +3,9 @@
 This package imports without triton. Layout (after flash-linear-attention's ``fla/ops``):
 
 * ``__init__.py`` (here): whether the kernels can run (:func:`triton_unavailable_reason` for the machine,
-  :func:`kernel_unsupported_reason` for one call's term and shapes) and :func:`triton_attention`, what the dispatcher in
-  :mod:`hf_neural_attn.ops` calls. It takes a :class:`~hf_neural_attn.ops.terms.FusedInputs` (plain tensors and a
-  few static values), never a scorer.
+  :func:`kernel_unsupported_reason` for one call's term and shapes) and :func:`triton_attention`, what the dispatcher
+  (:mod:`hf_neural_attn.ops.dispatch`) calls. It takes a :class:`~hf_neural_attn.ops.terms.FusedInputs` (plain
+  tensors and a few static values), never a scorer.
 * ``fused.py``: the torch side; the limits and :func:`fused_attention` (imports ``custom_ops.py`` on the first
   call).
 * ``custom_ops.py``: the kernels as torch operators (``torch.library.triton_op``: ``torch.ops.hf_neural_attn``'s
