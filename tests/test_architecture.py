@@ -43,11 +43,17 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # Parallelism shards the scorers (tensor), gathers keys (context) and refuses Ulysses: beside the families.
     (
         "model plumbing",
-        ("hf_neural_attn.families", "hf_neural_attn.families.*", "hf_neural_attn.integrations.parallelism"),
+        (
+            "hf_neural_attn.families",
+            "hf_neural_attn.families.*",
+            "hf_neural_attn.integrations.parallelism",
+            "hf_neural_attn.narrow_keys",
+        ),
     ),
     ("record", ("hf_neural_attn.record",)),
     ("config", ("hf_neural_attn.model_cards", "hf_neural_attn.patched_config")),
     ("attention", ("hf_neural_attn.attention",)),
+    ("patch plan", ("hf_neural_attn.patch_plan",)),
     ("patching", ("hf_neural_attn.patching",)),
     ("loading", ("hf_neural_attn.loading", "hf_neural_attn.loading.*")),
     (
