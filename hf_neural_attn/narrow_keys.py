@@ -6,9 +6,9 @@ the model's own width); everything the option means to the rest of the library i
 * building the narrower query and key projections of an attention module without changing it
   (:func:`narrow_key_projections`), and installing them (:func:`use_narrow_keys`): the module then runs
   :class:`NarrowKeyLlamaAttention`, Llama's forward with the query and key width apart from the value width;
-* the refusals: a quantized base (:func:`check_base`), undoing the patch (:func:`refuse_unpatch`), an adapter-only
-  save (:func:`refuse_adapter`), PEFT adapters (:func:`refuse_peft`), accelerate's offloading of a checkpoint being
-  loaded (:func:`refuse_offloading`), and vLLM (:func:`refuse_vllm`): each says why and what to do instead;
+* the refusals: a quantized base (:func:`check_base`); undoing the patch, an adapter-only save, PEFT adapters
+  (:func:`refuse`); accelerate's offloading of a checkpoint being loaded (:func:`refuse_offloading`), and vLLM
+  (:func:`refuse_vllm`): each says why and what to do instead;
 * the questions other modules ask: the width a patched model runs at (:func:`width_of`) and the one a record names
   (:func:`recorded_width`).
 
@@ -106,46 +106,30 @@ def recorded_width(record: Any) -> int | None:
     return record.scorer_config().narrow_key_dim
 
 
-def refuse_unpatch(model: nn.Module) -> None:
-    """``unpatch_model`` of a narrow-key model: its query and key projections were replaced, there is no original.
+# What cannot be done with a narrow-key model, and why: the end of "This model was patched with key_dim=<width>".
+_REFUSALS = {
+    # unpatch_model
+    "unpatch": ", which replaced its query and key projections by narrower ones: there is no original model to go "
+    "back to. Reload the original checkpoint instead.",
+    # save_adapter
+    "save an adapter": ": its query and key projections are new too, so no base model on disk holds the rest of it. "
+    "Save the full model with model.save_pretrained.",
+    # peft_modules_to_save and the PEFT helpers
+    "train PEFT adapters": ", a from-scratch option whose new query and key projections must train in full: train "
+    "all its parameters rather than adapters.",
+}
+
+
+def refuse(model: nn.Module, action: str) -> None:
+    """Refuse ``action`` (a key of :data:`_REFUSALS`: ``"unpatch"``, ``"save an adapter"``, ``"train PEFT
+    adapters"``) on a narrow-key ``model``, whose query and key projections were replaced; any other model passes.
 
     Raises:
-        ValueError: ``model`` runs narrow keys.
+        ValueError: ``model`` runs narrow keys, saying why ``action`` cannot be done and what to do instead.
     """
     width = width_of(model)
     if width is not None:
-        raise ValueError(
-            f"This model was patched with key_dim={width}, which replaced its query and key projections by narrower "
-            "ones: there is no original model to go back to. Reload the original checkpoint instead."
-        )
-
-
-def refuse_adapter(model: nn.Module) -> None:
-    """An adapter-only save of a narrow-key model: no base model on disk holds its new projections.
-
-    Raises:
-        ValueError: ``model`` runs narrow keys.
-    """
-    width = width_of(model)
-    if width is not None:
-        raise ValueError(
-            f"This model was patched with key_dim={width}: its query and key projections are new too, so no base "
-            "model on disk holds the rest of it. Save the full model with model.save_pretrained."
-        )
-
-
-def refuse_peft(model: nn.Module) -> None:
-    """PEFT adapters on a narrow-key model, whose new projections must train in full.
-
-    Raises:
-        ValueError: ``model`` runs narrow keys.
-    """
-    width = width_of(model)
-    if width is not None:
-        raise ValueError(
-            f"This model was patched with key_dim={width}, a from-scratch option whose new query and key projections "
-            "must train in full: train all its parameters rather than adapters."
-        )
+        raise ValueError(f"This model was patched with key_dim={width}{_REFUSALS[action]}")
 
 
 def refuse_offloading(width: int | None, device_map, offload_folder) -> None:

@@ -14,7 +14,7 @@ import copy
 import dataclasses
 import operator
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -69,15 +69,16 @@ class PatchPlan:
             the plan patches it in place instead of copying it first.
     """
 
-    model: PreTrainedModel
+    # The modules are left out of the repr, which names the patch (its record) rather than print the model.
+    model: PreTrainedModel = field(repr=False)
     family: ModelFamily
-    attention_modules: tuple[nn.Module, ...]
-    config_readers: tuple[nn.Module, ...]
+    attention_modules: tuple[nn.Module, ...] = field(repr=False)
+    config_readers: tuple[nn.Module, ...] = field(repr=False)
     record: PatchRecord
-    scorers: Mapping[int, Scorer]
-    narrow_projections: Mapping[int, Mapping[str, nn.Module]]
+    scorers: Mapping[int, Scorer] = field(repr=False)
+    narrow_projections: Mapping[int, Mapping[str, nn.Module]] = field(repr=False)
     narrow_width: int | None
-    head_shards: Mapping[int, Any]
+    head_shards: Mapping[int, Any] = field(repr=False)
     needs_hidden_states: bool
     config_is_private: bool = False
 

@@ -97,7 +97,7 @@ def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
         return model
     if not is_patched(model):
         raise ValueError("This model is not patched by hf_neural_attn; there is nothing to unpatch.")
-    narrow_keys.refuse_unpatch(model)
+    narrow_keys.refuse(model, "unpatch")
     _remove_model_tags(model, checkpoint_tags(patch_record(model).scorer))
     config_readers = [module for module in model.modules() if hasattr(module, FALLBACK_ATTR)]
     for module in config_readers:

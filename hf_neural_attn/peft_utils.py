@@ -53,7 +53,7 @@ def peft_modules_to_save(model: nn.Module) -> list[str]:
             "This model is not patched by hf_neural_attn, so it has no scorer modules for PEFT to train. "
             "Call hf_neural_attn.patch_model(model, ...) before peft.get_peft_model."
         )
-    narrow_keys.refuse_peft(model)
+    narrow_keys.refuse(model, "train PEFT adapters")
     _warn_if_adapters_would_name_an_unpatched_base(model)
     suffix = f".{SCORER_ATTR}"
     return [name for name, _ in model.named_modules() if name.endswith(suffix)]

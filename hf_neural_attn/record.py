@@ -40,8 +40,8 @@ SCORER_ATTR = "attn_scorer"  # submodule of each patched attention module
 # On every attention module that reads the patched config: (family name, original implementation), so the modules
 # the patch does not score keep running the model's own attention. Its presence is what "patched" means.
 FALLBACK_ATTR = "_hf_neural_attn_fallback"
-# On modules the patch put in place of the model's own (narrow query and key projections, hf_neural_attn.narrow_keys): their parameters are new, like
-# the scorers' (they train, save and load with the patch).
+# On modules the patch put in place of the model's own (narrow query and key projections, hf_neural_attn.narrow_keys):
+# their parameters are new, like the scorers' (they train, save and load with the patch).
 ADDED_MODULE_ATTR = "_hf_neural_attn_added"
 EXTRAS_KWARG = "hf_neural_attn_extras"  # per-query scorer inputs passed from the pre-hook to the attention function
 # On the classes the loaders build a patched checkpoint's base model with: transformers' from_pretrained, which sends

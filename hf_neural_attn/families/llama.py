@@ -29,8 +29,8 @@ class LlamaFamily(ModelFamily):
 
     def rotary(self, module, args, kwargs):
         cos, sin = call_argument(module, args, kwargs, "position_embeddings")
-        # A module patched with narrow keys turns its narrower queries with tables cut to their width (it is a
-        # NarrowKeyLlamaAttention of hf_neural_attn.narrow_keys, which sits beside this module and imports the families).
+        # A module patched with narrow keys turns its narrower queries with tables cut to their width: it is a
+        # NarrowKeyLlamaAttention (hf_neural_attn.narrow_keys, which imports the families, so is not imported here).
         rotary_tables = getattr(module, "rotary_tables", None)
         if rotary_tables is not None:
             cos, sin = rotary_tables(cos, sin)

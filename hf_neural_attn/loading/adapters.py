@@ -322,7 +322,7 @@ def _adapter_contents(
             "This model is not patched by hf_neural_attn, so it has no adapter to save. "
             "Patch it with hf_neural_attn.patch_model, or save it with model.save_pretrained."
         )
-    narrow_keys.refuse_adapter(model)
+    narrow_keys.refuse(model, "save an adapter")
     architecture = type(model).__name__
     if getattr(transformers, architecture, None) is not type(model):
         raise ValueError(
