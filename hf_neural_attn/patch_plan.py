@@ -16,7 +16,7 @@ import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
@@ -122,8 +122,8 @@ def plan_patch(
     }
     # Options the model decides ("auto") are recorded as what was computed, so that a saved record does not depend
     # on the loading version's rule; where the layers differ (SmolLM3's layers without RoPE), "auto" stays.
-    resolved = [layer[0] for layer in built.values()]
-    if all(options == resolved[0] for options in resolved):
+    resolved = [layer.config for layer in built.values()]
+    if all(layer_config == resolved[0] for layer_config in resolved):
         config = resolved[0]
     from_scratch = config.from_scratch_reason()
     if from_scratch:
@@ -145,10 +145,10 @@ def plan_patch(
             base_model_type=model_type_under_patch(model.config),
             version=__version__,
         ),
-        scorers={index: layer[1] for index, layer in built.items()},
-        narrow_projections={index: layer[2] for index, layer in built.items()},
+        scorers={index: layer.scorer for index, layer in built.items()},
+        narrow_projections={index: layer.narrow_projections for index, layer in built.items()},
         narrow_width=config.narrow_key_dim,
-        head_shards={index: layer[3] for index, layer in built.items()},
+        head_shards={index: layer.head_shard for index, layer in built.items()},
         needs_hidden_states=scorer_type.needs_hidden_states,
         config_is_private=config_is_private,
     )
@@ -169,11 +169,19 @@ def _check_patchable(model: PreTrainedModel) -> None:
         )
 
 
+class _LayerPatch(NamedTuple):
+    """What the patch of one attention module is made of, built without changing the module."""
+
+    config: ScorerConfig  # the scorer config resolved for the module
+    scorer: Scorer
+    narrow_projections: dict[str, nn.Module]  # empty without narrow keys
+    head_shard: Any  # how the scorer shards with the module's heads under tensor parallelism, or None
+
+
 def _build_layer(
     model, family: ModelFamily, module: nn.Module, scorer_type: type[Scorer], config: ScorerConfig, quantized_dtype
-):
-    """(the config resolved for ``module``, its new scorer, its narrow projections (empty without narrow keys), its
-    tensor-parallel head shard or None), built without changing ``module``.
+) -> _LayerPatch:
+    """The patch of attention ``module``, built without changing it.
 
     Offloaded weights are loaded while the module is read (as accelerate loads them for a call); the scorer is created
     on the module's execution device and stays there, outside the offloading. Weights DeepSpeed ZeRO-3 partitioned are
@@ -194,7 +202,7 @@ def _build_layer(
     # Under tensor parallelism the scorer shards with the module's heads, or the patch is refused here.
     head_shard = tensor_parallel_heads(model, module, scorer)
     partition_like(module, [scorer, *projections.values()])
-    return resolved, scorer, projections, head_shard
+    return _LayerPatch(resolved, scorer, projections, head_shard)
 
 
 def apply_patch(plan: PatchPlan) -> PreTrainedModel:
