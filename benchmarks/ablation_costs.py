@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_neural_attn
-from hf_neural_attn.ops import scored_attention
+from hf_neural_attn.ops.dispatch import scored_attention
 
 
 def llama_config(args, layers: int) -> LlamaConfig:

@@ -22,7 +22,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import hf_neural_attn
-from hf_neural_attn.ops import scored_attention
+from hf_neural_attn.ops.dispatch import scored_attention
 
 
 def patched_scorer(family: str, scorer_name: str, n: int, heads: int, head_dim: int, h: int):

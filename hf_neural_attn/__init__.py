@@ -84,10 +84,10 @@ def __dir__() -> list[str]:
 _integrations.install_on_import()
 
 __all__ = [
+    "LIBRARY_NAME",
     "AdditiveConfig",
     "GeneralConfig",
     "HeaConfig",
-    "LIBRARY_NAME",
     "NeuralAttentionConfig",
     "NseaConfig",
     "PatchRecord",

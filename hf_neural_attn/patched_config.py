@@ -151,9 +151,11 @@ define_implementation_descriptor(
 
 
 def _rebuild_patched_config(base_class: type[PretrainedConfig], state: dict[str, Any]) -> PretrainedConfig:
-    config = base_class.__new__(base_class)
+    """A patched config of ``base_class`` with the attributes ``state``, made as what it is (a copy, an unpickled
+    one): no class changes after it is made."""
+    patched_class = patched_config_class(base_class)
+    config = patched_class.__new__(patched_class)
     config.__dict__.update(state)
-    config.__class__ = patched_config_class(base_class)
     return config
 
 
@@ -239,8 +241,15 @@ def base_config(config: PretrainedConfig, memo: dict[int, Any] | None = None) ->
     """A copy of ``config`` as the unpatched model's config: plain base class, no record, and its own
     ``_attn_implementation`` (a patched config keeps the base model's underneath). ``memo``: ``copy.deepcopy``'s,
     which then maps each sub-config to its copy."""
-    plain = copy.deepcopy(config, memo)
-    make_unpatched(plain)
+    memo = {} if memo is None else memo
+    if is_patched_config(config):
+        # Made as the base class (a deep copy of the attributes), not copied as a patched config and switched back.
+        base_class = config._base_config_class
+        plain = memo[id(config)] = base_class.__new__(base_class)
+        plain.__dict__.update(copy.deepcopy(vars(config), memo))
+    else:
+        plain = copy.deepcopy(config, memo)
+    remove_record(plain)
     if saved_implementation(plain) == ATTN_IMPLEMENTATION:
         store_implementation(plain, None)  # set by hand or read from a plain class load
     if plain.__dict__.get("model_type") == PATCHED_MODEL_TYPE:
@@ -248,8 +257,10 @@ def base_config(config: PretrainedConfig, memo: dict[int, Any] | None = None) ->
     return plain
 
 
-def config_from_saved_dict(config_dict: dict[str, Any], **kwargs):
-    """Build the patched config of a checkpoint whose config.json says ``model_type: "hf_neural_attn"``.
+def config_from_saved_dict(config_dict: dict[str, Any], *, patched: bool = True, **kwargs):
+    """Build the patched config of a checkpoint whose config.json says ``model_type: "hf_neural_attn"``; ``patched``
+    False: its base config, carrying the record (what the library's loaders read: they build the base model, then
+    patch its config once).
 
     Called by transformers through ``AutoConfig.from_pretrained`` (see :class:`hf_neural_attn.auto.
     PatchedCheckpointConfig`); returns what ``PretrainedConfig.from_dict`` returns for the base config class.
@@ -269,7 +280,8 @@ def config_from_saved_dict(config_dict: dict[str, Any], **kwargs):
     if auto_map:  # a base model with custom code of its own keeps it
         plain["auto_map"] = auto_map
     result = CONFIG_MAPPING[base_type].from_dict(plain, **kwargs)
-    make_patched(result[0] if isinstance(result, tuple) else result)
+    if patched:
+        make_patched(result[0] if isinstance(result, tuple) else result)
     return result
 
 
@@ -283,6 +295,15 @@ class PatchedCheckpointConfig(PretrainedConfig):
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
         return config_from_saved_dict(config_dict, **kwargs)
+
+
+class PatchedCheckpointBaseConfig(PatchedCheckpointConfig):
+    """The library's loaders' reader of a patched checkpoint's config.json: its base config, carrying the record
+    (:func:`config_from_saved_dict` with ``patched=False``)."""
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        return config_from_saved_dict(config_dict, patched=False, **kwargs)
 
 
 @contextlib.contextmanager

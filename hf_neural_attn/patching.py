@@ -24,51 +24,22 @@ How the swap works, using transformers' own extension points rather than copies 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import operator
-from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ._version import __version__
-from ._warnings import warn_user
-from .families import FAMILIES, ModelFamily, find_attention
+from . import narrow_keys
 from .integrations.internals import remove_forward_pre_hooks
-from .integrations.parallelism import forget_scorer_plan, shard_scorer, sharded_parameters_local, tensor_parallel_heads
+from .integrations.parallelism import forget_scorer_plan
 from .model_cards import checkpoint_tags
 from .ops.dispatch import check_impl
-from .ops.dropout import check_probability
-from .patched_config import (
-    base_config_as_recorded,
-    implementation_under_patch,
-    make_patched,
-    make_unpatched,
-    model_type_under_patch,
-)
-from .placement.offload import offloaded_weights_loaded
-from .placement.quantized import activation_dtype
-from .placement.zero3 import (
-    partition_like,
-    partitioned_weights_gathered,
-    register_scorer_parameters,
-    unregister_scorer_parameters,
-)
-from .record import (
-    ADDED_MODULE_ATTR,
-    EXTRAS_KWARG,
-    FALLBACK_ATTR,
-    SCORER_ATTR,
-    PatchRecord,
-    inner_transformers_model,
-    is_patched,
-    patch_record,
-    patched_key_dim,
-)
-from .scorers import Scorer, ScorerConfig, scorer_class
+from .patch_plan import add_query_extras, adopt_private_configs, apply_patch, configs_read_by, plan_patch
+from .patched_config import make_unpatched
+from .placement.zero3 import unregister_scorer_parameters
+from .record import FALLBACK_ATTR, SCORER_ATTR, PatchRecord, inner_transformers_model, is_patched, patch_record
+from .scorers import Scorer, ScorerConfig
 
 
 def patch_model(
@@ -99,7 +70,8 @@ def patch_model(
     With the default options of ``"qana"``, ``"neural"``, ``"additive"`` and ``"general"`` the patched model's
     outputs equal the original's, and training moves them; ``"nsea"`` and ``"hea"`` are for training from
     scratch.
-    Every argument is checked before the model is touched: a call that raises leaves it as it was.
+    Every argument is checked before the model is touched (:func:`~hf_neural_attn.patch_plan.plan_patch` builds
+    the whole patch first): a call that raises leaves it as it was.
 
     Raises:
         ValueError: unknown scorer or option, invalid value, layer index out of range, already patched.
@@ -109,117 +81,8 @@ def patch_model(
     if inner is not None:  # patched in place: the SentenceTransformer runs, saves and loads it as its own
         patch_model(inner, scorer, h=h, layers=layers, **options)
         return model
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError(
-            f"patch_model expects a transformers PreTrainedModel, got {type(model).__name__}. "
-            f"Supported families: {sorted(FAMILIES)}."
-        )
-    if is_patched(model):
-        record = patch_record(model)
-        raise ValueError(
-            f"This model is already patched with scorer {record.scorer!r} on layers {list(record.layers)}. "
-            "Call hf_neural_attn.unpatch_model(model) first to patch it differently."
-        )
-    config = _scorer_config(scorer, h, options)
-    family, attention_modules, config_readers = find_attention(model)
-    selected = _normalise_layers(layers, len(attention_modules))
-    _check_attention_dropout(model.config, family)
-    scorer_type = scorer_class(config.scorer_name)
-    if getattr(config, "init", None) == "zero":
-        warn_user(
-            "init='zero' is the papers' literal init: the model stays exact, but no gradient ever reaches the "
-            "new parameters, so it cannot leave plain attention. Use init='default' to train."
-        )
-    # impl="triton" where Triton cannot run fails here, not at the first forward. Only the machine is checked:
-    # models are often patched on the CPU and moved to the GPU afterwards.
-    check_impl(getattr(config, "impl", "reference"))
-    # Build every new module before touching the model, so a failure here changes nothing. Offloaded weights
-    # are loaded while their module is read (as accelerate loads them for a call); the scorers are created on the
-    # module's execution device and stay there, outside the offloading. Weights DeepSpeed ZeRO-3 partitioned are
-    # gathered the same way, and the new modules are partitioned like them once built (see families/zero3.py).
-    new_scorers, narrow_projections, resolved, head_shards = {}, {}, {}, {}
-    key_dim = getattr(config, "key_dim", None)
-    # A quantized base (bitsandbytes, torchao) keeps its projections in packed storage: the scorers are built in the
-    # dtype its activations run in (families/quantized.py).
-    quantized_dtype = activation_dtype(model)
-    if quantized_dtype is not None and key_dim is not None:
-        raise ValueError(_KEY_DIM_ON_QUANTIZED.format(key_dim=key_dim))
-    for index in selected:
-        module = attention_modules[index]
-        with offloaded_weights_loaded(module), partitioned_weights_gathered(module.parameters()):
-            scorer_type.check_module(config, module)
-            geometry = family.geometry(module)
-            if quantized_dtype is not None:
-                geometry = dataclasses.replace(geometry, dtype=quantized_dtype)
-            resolved[index] = config.resolved(geometry)
-            new_scorers[index] = scorer_type(resolved[index], geometry)
-            if key_dim is not None:
-                narrow_projections[index] = family.narrow_key_projections(module, key_dim)
-        # Under tensor parallelism the scorer shards with the module's heads, or the patch is refused here.
-        head_shards[index] = tensor_parallel_heads(model, module, new_scorers[index])
-        partition_like(module, [new_scorers[index], *narrow_projections.get(index, {}).values()])
-    # Options the model decides ("auto") are recorded as what was computed, so that a saved record does not depend
-    # on the loading version's rule; where the layers differ (SmolLM3's layers without RoPE), "auto" stays.
-    if all(options == resolved[selected[0]] for options in resolved.values()):
-        config = resolved[selected[0]]
-
-    from_scratch = config.from_scratch_reason()
-    if from_scratch:
-        warn_user(
-            f"{from_scratch}: the patched model's outputs differ from the original's from the start. This option is "
-            "for training from scratch (the papers' ablations); leave it out to fine-tune a pretrained model."
-        )
-    base_implementation = implementation_under_patch(model.config)
-    record = PatchRecord(
-        scorer=config.scorer_name,
-        options=config.to_dict(),
-        layers=tuple(selected),
-        family=family.name,
-        base_attn_implementation=base_implementation,
-        base_model_type=model_type_under_patch(model.config),
-        version=__version__,
-    )
-    # From here on the model changes; nothing below can fail on user input.
-    _adopt_private_configs(model)
-    # The base implementation is read from each module's config at call time (set_attn_implementation changes it);
-    # the one at patch time serves modules that hold no config.
-    fallback = (family.name, base_implementation)
-    for module in config_readers:
-        setattr(module, FALLBACK_ATTR, fallback)
-    for index, scorer_module in new_scorers.items():
-        module = attention_modules[index]
-        module.add_module(SCORER_ATTR, scorer_module)
-        register_scorer_parameters(model, module, scorer_module)
-        if index in narrow_projections:
-            family.use_narrow_keys(module, key_dim, narrow_projections[index])
-            for projection in narrow_projections[index].values():
-                setattr(projection, ADDED_MODULE_ATTR, True)
-        if head_shards[index] is not None:
-            shard_scorer(model, module, scorer_module, head_shards[index], narrow_projections.get(index, {}))
-        if scorer_type.needs_hidden_states:
-            module.register_forward_pre_hook(partial(_add_query_extras, family), with_kwargs=True)
-    for config_object in _configs(model, config_readers):
-        make_patched(config_object)
-    record.write_to(model.config)
-    # transformers' own card writers (push_to_hub's, the Trainer's) add a model's model_tags to the cards they write.
-    model.add_model_tags(checkpoint_tags(record.scorer))
-    return model
-
-
-_KEY_DIM_ON_QUANTIZED = (
-    "hf_neural_attn cannot patch a quantized model with key_dim={key_dim}: key_dim replaces the query and key "
-    "projections by narrower ones trained from scratch, which a quantized base cannot hold. Leave key_dim out (the "
-    "scorers train beside the quantized projections), or build the model in float to train key_dim from scratch. The "
-    "model was not changed."
-)
-
-
-def _check_attention_dropout(config: PretrainedConfig, family: ModelFamily) -> None:
-    """The config's attention dropout is a probability. The scorers apply it, so a value the unpatched model would
-    refuse at its first training step (above 1, negative, NaN) is refused here, before the model changes."""
-    value = getattr(config, family.attention_dropout_field, None)
-    if value is not None:
-        check_probability(value, f"config.{family.attention_dropout_field}")
+    plan = plan_patch(model, scorer, h=h, layers=layers, options=options)
+    return apply_patch(plan)
 
 
 def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
@@ -234,12 +97,7 @@ def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
         return model
     if not is_patched(model):
         raise ValueError("This model is not patched by hf_neural_attn; there is nothing to unpatch.")
-    key_dim = patched_key_dim(model)
-    if key_dim is not None:
-        raise ValueError(
-            f"This model was patched with key_dim={key_dim}, which replaced its query and key projections by narrower "
-            "ones: there is no original model to go back to. Reload the original checkpoint instead."
-        )
+    narrow_keys.refuse(model, "unpatch")
     _remove_model_tags(model, checkpoint_tags(patch_record(model).scorer))
     config_readers = [module for module in model.modules() if hasattr(module, FALLBACK_ATTR)]
     for module in config_readers:
@@ -251,7 +109,7 @@ def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
     # The configs stay the model's private copies: handing the caller's shared object back is not possible
     # without undoing changes the caller may have made since. Their own implementation shows again.
     forget_scorer_plan(model, SCORER_ATTR)
-    for config_object in _configs(model, config_readers):
+    for config_object in configs_read_by(model, config_readers):
         make_unpatched(config_object)
     return model
 
@@ -297,55 +155,9 @@ def _remove_model_tags(model: PreTrainedModel, tags: list[str]) -> None:
         del model.model_tags
 
 
-def _scorer_config(scorer: str | ScorerConfig, h: int | None, options: dict[str, Any]) -> ScorerConfig:
-    if isinstance(scorer, ScorerConfig):
-        if h is not None or options:
-            raise ValueError(
-                "Pass either a scorer config object or a scorer name with options, not both "
-                f"(got a {type(scorer).__name__} and h={h!r}, options {sorted(options)})."
-            )
-        scorer.validate()
-        # A private copy: the patched modules and the record must not change if the caller's object does.
-        return copy.deepcopy(scorer)
-    if not isinstance(scorer, str):
-        raise TypeError(f"scorer must be a scorer name or config object, got {type(scorer).__name__}.")
-    config_class = scorer_class(scorer).config_class
-    if h is not None:
-        options = {"h": h, **options}
-    return config_class.from_options(options)
-
-
-def _normalise_layers(layers, num_layers: int) -> list[int]:
-    if layers is None:
-        return list(range(num_layers))
-    if isinstance(layers, Mapping):  # iterating would read its keys and drop its values in silence
-        raise ValueError(
-            f"layers must be None (every layer), a layer index or a list of layer indices; got {layers!r}."
-        )
-    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__") or getattr(layers, "ndim", None) == 0:
-        layers = [layers]
-    selected = []
-    for index in layers:
-        try:
-            if isinstance(index, bool):
-                raise TypeError
-            index = operator.index(index)  # Python, numpy and 0-d tensor integers
-        except TypeError:
-            raise ValueError(
-                f"layers must be None (every layer), a layer index or a list of layer indices; got {index!r}."
-            ) from None
-        if not -num_layers <= index < num_layers:
-            raise ValueError(
-                f"Layer index {index} is out of range: this model has {num_layers} attention layers "
-                f"(valid indices 0..{num_layers - 1}, or negative from the end)."
-            )
-        selected.append(index % num_layers)
-    if not selected:
-        raise ValueError("layers is empty; pass None to patch every layer or a list of layer indices.")
-    return sorted(set(selected))
-
-
-def patch_as_recorded(model: PreTrainedModel, config: PretrainedConfig) -> PreTrainedModel:
+def patch_as_recorded(
+    model: PreTrainedModel, config: PretrainedConfig, *, config_is_private: bool = False
+) -> PreTrainedModel:
     """Patch ``model``, just built from ``config`` (a patched model's, or a patched checkpoint's) or from a plain copy
     of it, as the record ``config`` carries says: the same scorer, options and layers, with freshly initialised
     scorers, as any model built from a config is freshly initialised. The one rule for a model built from a patched
@@ -355,15 +167,17 @@ def patch_as_recorded(model: PreTrainedModel, config: PretrainedConfig) -> PreTr
     A model built from ``config`` itself shares it, and its modules run ``"hf_neural_attn"`` without scorers: it
     gets a plain copy of the config first, on the base implementation ``config`` runs (the record's where it names
     none, as a config read from a checkpoint does), so that the patch records that base and ``config``, with the model
-    it came from, stays as it was.
+    it came from, stays as it was. ``config_is_private``: ``model`` was built from a plain copy made for it alone (the
+    Auto classes' ``from_config``), which the patch then goes into rather than into another copy.
 
     Raises:
         ValueError: ``config`` carries no record, or one that does not read (:func:`recorded_patch`).
     """
     scorer, layers = recorded_patch(config)  # read first: a record that does not read leaves the model as it was
     if model.config is config:
-        _adopt_private_configs(model, unpatched=True)
-    return patch_model(model, scorer, layers=layers)
+        adopt_private_configs(model, unpatched=True)
+        config_is_private = True  # the copy just made is the model's own: the patch goes into it
+    return apply_patch(plan_patch(model, scorer, layers=layers, config_is_private=config_is_private))
 
 
 def recorded_patch(config: PretrainedConfig) -> tuple[ScorerConfig, list[int]]:
@@ -381,41 +195,5 @@ def recorded_patch(config: PretrainedConfig) -> tuple[ScorerConfig, list[int]]:
     return record.scorer_config(), list(record.layers)
 
 
-def _adopt_private_configs(model: nn.Module, *, unpatched: bool = False) -> None:
-    """Give ``model`` its own deep copy of its config (and of every sub-config its modules hold); ``unpatched``: the
-    top config as the unpatched model's, on the base its record names
-    (:func:`~hf_neural_attn.patched_config.base_config_as_recorded`).
-
-    In transformers 5 a model keeps the config object it was built from, and models built from one object share
-    it. Patching writes into the config, so without a copy it would patch (and break) every sibling model.
-    """
-    memo: dict[int, Any] = {}
-    model.config = base_config_as_recorded(model.config, memo) if unpatched else copy.deepcopy(model.config, memo)
-    for module in model.modules():
-        for name, value in list(vars(module).items()):
-            if isinstance(value, PretrainedConfig) and id(value) in memo:
-                setattr(module, name, memo[id(value)])
-
-
-def _configs(model: nn.Module, attention_modules: list[nn.Module]) -> list:
-    """Every config object whose ``_attn_implementation`` the model's attention or masks read."""
-    seen: dict[int, Any] = {id(model.config): model.config}
-    for module in attention_modules:
-        config = getattr(module, "config", None)
-        if config is not None:
-            seen.setdefault(id(config), config)
-    return list(seen.values())
-
-
-def _add_query_extras(family: ModelFamily, module: nn.Module, args: tuple, kwargs: dict):
-    """Forward pre-hook of a patched module whose scorer reads hidden states: compute its per-query inputs."""
-    scorer: Scorer = getattr(module, SCORER_ATTR)
-    hidden_states = family.hidden_states(module, args, kwargs)
-    # A scorer accelerate offloaded (patched, then dispatched); a scorer sharded by tensor parallelism.
-    with offloaded_weights_loaded(scorer), sharded_parameters_local(scorer):
-        kwargs[EXTRAS_KWARG] = scorer.query_extras(hidden_states, family.rotary(module, args, kwargs))
-    return args, kwargs
-
-
-def _remove_query_extras_hooks(module: nn.Module) -> None:
-    remove_forward_pre_hooks(module, lambda hook: isinstance(hook, partial) and hook.func is _add_query_extras)
+def _remove_query_extras_hooks(module) -> None:
+    remove_forward_pre_hooks(module, lambda hook: isinstance(hook, partial) and hook.func is add_query_extras)

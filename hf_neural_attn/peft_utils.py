@@ -12,8 +12,9 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
+from . import narrow_keys
 from ._warnings import warn_user
-from .record import PATCHED_MODEL_TYPE, SCORER_ATTR, inner_transformers_model, is_patched, patched_key_dim
+from .record import PATCHED_MODEL_TYPE, SCORER_ATTR, inner_transformers_model, is_patched
 
 
 def peft_modules_to_save(model: nn.Module) -> list[str]:
@@ -52,11 +53,7 @@ def peft_modules_to_save(model: nn.Module) -> list[str]:
             "This model is not patched by hf_neural_attn, so it has no scorer modules for PEFT to train. "
             "Call hf_neural_attn.patch_model(model, ...) before peft.get_peft_model."
         )
-    if patched_key_dim(model) is not None:
-        raise ValueError(
-            f"This model was patched with key_dim={patched_key_dim(model)}, a from-scratch option whose new query and "
-            "key projections must train in full: train all its parameters rather than adapters."
-        )
+    narrow_keys.refuse(model, "train PEFT adapters")
     _warn_if_adapters_would_name_an_unpatched_base(model)
     suffix = f".{SCORER_ATTR}"
     return [name for name, _ in model.named_modules() if name.endswith(suffix)]

@@ -31,9 +31,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import narrow_keys
 from .families import find_attention
 from .patching import unpatch_model
-from .record import SCORER_ATTR, is_patched, patch_record, patched_key_dim
+from .record import SCORER_ATTR, is_patched, patch_record
 from .scorers import Scorer
 
 # Layout of the attention-map figure, in inches at ``dpi``: the image is
@@ -72,8 +73,8 @@ def unpatched_view(model: nn.Module) -> nn.Module:
         # A forward set on the instance (Accelerate's mixed-precision wrapper, say) may close over the original
         # module: the copy would silently run the patched model. Fall back to the class's own forward.
         module.__dict__.pop("forward", None)
-    if is_patched(view) and patched_key_dim(view) is not None:
-        # The patch replaced the query and key projections by narrower ones (key_dim), so there is no original model.
+    if is_patched(view) and narrow_keys.width_of(view) is not None:
+        # The patch replaced the query and key projections by narrower ones, so there is no original model.
         # The plain dot product of the same (narrower) queries and keys is what each scorer answers for as its
         # dot-product-only view (Scorer.dot_product_view). The scorers return probabilities on every path, as eager
         # would.

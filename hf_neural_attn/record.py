@@ -40,8 +40,8 @@ SCORER_ATTR = "attn_scorer"  # submodule of each patched attention module
 # On every attention module that reads the patched config: (family name, original implementation), so the modules
 # the patch does not score keep running the model's own attention. Its presence is what "patched" means.
 FALLBACK_ATTR = "_hf_neural_attn_fallback"
-# On modules the patch put in place of the model's own (QANA's key_dim projections): their parameters are new, like
-# the scorers' (they train, save and load with the patch).
+# On modules the patch put in place of the model's own (narrow query and key projections, hf_neural_attn.narrow_keys):
+# their parameters are new, like the scorers' (they train, save and load with the patch).
 ADDED_MODULE_ATTR = "_hf_neural_attn_added"
 EXTRAS_KWARG = "hf_neural_attn_extras"  # per-query scorer inputs passed from the pre-hook to the attention function
 # On the classes the loaders build a patched checkpoint's base model with: transformers' from_pretrained, which sends
@@ -215,13 +215,6 @@ class PatchRecord:
         base = self.base_attn_implementation
         return base if base in ("eager", "sdpa") else None
 
-    @property
-    def key_dim(self) -> int | None:
-        """QANA's ``key_dim`` (narrower queries and keys), or None: a model patched with it has new query and key
-        projections, so it has no original to unpatch to and no base model an adapter could be applied to."""
-        key_dim = self.options.get("key_dim")
-        return key_dim if isinstance(key_dim, int) and not isinstance(key_dim, bool) else None
-
     def scorer_config(self, impl: str | None = None) -> ScorerConfig:
         """The scorer config this record describes, computing on the path ``impl`` names (None: the default,
         :data:`~hf_neural_attn.ops.choices.DEFAULT_IMPL`), checked like any option.
@@ -296,13 +289,6 @@ def is_patched(model: nn.Module) -> bool:
     return isinstance(model, nn.Module) and any(hasattr(module, FALLBACK_ATTR) for module in model.modules())
 
 
-def patched_key_dim(model: nn.Module) -> int | None:
-    """The ``key_dim`` a model was patched with (QANA's narrower keys), or None when it was not (or is not patched):
-    :attr:`PatchRecord.key_dim` of its record."""
-    record = patch_record(model)
-    return record.key_dim if record is not None else None
-
-
 def carries_record(config: Any) -> bool:
     """Whether a config, or a config.json's content (a mapping), carries a patch record, whether it reads or not.
     A composite model's sub-configs carry none: the record is the top config's."""
@@ -332,7 +318,8 @@ def _record_data(config: Any) -> Any:
 
 def scorer_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """The parameters the patch added, by their names in ``model.named_parameters()``: the scorers', and those of
-    the narrower query and key projections that QANA's ``key_dim`` puts in place of the model's."""
+    the narrower query and key projections that narrow keys (:mod:`hf_neural_attn.narrow_keys`) put in place of the
+    model's."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"scorer_parameters expects a model (a torch nn.Module), got {type(model).__name__}.")
     marker = f".{SCORER_ATTR}."

@@ -31,7 +31,7 @@ from helpers import (
 )
 
 import hf_neural_attn
-from hf_neural_attn.families.llama import narrow_rotary
+from hf_neural_attn.narrow_keys import narrow_rotary
 from hf_neural_attn.ops.dispatch import scored_attention
 from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
 

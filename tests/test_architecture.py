@@ -57,11 +57,17 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # Parallelism shards the scorers (tensor), gathers keys (context) and refuses Ulysses: beside the families.
     (
         "model plumbing",
-        ("hf_neural_attn.families", "hf_neural_attn.families.*", "hf_neural_attn.integrations.parallelism"),
+        (
+            "hf_neural_attn.families",
+            "hf_neural_attn.families.*",
+            "hf_neural_attn.integrations.parallelism",
+            "hf_neural_attn.narrow_keys",
+        ),
     ),
     ("record", ("hf_neural_attn.record",)),
     ("config", ("hf_neural_attn.model_cards", "hf_neural_attn.patched_config")),
     ("attention", ("hf_neural_attn.attention",)),
+    ("patch plan", ("hf_neural_attn.patch_plan",)),
     ("patching", ("hf_neural_attn.patching",)),
     ("loading", ("hf_neural_attn.loading", "hf_neural_attn.loading.*")),
     (
@@ -437,6 +443,65 @@ def test_no_scorer_name_in_the_recipes():
     assert scorer_names_in("recipes") == []
 
 
+# --- only the narrow-key module knows the narrow-key option -----------------------------------------------------
+
+# The option's name, which only the scorer that declares it (its config answers ``narrow_key_dim``) and the module
+# holding what it means to the rest of the library may use.
+NARROW_KEY_OPTION = "key_dim"
+NARROW_KEY_MODULES = ("hf_neural_attn.narrow_keys", "hf_neural_attn.scorers.qana")
+
+
+def option_name_uses(source: str, option: str) -> list[tuple[int, str]]:
+    """(line, how) of every use of ``option`` in the code of ``source``: a name, an attribute, a parameter, a keyword,
+    or a string of code holding it (f-strings by their literal parts; docstrings and comments are prose)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name) and node.id == option:
+            found.append((node.lineno, "name"))
+        elif isinstance(node, ast.Attribute) and node.attr == option:
+            found.append((node.lineno, "attribute"))
+        elif isinstance(node, ast.arg) and node.arg == option:
+            found.append((node.lineno, "parameter"))
+        elif isinstance(node, ast.keyword) and node.arg == option:
+            found.append((node.lineno, "keyword"))
+    found += [(line, "string") for line, text in code_strings(source) if option in text]
+    return sorted(found)
+
+
+def test_the_option_scanner_finds_uses_in_code_and_not_in_prose():
+    snippet = '''
+"""A module about key_dim."""
+
+
+def width(config, key_dim=None):
+    """Reads key_dim."""
+    # a comment on key_dim
+    value = config.key_dim or options.get("key_dim")
+    return f"key_dim={value}", make(key_dim=value), key_dim
+'''
+    assert option_name_uses(snippet, "key_dim") == [
+        (5, "parameter"),
+        (8, "attribute"),
+        (8, "string"),
+        (9, "keyword"),
+        (9, "name"),
+        (9, "string"),
+    ]
+
+
+def test_no_module_outside_the_narrow_key_module_names_the_narrow_key_option():
+    """The narrow-key option is declared by its scorer (``ScorerConfig.narrow_key_dim``) and what it means to the
+    rest of the library (the narrow projections, the refusals, the questions asked of a model or a record) lives in
+    ``hf_neural_attn/narrow_keys.py``: no other library module reads the option by its name."""
+    found = [
+        f"{name}:{line} {how}"
+        for name, path in MODULES.items()
+        if name.startswith("hf_neural_attn") and name not in NARROW_KEY_MODULES
+        for line, how in option_name_uses(path.read_text(), NARROW_KEY_OPTION)
+    ]
+    assert found == []
+
+
 # ------------------------------------------------------------------------------------- the recipe rooms
 
 # The longest a recipe function may be (its ``def`` line to its last line, docstring included).
@@ -504,13 +569,13 @@ def test_no_recipe_module_outside_the_tasks_names_a_task():
     assert found == []
 
 
-
 def test_the_sweep_does_not_import_the_finetune_command():
     """``recipes.finetune`` is one run's command line; the sweep runs ``recipes.training.run`` and reads the flags'
     helpers from ``recipes.args``, so that a sweep never depends on a command (and the command may grow freely)."""
     graph = internal_graph()
     sweep = [name for name in graph if name == "recipes.sweep" or name.startswith("recipes.sweep.")]
     assert sweep and [name for name in sweep if "recipes.finetune" in graph[name]] == []
+
 
 # --- one room for what the library changes in other libraries ---------------------------------------------------
 

@@ -138,7 +138,7 @@ def test_key_dim_with_disk_offload_is_refused_at_load(tmp_path):
             tmp_path / "ckpt", device_map="auto", max_memory={"cpu": "20KB"}, offload_folder=tmp_path / "off"
         )
     loaded = hf_neural_attn.from_pretrained(tmp_path / "ckpt", device_map="cpu")  # one device: fine
-    assert hf_neural_attn.patch_record(loaded).key_dim == 4
+    assert hf_neural_attn.patch_record(loaded).scorer_config().narrow_key_dim == 4
 
 
 def test_key_dim_decodes_the_same_with_the_static_cache():

@@ -78,25 +78,6 @@ class ModelFamily:
         tensor, or None for models without rotary embeddings."""
         return None
 
-    def narrow_key_projections(self, module: nn.Module, key_dim: int) -> dict[str, nn.Module]:
-        """New query and key projections of width ``key_dim`` per head for ``module`` (QANA's ``key_dim``), by
-        attribute name; built without changing the module. Families that support narrow keys override this and
-        :meth:`use_narrow_keys`.
-
-        Raises:
-            ValueError: this family's attention cannot run with narrower keys.
-        """
-        raise ValueError(
-            f"key_dim is not supported on {type(module).__name__} ({self.name} family): narrower keys need the "
-            "attention forward to shape queries and keys apart from values, which hf_neural_attn provides for Llama "
-            "attention (LlamaAttention). Leave key_dim out, or train a Llama-architecture model."
-        )
-
-    def use_narrow_keys(self, module: nn.Module, key_dim: int, projections: dict[str, nn.Module]) -> None:
-        """Install what :meth:`narrow_key_projections` built: ``module`` then computes ``key_dim``-wide queries and
-        keys (its KV cache holds them) and keeps its values' width."""
-        raise NotImplementedError
-
 
 def call_argument(module: nn.Module, args: tuple, kwargs: dict, name: str):
     """The value of parameter ``name`` in a call ``module(*args, **kwargs)``, however it was passed."""

@@ -88,7 +88,7 @@ def _loader_for(auto_class: type) -> type:
             recorded_patch(config)  # read before the model is built: no record, or a damaged one, fails fast
             plain = base_config_as_recorded(config)
             model = _base_model_class(auto_class, plain)._from_config(plain, **kwargs)
-            return patch_as_recorded(model, config)
+            return patch_as_recorded(model, config, config_is_private=True)  # ``plain`` was made for this model
 
     PatchedModelLoader.__name__ = PatchedModelLoader.__qualname__ = f"{auto_class.__name__}PatchedLoader"
     return PatchedModelLoader

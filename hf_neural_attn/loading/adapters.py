@@ -34,6 +34,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import cached_file
 
+from .. import narrow_keys
 from .._version import __version__
 from .._warnings import warn_user
 from ..integrations.internals import hub_file_or_none
@@ -45,7 +46,6 @@ from ..record import (
     inner_transformers_model,
     is_patched,
     patch_record,
-    patched_key_dim,
     scorer_parameters,
 )
 from .checksums import base_checksum_names, base_checksums, changed_base_tensors, loaded_parameter
@@ -190,28 +190,8 @@ def load_adapter_model(
     metadata = _read_adapter_config(adapter_config_file, source)
     record: PatchRecord = metadata["patch"]
     scorer = record.scorer_config(impl)
-    if base_model_name_or_path is not None:
-        base, revision = str(base_model_name_or_path), base_model_revision
-    else:
-        base, revision = metadata["base_model_name_or_path"], base_model_revision or metadata["base_model_revision"]
-        if not (isinstance(base, str) and base):
-            raise ValueError(
-                f"{source}/{ADAPTER_CONFIG_NAME} is damaged: base_model_name_or_path must name the base model (a "
-                f"Hub repo id or a folder), got {base!r}. Restore the file, or pass base_model_name_or_path= to "
-                "hf_neural_attn.from_pretrained."
-            )
-        if revision is not None and not isinstance(revision, str):
-            raise ValueError(
-                f"{source}/{ADAPTER_CONFIG_NAME} is damaged: base_model_revision must be a revision name or null, "
-                f"got {revision!r}. Restore the file, or pass base_model_revision=."
-            )
-    if model_class is None:
-        model_class = getattr(transformers, metadata["architectures"][0], None)
-    if model_class is None:
-        raise ValueError(
-            f"The adapter {source} was saved from a {metadata['architectures'][0]}, which this version of "
-            f"transformers ({transformers.__version__}) does not have; pass model_class=."
-        )
+    base, revision = _adapter_base(source, metadata, base_model_name_or_path, base_model_revision)
+    model_class = _adapter_model_class(source, metadata, model_class)
 
     adapter_lookup = {key: hf_kwargs[key] for key in FILE_KWARGS if key in hf_kwargs}
     # Read the tensors before loading the base model, so a broken adapter fails fast.
@@ -255,6 +235,59 @@ def load_adapter_model(
         )
     # After the structural checks (family, layers, shapes), which say more; weights the base checkpoint lacks
     # are reported below as missing, with their own hint.
+    _check_base_checksums(model, metadata, info, describe, base, revision)
+    warn_missing_base_weights(info, base)
+    return (model, info) if hf_kwargs.get("output_loading_info", False) else model
+
+
+def _adapter_base(
+    source: str, metadata: dict[str, Any], base_model_name_or_path, base_model_revision
+) -> tuple[str, str | None]:
+    """(the base model to load the adapter ``source`` on, its revision): the caller's, else the adapter's own.
+
+    Raises:
+        ValueError: the adapter's JSON names no valid base or revision (damaged).
+    """
+    if base_model_name_or_path is not None:
+        return str(base_model_name_or_path), base_model_revision
+    base, revision = metadata["base_model_name_or_path"], base_model_revision or metadata["base_model_revision"]
+    if not (isinstance(base, str) and base):
+        raise ValueError(
+            f"{source}/{ADAPTER_CONFIG_NAME} is damaged: base_model_name_or_path must name the base model (a "
+            f"Hub repo id or a folder), got {base!r}. Restore the file, or pass base_model_name_or_path= to "
+            "hf_neural_attn.from_pretrained."
+        )
+    if revision is not None and not isinstance(revision, str):
+        raise ValueError(
+            f"{source}/{ADAPTER_CONFIG_NAME} is damaged: base_model_revision must be a revision name or null, "
+            f"got {revision!r}. Restore the file, or pass base_model_revision=."
+        )
+    return base, revision
+
+
+def _adapter_model_class(source: str, metadata: dict[str, Any], model_class):
+    """The class to build: the caller's, else the transformers class the adapter was saved from.
+
+    Raises:
+        ValueError: this version of transformers has no class of that name.
+    """
+    if model_class is None:
+        model_class = getattr(transformers, metadata["architectures"][0], None)
+    if model_class is None:
+        raise ValueError(
+            f"The adapter {source} was saved from a {metadata['architectures'][0]}, which this version of "
+            f"transformers ({transformers.__version__}) does not have; pass model_class=."
+        )
+    return model_class
+
+
+def _check_base_checksums(model, metadata: dict[str, Any], info, describe: str, base: str, revision) -> None:
+    """The loaded base weights are those the adapter was saved on (its checksums; weights the base checkpoint lacks
+    are left to :func:`~.rebuild.warn_missing_base_weights`).
+
+    Raises:
+        ValueError: a checked base tensor differs.
+    """
     recorded = {k: v for k, v in (metadata["base_checksums"] or {}).items() if k not in set(info["missing_keys"])}
     changed = changed_base_tensors(model, recorded)
     if changed:
@@ -264,8 +297,6 @@ def load_adapter_model(
             f"differ, e.g. {changed[:3]}. It would not reproduce the saved model. Load the base it was saved "
             "on (base_model_name_or_path= / base_model_revision=), or save the full model instead."
         )
-    warn_missing_base_weights(info, base)
-    return (model, info) if hf_kwargs.get("output_loading_info", False) else model
 
 
 # ---------------------------------------------------------------------------------------------- internals
@@ -291,11 +322,7 @@ def _adapter_contents(
             "This model is not patched by hf_neural_attn, so it has no adapter to save. "
             "Patch it with hf_neural_attn.patch_model, or save it with model.save_pretrained."
         )
-    if patched_key_dim(model) is not None:
-        raise ValueError(
-            f"This model was patched with key_dim={patched_key_dim(model)}: its query and key projections are new "
-            "too, so no base model on disk holds the rest of it. Save the full model with model.save_pretrained."
-        )
+    narrow_keys.refuse(model, "save an adapter")
     architecture = type(model).__name__
     if getattr(transformers, architecture, None) is not type(model):
         raise ValueError(

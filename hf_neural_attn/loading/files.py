@@ -20,7 +20,7 @@ from transformers.core_model_loading import revert_weight_conversion
 from transformers.utils import CONFIG_NAME
 
 from ..integrations.internals import hub_file_or_none, with_reversible_conversions_only
-from ..patched_config import PatchedCheckpointConfig
+from ..patched_config import PatchedCheckpointBaseConfig
 from ..record import PATCHED_MODEL_TYPE, carries_record
 
 # Keyword arguments that locate files (on disk or on the Hub); shared by the config, weights and our reads.
@@ -61,9 +61,10 @@ def load_config(path_or_repo_id: str, hf_kwargs: dict[str, Any]) -> tuple[Any, d
     loading, overrides = split_config_overrides(hf_kwargs)
     lookup = {key: loading[key] for key in (*FILE_KWARGS, "trust_remote_code") if key in loading}
     # A patched checkpoint's config.json is read by the library's config class itself, not through AutoConfig's
-    # registry: loading works with the integrations switched off (hf_neural_attn.integrations.installer).
+    # registry: loading works with the integrations switched off (hf_neural_attn.integrations.installer). It is read
+    # as its base config with the record: the loaders build the base model from it, and the patch makes it patched.
     saved = saved_config_dict(path_or_repo_id, lookup)
-    reader = PatchedCheckpointConfig if (saved or {}).get("model_type") == PATCHED_MODEL_TYPE else AutoConfig
+    reader = PatchedCheckpointBaseConfig if (saved or {}).get("model_type") == PATCHED_MODEL_TYPE else AutoConfig
     config, unused = reader.from_pretrained(path_or_repo_id, return_unused_kwargs=True, **lookup, **overrides)
     return config, {**loading, **unused}
 

@@ -15,12 +15,13 @@ from typing import Any
 
 import torch
 
+from .. import narrow_keys
 from .._version import __version__
 from .._warnings import warn_user
 from ..families import find_attention
 from ..integrations.internals import pop_adapter_model_path, saved_implementation
 from ..integrations.parallelism import copy_whole_tensor
-from ..patching import patch_model
+from ..patch_plan import AttentionSearch, apply_patch, plan_patch
 from ..placement.zero3 import full_shape, partitioned_weights_gathered
 from ..record import BASE_LOAD_ATTR, PEFT_WRAPPER_PARTS, SCORER_ATTR, PatchRecord, scorer_parameters
 from ..scorers import ScorerConfig
@@ -51,20 +52,17 @@ def _warn_if_other_version(record: PatchRecord, source: str) -> PatchRecord:
     return record
 
 
-def check_base_fits(model, record: PatchRecord, misfit: Callable[[str, Any], Exception]) -> None:
-    """The base ``model`` loaded for ``record`` (not yet patched) is of the recorded family and has the recorded
-    layers: the one fit check of both kinds of checkpoint (the scorer tensors' shapes are checked when they are
-    filled, :func:`fill_scorer_weights`).
+def check_base_fits(attention: AttentionSearch, record: PatchRecord, misfit: Callable[[str, Any], Exception]) -> None:
+    """The base model loaded for ``record`` (not yet patched), whose attention search (:func:`find_attention`) is
+    ``attention``, is of the recorded family and has the recorded layers: the one fit check of both kinds of
+    checkpoint (the scorer tensors' shapes are checked when they are filled, :func:`fill_scorer_weights`).
 
     ``misfit(field, found)`` is the error the checkpoint's kind raises where the model contradicts the record's
     ``field``: ``"family"`` (``found``: the model's family name) or ``"layers"`` (``found``: how many attention layers
     it has). A full checkpoint builds its own base, so there the record was edited; an adapter was saved from
     another base model.
-
-    Raises:
-        TypeError: the model has no attention a family of this version serves (:func:`find_attention`).
     """
-    family, attention_modules, _ = find_attention(model)
+    family, attention_modules, _ = attention
     if record.family not in (None, family.name):
         raise misfit("family", family.name)
     if record.layers[-1] >= len(attention_modules):
@@ -174,20 +172,23 @@ def load_patched_model(
         )
     if record.base_to_run is not None and not told:
         loading_kwargs["attn_implementation"] = record.base_to_run
-    if record.key_dim is not None:
-        _refuse_offloading_narrow_keys(record, loading_kwargs.get("device_map"), loading_kwargs.get("offload_folder"))
+    width = scorer.narrow_key_dim
+    narrow_keys.refuse_offloading(width, loading_kwargs.get("device_map"), loading_kwargs.get("offload_folder"))
+    searches: list[AttentionSearch] = []  # the one attention search of the load, made by whoever needs it first
     with unreadable_weights_are_errors(weights_source):
-        model, info = _reporting_class(model_class, record).from_pretrained(
+        model, info = _reporting_class(model_class, record, width, searches).from_pretrained(
             weights_source, config=config, output_loading_info=True, **loading_kwargs
         )
     model.__class__ = model_class
-    if record.key_dim is not None:
-        _refuse_offloading_narrow_keys(record, getattr(model, "hf_device_map", None), None)
-    check_base_fits(model, record, misfit)
+    narrow_keys.refuse_offloading(width, getattr(model, "hf_device_map", None), None)
+    attention = searches[0] if searches else find_attention(model)
+    check_base_fits(attention, record, misfit)
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         # The fresh init is overwritten below: keep the caller's RNG stream and skip init warnings.
         warnings.simplefilter("ignore", UserWarning)
-        patch_model(model, scorer, layers=list(record.layers))
+        # The model was built from ``config``, the loader's own copy: the patch goes into it.
+        plan = plan_patch(model, scorer, layers=list(record.layers), attention=attention, config_is_private=True)
+        apply_patch(plan)
     disk_names = names_on_disk(model, scorer_parameters(model))
     all_names = {name for names in disk_names.values() for name in names}
     with unreadable_weights_are_errors(weights_source):
@@ -200,31 +201,17 @@ def load_patched_model(
     return model, info
 
 
-def _refuse_offloading_narrow_keys(record: PatchRecord, device_map, offload_folder) -> None:
-    """QANA's ``key_dim`` puts narrower query and key projections in place of the base model's, which accelerate's
-    offloading cannot hold: its offloaded copies of the base's weights have the base's shapes (the first forward
-    would fail inside accelerate). Refuse a ``device_map`` (asked for, or the one transformers chose) that offloads:
-    a layer on "disk", or on "cpu" beside layers on an accelerator, or an ``offload_folder``."""
-    placements = set(device_map.values()) if isinstance(device_map, dict) else set()
-    offloads = "disk" in placements or ("cpu" in placements and placements - {"cpu", "disk", torch.device("cpu")})
-    if offloads or offload_folder is not None:
-        raise ValueError(
-            f"This checkpoint was patched with key_dim={record.key_dim}, whose narrower query and key projections "
-            f"accelerate's offloading cannot hold (device_map {device_map!r}"
-            f"{f', offload_folder {offload_folder!r}' if offload_folder is not None else ''}). Load it on one device "
-            "(device_map='cpu', or a single GPU), or give it the memory to keep every layer on one."
-        )
-
-
-def _reporting_class(model_class, record: PatchRecord):
+def _reporting_class(model_class, record: PatchRecord, narrow_width: int | None, searches: list[AttentionSearch]):
     """``model_class`` as transformers should load a patched checkpoint's base: the same class, whose load report
     (transformers' own log, and ``output_loading_info``) leaves out what the patch fills afterwards.
 
     transformers loads the base model unpatched, so its report would list the scorer tensors in the checkpoint as
-    unexpected and, under QANA's ``key_dim``, the narrower query and key projections of the patched layers as
-    mismatched (the base class builds them full width). Everything else it reports as it would for the base model,
-    and a mismatch it would refuse without ``ignore_mismatched_sizes`` it still refuses. The model is handed back
-    as an instance of ``model_class`` itself (:func:`load_patched_model` resets its class).
+    unexpected and, under narrow keys (``narrow_width``, :mod:`hf_neural_attn.narrow_keys`), the narrower query and
+    key projections of the patched layers as mismatched (the base class builds them full width). Everything else it
+    reports as it would for the base model, and a mismatch it would refuse without ``ignore_mismatched_sizes`` it
+    still refuses. The model is handed back as an instance of ``model_class`` itself (:func:`load_patched_model`
+    resets its class). The attention search made to find the narrowed layers is appended to ``searches``, for the
+    patch to reuse.
     """
     scorer_marker = f".{SCORER_ATTR}."
 
@@ -234,8 +221,9 @@ def _reporting_class(model_class, record: PatchRecord):
             loading_info.unexpected_keys = {
                 key for key in loading_info.unexpected_keys if scorer_marker not in f".{key}"
             }
-            if record.key_dim is not None:
-                narrowed = _patched_attention_prefixes(self, record)
+            if narrow_width is not None:
+                searches.append(find_attention(self))
+                narrowed = _patched_attention_prefixes(self, searches[-1], record)
                 loading_info.mismatched_keys = {
                     entry for entry in loading_info.mismatched_keys if not _key_name(entry).startswith(narrowed)
                 }
@@ -246,9 +234,10 @@ def _reporting_class(model_class, record: PatchRecord):
     return PatchedCheckpointBase
 
 
-def _patched_attention_prefixes(model, record: PatchRecord) -> tuple[str, ...]:
-    """``"<module name>."`` of each attention module ``record`` patches in ``model`` (not yet patched)."""
-    _, attention_modules, _ = find_attention(model)
+def _patched_attention_prefixes(model, attention: AttentionSearch, record: PatchRecord) -> tuple[str, ...]:
+    """``"<module name>."`` of each attention module ``record`` patches in ``model`` (not yet patched), whose
+    attention search is ``attention``."""
+    _, attention_modules, _ = attention
     patched = {id(attention_modules[index]) for index in record.layers if index < len(attention_modules)}
     return tuple(f"{name}." for name, module in model.named_modules() if id(module) in patched)
 

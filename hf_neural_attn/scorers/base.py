@@ -129,6 +129,14 @@ class ScorerConfig:
         """Why these options cannot keep a pretrained model's outputs (``patch_model`` warns with it), or None."""
         return None
 
+    @property
+    def narrow_key_dim(self) -> int | None:
+        """The width of queries and keys this scorer asks the attention module to compute at, below the model's head
+        dimension (the patch then replaces the query and key projections by narrower new ones,
+        :mod:`hf_neural_attn.narrow_keys`), or None: the model's own width. Scorers that have such an option override
+        this; no other module reads the option by its name."""
+        return None
+
     def resolved(self, geometry: AttentionGeometry) -> ScorerConfig:
         """This config with every option whose value depends on the model (an ``"auto"``) resolved for an attention
         module of this ``geometry``: what the patch computes, and so what its record says. Options resolved here

@@ -102,6 +102,10 @@ class QanaConfig(MLPScorerConfig):
     def has_gates(self) -> bool:
         return True
 
+    @property
+    def narrow_key_dim(self) -> int | None:
+        return self.key_dim
+
     def from_scratch_reason(self) -> str | None:
         if not self.skip:
             return "skip=False drops the dot-product path"

@@ -38,12 +38,11 @@ def check_servable(vllm_config) -> None:
             "with transformers (python -m hf_neural_attn.serve PATH, continuous batching included)."
         )
     record = PatchRecord.of(vllm_config.model_config.hf_config)
-    if record is not None and record.key_dim is not None:
-        raise ValueError(
-            f"hf_neural_attn cannot serve {model} in vLLM: it was patched with QANA's key_dim={record.key_dim}, "
-            "whose narrower keys do not fit vLLM's cache of the model's head size. Serve it with transformers "
-            "(python -m hf_neural_attn.serve PATH, or generate), or patch without key_dim."
-        )
+    if record is not None:
+        # Imported here: the checks of a config without a record need no model code.
+        from ... import narrow_keys
+
+        narrow_keys.refuse_vllm(model, narrow_keys.recorded_width(record))
 
 
 def check_head_size(model: str, head_size: int, backend) -> None:
