@@ -1,6 +1,7 @@
 # Two targets a new user needs; each sets up .venv on first use.
 #   make demo   the offline demo (recipes/compare.py): baseline vs QANA fine-tuning, offline, CPU, ~3 min
 #   make test   run the test suite (offline)
+#   make test-fast     the developer's loop: the suite without the tests that start processes, servers or compilers
 #   make test-oldest   the core tests on the oldest transformers pyproject.toml allows (CI's second stage)
 #   make test-vllm     the vLLM plugin's tests, in vLLM's own environment (CI's third stage)
 PYTHON ?= python3
@@ -8,7 +9,7 @@ VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-oldest test-vllm install
+.PHONY: demo test test-fast test-oldest test-vllm install
 
 install: $(VENV)/.installed
 
@@ -31,6 +32,14 @@ PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test: install
 	$(BIN)/python $(PYTEST)
+
+# The tests marked spawns, server or compiles (pyproject.toml) are left out: what stays runs in-process, in about a
+# third of the suite's time. tests/test_test_tiers.py fails when a test that starts a process, a server or a compiler
+# lacks its marker. `make test` and CI run everything.
+FAST_TIER := not spawns and not server and not compiles
+
+test-fast: install
+	$(BIN)/python $(PYTEST) -m "$(FAST_TIER)"
 
 # The core contracts (every scorer on every family, checkpoints, Auto classes, positions, masks and cache,
 # output_attentions, HF usage) on the floor of pyproject.toml's transformers range, in a virtualenv of its own

@@ -116,6 +116,7 @@ def _run_without_importing_the_library(code: str, *, block_library: bool) -> sub
     )
 
 
+@pytest.mark.spawns
 def test_without_the_library_every_transformers_entry_point_refuses(llama_checkpoint):
     folder, *_ = llama_checkpoint
     result = _run_without_importing_the_library(
@@ -150,6 +151,7 @@ def test_without_the_library_every_transformers_entry_point_refuses(llama_checkp
     assert 'attn_implementation="hf_neural_attn"' in lines[2]
 
 
+@pytest.mark.spawns
 def test_trusting_the_loader_file_with_the_library_installed_loads_patched(llama_checkpoint):
     folder, *_ = llama_checkpoint
     result = _run_without_importing_the_library(
@@ -211,6 +213,7 @@ def test_checkpoints_saved_before_the_patched_model_type_still_load(llama_checkp
     torch.testing.assert_close(model(**inputs).logits, logits, rtol=0, atol=TOL)
 
 
+@pytest.mark.spawns
 def test_without_the_library_a_tokenizer_loads_when_remote_code_is_declined(llama_checkpoint, tmp_path):
     """transformers 5's AutoTokenizer reads the config first, and a patched config.json names the library's loader
     file in auto_map, so without the library transformers asks whether to run it. Declining up front loads the

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = [pytest.mark.spawns, pytest.mark.compiles]
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -24,6 +24,8 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.spawns, pytest.mark.compiles]
+
 # Builds a one-layer GPT-2, Llama or BERT (4 query heads; Llama's on 2 kv heads) from its config, patches it and moves
 # every scorer parameter off its init (live scorers); compares a step of torch.compile(model, fullgraph=True) with
 # the eager one. The loss is taken outside the model: transformers' loss function logs a warning, a graph break.

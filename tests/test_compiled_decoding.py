@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.spawns, pytest.mark.compiles]
+
 TESTS = Path(__file__).resolve().parent  # the script imports the test helpers
 
 SCRIPT = r"""

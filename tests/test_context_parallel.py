@@ -26,6 +26,8 @@ from helpers import BERT_COMMON, TINY_DECODER, launch_processes, save_live_patch
 
 import hf_neural_attn
 
+pytestmark = [pytest.mark.spawns]
+
 if not dist.is_available():
     pytest.skip("this torch has no torch.distributed", allow_module_level=True)
 pytest.importorskip("torch.distributed.tensor.experimental", reason="this torch has no context_parallel")

@@ -150,6 +150,7 @@ def test_patched_gpt2_small_trains_alike_on_every_path(scorer):
         assert abs(loss - ref_loss) < 1e-3 and worst < 1e-2
 
 
+@pytest.mark.compiles
 @pytest.mark.xfail(
     strict=True,
     reason="inductor (torch 2.11, H100) fails compiling the kernels inside its subprocess, at their query_block call; "
@@ -165,6 +166,7 @@ def test_compiled_patched_model_on_the_kernels_matches_eager_on_cuda():
     torch.testing.assert_close(compiled(input_ids=tokens).logits, eager, rtol=0, atol=1e-3)
 
 
+@pytest.mark.compiles
 def test_compiled_patched_model_under_auto_matches_eager_on_cuda():
     """impl="auto" (the kernels in eager mode) compiles on the torch paths: the same logits."""
     model = gpt2_small()

@@ -22,7 +22,7 @@ from helpers import TINY_DECODER
 import hf_neural_attn
 
 pytest.importorskip("deepspeed", reason="the DeepSpeed tests need it: pip install 'hf-neural-attn[deepspeed]'")
-pytestmark = pytest.mark.deepspeed
+pytestmark = [pytest.mark.deepspeed, pytest.mark.spawns]
 
 WORLD, STEPS, BATCH, SEQ = 2, 3, 4, 12
 PATCH_SEED = 5  # the scorers' random init: rank 0's draw is broadcast, so the reference draws with the same seed

@@ -126,6 +126,7 @@ def sharded_run(request, tmp_path_factory):
     return scorer, only_new, torch.load(out / "states.pt")
 
 
+@pytest.mark.spawns
 def test_sharded_training_matches_one_process(sharded_run):
     scorer, only_new, states = sharded_run
     model = tiny_patched_llama(scorer)
@@ -140,12 +141,14 @@ def test_sharded_training_matches_one_process(sharded_run):
     assert any(not torch.equal(states["full"][name], before[name]) for name in new)  # the scorers trained
 
 
+@pytest.mark.spawns
 def test_sharded_state_saves_and_resumes_exactly(sharded_run):
     _, _, states = sharded_run
     for name, tensor in states["full"].items():
         torch.testing.assert_close(states["resumed"][name], tensor, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.spawns
 def test_the_gathered_state_is_an_ordinary_patched_checkpoint(sharded_run, tmp_path):
     scorer, _, states = sharded_run
     model = tiny_patched_llama(scorer)
@@ -173,6 +176,7 @@ def test_the_fsdp_recipe_flags_run_on_one_cpu_process(tmp_path):
     assert results["train_steps"] == 4 and results["patch"]["scorer"] == "qana"
 
 
+@pytest.mark.spawns
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Accelerate runs FSDP on GPUs only")
 def test_the_recipe_trains_under_accelerate_fsdp(tmp_path):
     """The documented command, one process per GPU: the run trains, saves a loadable patched checkpoint, and

@@ -36,6 +36,8 @@ from huggingface_hub import ModelCard
 
 from recipes import report
 
+pytestmark = [pytest.mark.spawns, pytest.mark.server]
+
 ROOT = Path(__file__).resolve().parents[1]
 SAME_LOGITS = 1e-6  # a checkpoint loads as the model that was pushed
 

@@ -101,6 +101,7 @@ def test_set_impl_reaches_the_scorer_copies_peft_trains():
     assert scorer_impls(peft_model) == {"chunked"}
 
 
+@pytest.mark.compiles
 def test_a_compiled_model_follows_set_impl_and_compiles_once_per_choice():
     """The choice is read on every call: the compiled model's guards see a new one (it compiles once for it) and
     nothing else (the calls after that compile nothing)."""

@@ -61,6 +61,7 @@ def run_without(blocked: list[str], code: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.spawns
 def test_the_library_imports_patches_and_saves_without_any_extra(tmp_path):
     result = run_without(
         EXTRAS,
@@ -78,6 +79,7 @@ def test_the_library_imports_patches_and_saves_without_any_extra(tmp_path):
     assert result.stdout.strip().endswith("OK []"), result.stderr[-2000:]
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize(
     ("blocked", "code", "hint"),
     [

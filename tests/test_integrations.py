@@ -178,6 +178,7 @@ OPTED_OUT = textwrap.dedent(
 )
 
 
+@pytest.mark.spawns
 def test_the_environment_opt_out_installs_nothing_in_transformers():
     environment = {**os.environ, integrations.OPT_OUT_VARIABLE: "1", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(

@@ -181,6 +181,7 @@ def test_finetune_without_arguments_prints_usage(capsys):
     assert err.startswith("usage: finetune.py") and "recipes.compare" in err
 
 
+@pytest.mark.spawns
 def test_finetune_runs_by_its_script_path_from_any_directory(tmp_path):
     """`accelerate launch recipes/finetune.py` is the documented command: a script path, not a module."""
     script = Path(__file__).resolve().parents[1] / "recipes" / "finetune.py"
@@ -191,6 +192,7 @@ def test_finetune_runs_by_its_script_path_from_any_directory(tmp_path):
     assert finished.stderr.startswith("usage: finetune.py")
 
 
+@pytest.mark.spawns
 def test_recipes_import_one_way_and_the_library_needs_no_extra():
     # The extras' packages made unimportable (a None entry in sys.modules): the library still imports and patches.
     # (pyyaml is not among them: huggingface_hub, which transformers needs, requires it.)

@@ -190,6 +190,7 @@ def _run_without_the_library(code: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("order", ["library first", "transformers' models first"])
 def test_the_plain_class_loads_patched_whichever_is_imported_first(llama_folder, order):
     """The library sets up transformers' from_pretrained when its modeling stack is imported, before or after."""
@@ -212,6 +213,7 @@ def test_the_plain_class_loads_patched_whichever_is_imported_first(llama_folder,
     assert "PATCHED True" in result.stdout
 
 
+@pytest.mark.spawns
 def test_without_the_library_an_explicit_attn_implementation_loads_the_base_and_reports_the_scorers(llama_folder):
     folder, *_ = llama_folder
     result = _run_without_the_library(

@@ -253,6 +253,7 @@ def test_clear_errors():
         plotting.plot_scorer_history([], "unused.png")
 
 
+@pytest.mark.spawns
 def test_importing_the_package_does_not_import_matplotlib():
     code = "import sys, hf_neural_attn, hf_neural_attn.plotting; print('matplotlib' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

@@ -33,7 +33,7 @@ import hf_neural_attn
 from recipes.export import export_checkpoint
 
 pytest.importorskip("deepspeed", reason="the DeepSpeed tests need it: pip install 'hf-neural-attn[deepspeed]'")
-pytestmark = pytest.mark.deepspeed
+pytestmark = [pytest.mark.deepspeed, pytest.mark.spawns]
 
 CONFIGS = ROOT / "recipes" / "accelerate_configs"
 

@@ -40,6 +40,8 @@ from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fix
 import hf_neural_attn
 from recipes.export import export_checkpoint
 
+pytestmark = [pytest.mark.spawns]
+
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):

@@ -328,6 +328,7 @@ def from_scratch_command_line(tmp_path_factory):
     return out, finished.stdout + finished.stderr
 
 
+@pytest.mark.spawns
 def test_the_log_names_the_tokenizer_and_why(from_scratch_command_line):
     _, printed = from_scratch_command_line
     lines = [line for line in printed.splitlines() if " - INFO - recipes.tasks.text - Tokenizer: " in line]
@@ -337,6 +338,7 @@ def test_the_log_names_the_tokenizer_and_why(from_scratch_command_line):
     )
 
 
+@pytest.mark.spawns
 def test_checkpoints_of_tied_embeddings_are_saved_without_warnings(from_scratch_command_line):
     from safetensors import safe_open
 
@@ -348,6 +350,7 @@ def test_checkpoints_of_tied_embeddings_are_saved_without_warnings(from_scratch_
             assert "transformer.wte.weight" in names and "lm_head.weight" not in names
 
 
+@pytest.mark.spawns
 def test_a_training_state_checkpoint_is_named_as_such_and_exports_to_the_model(from_scratch_command_line, tmp_path):
     """``hf_neural_attn.from_pretrained`` of a run's step_N says what the folder is and the command that makes a
     checkpoint of it; that command (``python -m recipes.export``) saves the model of the last step: the run's own

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import saved_record, scorer_impls
 from transformers import AutoModelForCausalLM
@@ -52,6 +53,7 @@ def test_a_full_checkpoint_of_0_1_0_loads_with_its_outputs():
     torch.testing.assert_close(logits(model, saved["input_ids"]), saved["logits"], **TOLERANCE)
 
 
+@pytest.mark.spawns
 def test_a_full_checkpoint_of_0_1_0_loads_through_the_auto_classes_and_its_loader_file(tmp_path):
     saved = expected("gpt2_qana_full")
     model = AutoModelForCausalLM.from_pretrained(SAVED / "gpt2_qana_full")

@@ -70,6 +70,7 @@ def test_save_and_load_through_sentence_transformers(encoder, tmp_path):
     torch.testing.assert_close(embed(loaded), expected, rtol=0, atol=0)
 
 
+@pytest.mark.spawns
 def test_a_process_that_never_imports_the_library_does_not_get_the_plain_model(encoder, tmp_path):
     """Without ``import hf_neural_attn``, loading refuses (the checkpoint names custom loading code) instead of
     silently returning the unpatched BERT; with ``trust_remote_code=True`` the loader written beside the checkpoint

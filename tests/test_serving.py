@@ -25,6 +25,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_neural_attn
 
+pytestmark = [pytest.mark.spawns, pytest.mark.server]
+
 openai = pytest.importorskip("openai", reason="pip install 'hf-neural-attn[serving]' (transformers serve's extra)")
 pytest.importorskip("fastapi", reason="pip install 'hf-neural-attn[serving]' (transformers serve's extra)")
 

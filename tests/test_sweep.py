@@ -461,6 +461,7 @@ def test_bad_parts_and_metrics_are_refused(assets, tmp_path):
         assert not (tmp_path / "out").exists(), name
 
 
+@pytest.mark.spawns
 def test_two_sweep_processes_share_the_runs(assets, tmp_path, monkeypatch, no_run_plots):
     out = tmp_path / "sweep"
     config = write_config(tmp_path / "s.yaml", base=tiny_base(assets, out), axes={"h": [2, 4]})
@@ -520,6 +521,7 @@ def test_shipped_sweep_configs_are_valid(name, grid):
     assert json.dumps(plan.base_flags)  # plain values, for SUMMARY.md
 
 
+@pytest.mark.spawns
 def test_the_sweep_runs_as_a_module(tmp_path):
     # `python -m recipes.sweep` (recipes/sweep/__main__.py), as the docs run it: a shipped sweep's plan, nothing run.
     config = helpers.ROOT / "recipes" / "sweeps" / "qana_ablations.yaml"

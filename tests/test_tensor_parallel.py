@@ -25,6 +25,8 @@ from helpers import TINY_DECODER, launch_processes, save_live_patched
 
 import hf_neural_attn
 
+pytestmark = [pytest.mark.spawns]
+
 if not dist.is_available():
     pytest.skip("this torch has no torch.distributed", allow_module_level=True)
 

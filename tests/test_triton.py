@@ -227,6 +227,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.mark.compiles
 @needs_triton
 def test_compiled_patched_llama_holds_the_operator_and_matches_reference(interpreter, fresh_dynamo):
     """torch.compile's Dynamo keeps the forward operator in its graph, once per layer, with no graph break (it does
@@ -278,6 +279,8 @@ print(*[node.target for graph in explanation.graphs for node in graph.graph.node
 """
 
 
+@pytest.mark.compiles
+@pytest.mark.spawns
 @needs_triton
 def test_first_compiled_call_defines_the_operators_without_graph_break():
     """The operators are defined when :mod:`.custom_ops` is first imported, by the first call of fused_attention; in
@@ -451,6 +454,7 @@ def test_kernel_layer_imports_no_scorer():
             assert not any("scorers" in name for name in names), f"{path.name} imports {names}"
 
 
+@pytest.mark.spawns
 def test_package_imports_without_triton():
     """In a fresh interpreter where ``import triton`` fails: the package imports, patches, runs on the
     default paths, and impl='triton' is refused at patch time, naming the missing package."""
@@ -517,6 +521,8 @@ for kind, (block_m, block_n, warps) in ((0, (64, 32, 8)), (1, (64, 32, 8))):
 """
 
 
+@pytest.mark.compiles
+@pytest.mark.spawns
 @needs_triton
 def test_kernels_compile_for_a_gpu_without_one(tmp_path):
     """The interpreter runs the kernels as Python; the GPU compiler is stricter (tile shapes, types,

@@ -43,6 +43,8 @@ from transformers import (
 
 import hf_neural_attn
 
+pytestmark = [pytest.mark.spawns, pytest.mark.server]
+
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 WORDS = [f"w{index}" for index in range(96)]
 VOCAB = len(WORDS) + 2  # [UNK], </s>, then the words
