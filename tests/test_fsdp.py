@@ -71,7 +71,27 @@ def optimizer_for(model):
     return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
 
 
-def _sharded_worker(rank: int, world: int, init_file: str, out: str, scorer: str, only_new: bool) -> None:
+# (scorer, train only the new parameters): every case runs in the one pair of processes (their start-up, not the
+# training, is most of what a launch costs).
+CASES = [("qana", False), ("qana", True), ("neural", True)]
+
+
+def case_folder(out: str, scorer: str, only_new: bool) -> str:
+    return os.path.join(out, f"{scorer}-{'new' if only_new else 'all'}")
+
+
+def _sharded_worker(rank: int, world: int, init_file: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    for scorer, only_new in CASES:
+        _sharded_case(rank, world, case_folder(out, scorer, only_new), scorer, only_new)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def _sharded_case(rank: int, world: int, out: str, scorer: str, only_new: bool) -> None:
+    """One case in the running process group: the final full state dict, uninterrupted and resumed."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -80,9 +100,7 @@ def _sharded_worker(rank: int, world: int, init_file: str, out: str, scorer: str
     )
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    import torch.distributed.checkpoint as dcp
+    os.makedirs(out, exist_ok=True)
 
     def sharded():
         model = tiny_patched_llama(scorer)
@@ -111,19 +129,21 @@ def _sharded_worker(rank: int, world: int, init_file: str, out: str, scorer: str
     resumed = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save({"full": full, "resumed": resumed}, os.path.join(out, "states.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", params=[("qana", False), ("qana", True), ("neural", True)], ids=str)
-def sharded_run(request, tmp_path_factory):
-    """2 processes, fully sharded: the final full state dict, uninterrupted and resumed after a kill-free save."""
-    scorer, only_new = request.param
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory) -> str:
+    """2 processes, fully sharded, once for every case of CASES: the folder that holds each case's folder."""
     out = tmp_path_factory.mktemp("fsdp")
-    mp.start_processes(
-        _sharded_worker, args=(2, str(out / "init"), str(out), scorer, only_new), nprocs=2, start_method="spawn"
-    )
-    return scorer, only_new, torch.load(out / "states.pt")
+    mp.start_processes(_sharded_worker, args=(2, str(out / "init"), str(out)), nprocs=2, start_method="spawn")
+    return str(out)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=str)
+def sharded_run(request, sharded_runs):
+    """One case's final full state dict, uninterrupted and resumed after a kill-free save."""
+    scorer, only_new = request.param
+    return scorer, only_new, torch.load(os.path.join(case_folder(sharded_runs, scorer, only_new), "states.pt"))
 
 
 @pytest.mark.spawns
