@@ -27,8 +27,10 @@ demo: install
 
 # The test files run on TEST_WORKERS pytest-xdist workers, a file's tests on one worker (their module fixtures are
 # built once). 2 is the core count the suite's time is measured on; `make test TEST_WORKERS=0` runs them in this process.
+# --no-loadscope-reorder: the workers take the files in collection order, which tests/conftest.py makes slowest first
+# (tests/file_seconds.json); xdist's own order, the most tests first, left the slow few-test files to the end.
 TEST_WORKERS ?= 2
-PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: install
 	$(BIN)/python $(PYTEST)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 import torch
+from durations_by_file import FILE_SECONDS, slowest_files_first
 from helpers import CORE_FAMILIES, FUSED_SCORERS
 
 from hf_neural_attn import ops
@@ -18,6 +20,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # that needs another count sets it for its own process.
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slowest files first (tests/file_seconds.json, written by tests/durations_by_file.py --json). With
+    ``--dist loadfile --no-loadscope-reorder`` (`make test`) the xdist workers take the files in this order, so the
+    long ones that start processes do not come last, leaving one worker to run them alone while the other idles."""
+    seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
+    items[:] = slowest_files_first(items, seconds)
 
 
 @pytest.fixture(params=CORE_FAMILIES)

@@ -10,11 +10,17 @@ counted (a log without it undercounts the fast files' tests; their seconds barel
 the sum of its tests' setup, call and teardown: CPU-bound work on one worker, so with ``--dist loadfile`` the wall
 time of the run is at least the largest file and at least the total over the worker count. The marker column names
 the tier markers (pyproject.toml's ``[tool.pytest.ini_options] markers``) that the file's text applies.
+
+``--json tests/file_seconds.json`` also writes each file's seconds by file name: conftest.py hands the files to the
+pytest-xdist workers slowest first (``slowest_files_first``), so that no long file starts last and runs alone while
+the other worker has finished (xdist's own order, the most tests first, put the few-test process-starting files last).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import re
 import sys
 from collections import defaultdict
@@ -22,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+FILE_SECONDS = Path(__file__).resolve().parent / "file_seconds.json"
 
 # One line of pytest's durations report: "12.34s call     tests/test_x.py::test_y[param]".
 DURATION_LINE = re.compile(r"^\s*(?P<seconds>\d+(?:\.\d+)?)s\s+(?P<phase>setup|call|teardown)\s+(?P<nodeid>\S.*?)\s*$")
@@ -81,9 +88,20 @@ def markdown_table(files: dict[str, FileDurations], markers: dict[str, list[str]
     return "\n".join(rows)
 
 
+def slowest_files_first(items: list, seconds: dict[str, float]) -> list:
+    """``items`` (pytest items) reordered file by file, the file with the most ``seconds`` first (by file name, so the
+    table survives a file's move to another folder); a file the table does not know yet comes first, as if slow. The
+    order within a file, and between files of equal seconds, is kept."""
+    order = {}
+    for item in items:
+        order.setdefault(item.path, len(order))
+    return sorted(items, key=lambda item: (-seconds.get(item.path.name, math.inf), order[item.path]))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("log", type=Path, help="pytest output of a run with --durations=0 (- for stdin)")
+    parser.add_argument("--json", type=Path, help="also write {file name: seconds} there (tests/file_seconds.json)")
     args = parser.parse_args(argv)
     report = sys.stdin.read() if str(args.log) == "-" else args.log.read_text()
     files = durations_by_file(report)
@@ -91,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{args.log}: no durations found; run pytest with --durations=0 --durations-min=0")
     names = registered_markers()
     print(markdown_table(files, {path: markers_in(REPO_ROOT / path, names) for path in files}))
+    if args.json:
+        by_name = {Path(path).name: round(spent.seconds, 1) for path, spent in files.items()}
+        args.json.write_text(json.dumps(dict(sorted(by_name.items(), key=lambda item: -item[1])), indent=0) + "\n")
     return 0
 
 

@@ -14,7 +14,7 @@ import ast
 from pathlib import Path
 
 import pytest
-from durations_by_file import durations_by_file, markdown_table, registered_markers
+from durations_by_file import durations_by_file, markdown_table, registered_markers, slowest_files_first
 
 TESTS = Path(__file__).resolve().parent
 
@@ -172,3 +172,23 @@ def test_durations_are_summed_by_file_and_tests_counted_once():
 @pytest.mark.parametrize("line", ["1526 passed, 30 skipped in 1023.16s (0:17:03)", "0.11s call     no node id"])
 def test_lines_that_are_not_durations_are_ignored(line):
     assert durations_by_file(line) == {}
+
+
+class MadeUpItem:
+    """What slowest_files_first reads of a pytest item: its file's path."""
+
+    def __init__(self, path: str, name: str):
+        self.path, self.name = Path(path), name
+
+
+def test_files_are_handed_out_slowest_first_with_unknown_files_in_front_and_each_file_in_its_order():
+    items = [
+        MadeUpItem("tests/test_fast.py", "a"),
+        MadeUpItem("tests/test_fast.py", "b"),
+        MadeUpItem("tests/ops/test_slow.py", "c"),  # known by file name, wherever the file sits
+        MadeUpItem("tests/test_new.py", "d"),
+        MadeUpItem("tests/test_slow.py", "e"),  # another file of the same name: after the first, as collected
+        MadeUpItem("tests/test_fast.py", "f"),
+    ]
+    ordered = slowest_files_first(items, {"test_slow.py": 30.0, "test_fast.py": 1.5})
+    assert [item.name for item in ordered] == ["d", "c", "e", "a", "b", "f"]
