@@ -34,12 +34,13 @@ def after_import(name: str, callback: Callable[[ModuleType], None]) -> None:
 
 def constant_when_compiled(module_name: str, function_name: str) -> None:
     """Make ``module_name.function_name`` (a cached lookup whose result never changes in a process) a constant to
-    torch.compile, once both torch._dynamo (a second's import: torch.compile does it before it traces) and that
-    module are imported, in either order. Without this, Dynamo traces through the cache on every compile and warns
-    that it ignores the cache wrapper. Callers must reach the function through its module's global name, which this
-    rebinds."""
+    torch.compile, once torch._dynamo is imported (a second's import: torch.compile does it before it traces).
+    Without this, Dynamo traces through the cache on every compile and warns that it ignores the cache wrapper.
+    The module must be imported (whole: a module still running its top has not defined the function yet). Callers
+    must reach the function through its module's global name, which this rebinds."""
 
-    def mark(dynamo: ModuleType, module: ModuleType) -> None:
+    def mark(dynamo: ModuleType) -> None:
+        module = sys.modules[module_name]
         cached = getattr(module, function_name)
 
         def constant(*args):
@@ -49,7 +50,7 @@ def constant_when_compiled(module_name: str, function_name: str) -> None:
         constant.__doc__ = cached.__doc__
         setattr(module, function_name, dynamo.assume_constant_result(constant))
 
-    after_import("torch._dynamo", lambda dynamo: after_import(module_name, lambda module: mark(dynamo, module)))
+    after_import("torch._dynamo", mark)
 
 
 def _run_callbacks(name: str, module: ModuleType) -> None:

@@ -66,11 +66,6 @@ def _register_attention_function(patched_class, base_class) -> None:
     register_attention(ATTN_IMPLEMENTATION, hf_neural_attention_forward, hf_neural_attention_mask)
 
 
-def _mark_constants_for_compile() -> None:
-    constant_when_compiled("hf_neural_attn.ops.triton", "triton_available")  # asked on every call that may use kernels
-    constant_when_compiled("hf_neural_attn.families.base", "forward_parameters")  # a signature lookup per class
-
-
 def _register_checkpoint_config() -> None:
     # What AutoConfig.register does, through the mapping it writes to, so that uninstall() can take it out again.
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -122,13 +117,24 @@ INTEGRATIONS: tuple[Integration, ...] = (
         _register_attention_function,
         required=True,
     ),
+    # Two cached lookups of the library's own, asked on every call, become constants to torch.compile. Each waits
+    # for its module's import to finish (the function must exist), then for torch._dynamo's (import_hooks).
     Integration(
-        "compile constants",
+        "compile constant: Triton check",
         "torch",
-        "two cached lookups of the library's own (whether Triton imports, a forward's parameter names) become "
-        "assume_constant_result under torch.compile; nothing of torch changes",
-        "torch._dynamo",
-        lambda dynamo: _mark_constants_for_compile(),
+        "hf_neural_attn.ops.triton.triton_available becomes assume_constant_result under torch.compile, once "
+        "torch._dynamo is imported; nothing of torch changes",
+        "hf_neural_attn.ops.triton",
+        lambda module: constant_when_compiled(module.__name__, "triton_available"),
+        required=True,
+    ),
+    Integration(
+        "compile constant: forward signatures",
+        "torch",
+        "hf_neural_attn.families.base.forward_parameters (a signature lookup per attention class) becomes "
+        "assume_constant_result under torch.compile, once torch._dynamo is imported; nothing of torch changes",
+        "hf_neural_attn.families.base",
+        lambda module: constant_when_compiled(module.__name__, "forward_parameters"),
         required=True,
     ),
     Integration(
