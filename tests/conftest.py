@@ -1,4 +1,5 @@
-"""pytest fixtures shared by the tests; the helpers themselves live in ``helpers.py``."""
+"""pytest fixtures shared by the tests; the helpers themselves live in the ``helpers`` package (tests/helpers/, one
+module per subject: models, scorers, checkpoints, references, paths, installed, processes)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import os
 import pytest
 import torch
 from durations_by_file import FILE_SECONDS, slowest_files_first
-from helpers import CORE_FAMILIES, FUSED_SCORERS
+from helpers.models import CORE_FAMILIES
+from helpers.scorers import FUSED_SCORERS
 
 from hf_neural_attn import ops
 from hf_neural_attn.ops.triton import launch
@@ -38,7 +40,7 @@ def family(request) -> str:
 
 @pytest.fixture(params=FUSED_SCORERS)
 def scorer_name(request) -> str:
-    """The name of each scorer with a fused form (helpers.FUSED_SCORERS)."""
+    """The name of each scorer with a fused form (helpers.scorers.FUSED_SCORERS)."""
     return request.param
 
 

@@ -11,23 +11,20 @@ import warnings
 
 import pytest
 import torch
-from helpers import (
+from helpers.models import perturb_scorers, tiny_gpt2, tiny_llama, tokens
+from helpers.paths import PATH_IMPLS
+from helpers.references import (
     ACTIVATIONS,
+    D,
     F64,
     HEADS,
     HIDDEN,
     KV_HEADS,
-    PATH_IMPLS,
-    D,
     geometry,
-    perturb_scorers,
     qana_case,
     randomise,
     rope_rows,
     rope_vector,
-    tiny_gpt2,
-    tiny_llama,
-    tokens,
 )
 
 import hf_neural_attn
@@ -291,7 +288,7 @@ def test_key_dim_shrinks_the_kv_cache_and_keeps_generation_exact():
 
 
 def test_key_dim_is_relative_and_left_padding_exact():
-    from helpers import assert_left_padding_and_cache_exact
+    from helpers.models import assert_left_padding_and_cache_exact
 
     model = patched(tiny_llama(), "qana", key_dim=4)
     assert shift_gap(model) < TOL
@@ -406,7 +403,7 @@ def test_neural_relative_input_is_the_default_on_rope_models_and_keeps_the_shift
 
 
 def test_neural_relative_input_is_function_preserving_and_exact_in_generation():
-    from helpers import assert_left_padding_and_cache_exact
+    from helpers.models import assert_left_padding_and_cache_exact
 
     model = tiny_llama()
     ids = tokens(2, 10)

@@ -9,16 +9,8 @@ import json
 
 import pytest
 import torch
-from helpers import (
-    load_patched,
-    logits,
-    model_inputs,
-    perturb_scorers,
-    save_base,
-    save_checkpoint,
-    tiny_gpt2,
-    tiny_llama,
-)
+from helpers.checkpoints import load_patched, save_base, save_checkpoint
+from helpers.models import logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
 from safetensors.torch import load_file
 
 import hf_neural_attn

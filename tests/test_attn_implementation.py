@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from helpers import (
+from helpers.models import (
     BERT_COMMON,
     CORE_FAMILIES,
     logits,

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import CORE_FAMILIES, IMAGE, family_case, model_inputs, perturb_scorers, tiny_llama, tiny_model
+from helpers.models import CORE_FAMILIES, IMAGE, family_case, model_inputs, perturb_scorers, tiny_llama, tiny_model
 from transformers import (
     AutoConfig,
     AutoModel,

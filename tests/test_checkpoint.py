@@ -1,5 +1,5 @@
 """Contract 6 (checkpoints save, reload and push like any HF model) and the checkpoint half of 7: the round trip
-runs on every kind of checkpoint (helpers.CHECKPOINT_KINDS: full, adapter), the rest on full checkpoints. What only
+runs on every kind of checkpoint (helpers.checkpoints.CHECKPOINT_KINDS: full, adapter), the rest on full checkpoints. What only
 adapters do: tests/test_adapter_checkpoint.py. Damaged checkpoints: tests/test_damaged_checkpoints.py; push_to_hub
 and loading by repo id: tests/test_hub_http.py."""
 
@@ -9,16 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import (
-    CHECKPOINT_KINDS,
-    logits,
-    model_inputs,
-    perturb_scorers,
-    save_checkpoint,
-    saved_record,
-    tiny_gpt2,
-    tiny_llama,
-)
+from helpers.checkpoints import CHECKPOINT_KINDS, save_checkpoint, saved_record
+from helpers.models import logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
 from safetensors.torch import load_file
 
 import hf_neural_attn

@@ -23,7 +23,8 @@ TESTS = Path(__file__).resolve().parent  # the script imports the test helpers
 SCRIPT = r"""
 import sys
 import torch
-from helpers import FUSED_SCORERS, perturb_scorers, tiny_gpt2, tiny_llama
+from helpers.models import perturb_scorers, tiny_gpt2, tiny_llama
+from helpers.scorers import FUSED_SCORERS
 from transformers import CompileConfig, GenerationConfig
 import hf_neural_attn
 

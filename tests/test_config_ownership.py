@@ -10,7 +10,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from helpers import family_case, family_names, model_inputs, perturb_scorers, tiny_model
+from helpers.models import family_case, family_names, model_inputs, perturb_scorers, tiny_model
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,

@@ -22,7 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import BERT_COMMON, TINY_DECODER, launch_processes, save_live_patched
+from helpers.models import BERT_COMMON, TINY_DECODER, save_live_patched
+from helpers.processes import launch_processes
 
 import hf_neural_attn
 

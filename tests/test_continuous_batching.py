@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FUSED_SCORERS, perturb_scorers, tiny_gpt2, tiny_llama, tiny_mistral
+from helpers.models import perturb_scorers, tiny_gpt2, tiny_llama, tiny_mistral
+from helpers.scorers import FUSED_SCORERS
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import hf_neural_attn

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FUSED_SCORERS, HAS_TRITON, geometry, randomise
+from helpers.installed import HAS_TRITON
+from helpers.references import geometry, randomise
+from helpers.scorers import FUSED_SCORERS
 
 import hf_neural_attn
 from hf_neural_attn.ops import scored_attention

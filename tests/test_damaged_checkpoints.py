@@ -1,4 +1,4 @@
-"""Contract 6, damaged checkpoints: whatever is damaged in a checkpoint of either kind (helpers.CHECKPOINT_KINDS:
+"""Contract 6, damaged checkpoints: whatever is damaged in a checkpoint of either kind (helpers.checkpoints.CHECKPOINT_KINDS:
 full, adapter), loading raises a ``ValueError`` that says what is wrong; a damaged patch record names its file and
 field. One table of damages, each run on every kind it applies to."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CHECKPOINT_KINDS, edit_json, edit_record, save_checkpoint
+from helpers.checkpoints import CHECKPOINT_KINDS, edit_json, edit_record, save_checkpoint
 from safetensors.torch import load_file, save_file
 
 import hf_neural_attn

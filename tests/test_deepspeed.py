@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import TINY_DECODER
+from helpers.models import TINY_DECODER
 
 import hf_neural_attn
 

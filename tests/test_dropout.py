@@ -13,19 +13,10 @@ import math
 
 import pytest
 import torch
-from helpers import (
-    FUSED_SCORERS,
-    HIDDEN,
-    always_blockwise,
-    assert_same_outputs_and_grads,
-    geometry,
-    logits,
-    model_inputs,
-    perturb_scorers,
-    randomise,
-    tiny_gpt2,
-    tiny_llama,
-)
+from helpers.models import logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
+from helpers.paths import always_blockwise
+from helpers.references import HIDDEN, assert_same_outputs_and_grads, geometry, randomise
+from helpers.scorers import FUSED_SCORERS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_neural_attn

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import CORE_FAMILIES, logits, model_inputs, tiny_gpt2, tiny_llama, tiny_model
+from helpers.models import CORE_FAMILIES, logits, model_inputs, tiny_gpt2, tiny_llama, tiny_model
 from transformers import ResNetConfig, ResNetForImageClassification
 
 import hf_neural_attn

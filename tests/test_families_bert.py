@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from helpers import FUSED_SCORERS, family_cases, padded_inputs, perturb_scorers
+from helpers.models import family_cases, padded_inputs, perturb_scorers
+from helpers.scorers import FUSED_SCORERS
 
 import hf_neural_attn
 

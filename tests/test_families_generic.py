@@ -12,9 +12,8 @@ import warnings
 import pytest
 import torch
 import transformers as tf
-from helpers import (
+from helpers.models import (
     FAMILY_CASES,
-    FUSED_SCORERS,
     HEAD_DIM,
     TINY_DECODER,
     assert_left_padding_and_cache_exact,
@@ -23,6 +22,7 @@ from helpers import (
     tiny_model,
     tokens,
 )
+from helpers.scorers import FUSED_SCORERS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.olmo.modeling_olmo import OlmoAttention, apply_rotary_pos_emb, eager_attention_forward
 
@@ -61,7 +61,7 @@ def patch(model, case, scorer, **options):
 
 
 def test_every_registered_family_has_a_row_served_by_its_adapter():
-    """FAMILY_CASES (tests/helpers.py) has a row for every family of the registry and none for the models left
+    """FAMILY_CASES (tests/helpers/models.py) has a row for every family of the registry and none for the models left
     to the generic fallback; each row's adapter column names the adapter the library serves it with."""
     adapters = {
         "llama": LlamaFamily,

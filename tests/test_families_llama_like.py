@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import assert_left_padding_and_cache_exact, family_cases, perturb_scorers, tokens
+from helpers.models import assert_left_padding_and_cache_exact, family_cases, perturb_scorers, tokens
 
 import hf_neural_attn
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import TINY_DECODER
+from helpers.models import TINY_DECODER
 from recipes_helpers import finetune_in_process, in_process_runs, save_tiny_gpt2
 
 import hf_neural_attn

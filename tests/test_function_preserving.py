@@ -2,7 +2,7 @@
 Preserved at init and live on every family, for every scorer case: tests/test_scorer_contracts.py."""
 
 import torch
-from helpers import logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_model
+from helpers.models import logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_model
 
 import hf_neural_attn
 

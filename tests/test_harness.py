@@ -9,7 +9,7 @@ from pydoc_data.topics import topics
 
 import pytest
 import torch
-from helpers import perturb_scorers
+from helpers.models import perturb_scorers
 from transformers import ByT5Tokenizer, GPT2Config, GPT2LMHeadModel
 
 import hf_neural_attn

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from helpers import (
-    FUSED_SCORERS,
+from helpers.models import (
     family_case,
     logits,
     model_inputs,
@@ -14,6 +13,7 @@ from helpers import (
     tiny_vit,
     training_loss,
 )
+from helpers.scorers import FUSED_SCORERS
 
 import hf_neural_attn
 

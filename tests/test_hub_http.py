@@ -247,7 +247,7 @@ def test_adapter_card_on_the_hub(hub_server, library_session):
 
 
 def test_save_pretrained_writes_the_card_and_keeps_one_already_there(tmp_path):
-    from helpers import tiny_model, tiny_vit
+    from helpers.models import tiny_model, tiny_vit
 
     import hf_neural_attn
 
@@ -280,7 +280,7 @@ def pipeline_tag_of(model) -> str:
 
 
 def test_patch_model_tags_the_model_for_transformers_card_writers_and_unpatch_removes_them():
-    from helpers import tiny_model
+    from helpers.models import tiny_model
 
     import hf_neural_attn
 

@@ -12,18 +12,9 @@ import re
 
 import pytest
 import torch
-from helpers import (
-    CHECKPOINT_KINDS,
-    logits,
-    model_inputs,
-    perturb_scorers,
-    save_checkpoint,
-    saved_record,
-    scorer_impls,
-    tiny_gpt2,
-    tiny_llama,
-    tokens,
-)
+from helpers.checkpoints import CHECKPOINT_KINDS, save_checkpoint, saved_record
+from helpers.models import logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tokens
+from helpers.paths import scorer_impls
 
 import hf_neural_attn
 from hf_neural_attn import ops

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import logits, model_inputs, tiny_model
+from helpers.models import logits, model_inputs, tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils import hub

@@ -18,7 +18,8 @@ import copy
 
 import pytest
 import torch
-from helpers import HIDDEN, LEFT_PADDED, family_cases, geometry, randomise
+from helpers.models import LEFT_PADDED, family_cases
+from helpers.references import HIDDEN, geometry, randomise
 
 import hf_neural_attn
 from hf_neural_attn.ops import blockwise, chunked, scored_attention

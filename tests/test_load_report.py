@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import logits, model_inputs, perturb_scorers, tiny_llama
+from helpers.models import logits, model_inputs, perturb_scorers, tiny_llama
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 from transformers.testing_utils import CaptureLogger

@@ -18,7 +18,9 @@ import warnings
 
 import pytest
 import torch
-from helpers import CHECKPOINT_KINDS, edit_record, logits, model_inputs, save_checkpoint, scorer_impls, tiny_llama
+from helpers.checkpoints import CHECKPOINT_KINDS, edit_record, save_checkpoint
+from helpers.models import logits, model_inputs, tiny_llama
+from helpers.paths import scorer_impls
 from transformers import LlamaModel
 
 import hf_neural_attn

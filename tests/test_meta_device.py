@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 from accelerate import init_empty_weights
-from helpers import FUSED_SCORERS, family_names, model_inputs, perturb_scorers, tiny_llama, tiny_model
+from helpers.models import family_names, model_inputs, perturb_scorers, tiny_llama, tiny_model
+from helpers.scorers import FUSED_SCORERS
 
 import hf_neural_attn
 

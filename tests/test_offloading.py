@@ -16,7 +16,8 @@ import pytest
 import torch
 from accelerate import cpu_offload, dispatch_model, init_empty_weights
 from accelerate.hooks import ModelHook, add_hook_to_module
-from helpers import FUSED_SCORERS, TINY_DECODER, model_inputs, perturb_scorers, tiny_llama
+from helpers.models import TINY_DECODER, model_inputs, perturb_scorers, tiny_llama
+from helpers.scorers import FUSED_SCORERS
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_neural_attn

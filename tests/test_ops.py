@@ -2,24 +2,10 @@
 
 import pytest
 import torch
-from helpers import (
-    F64,
-    FUSED_SCORERS,
-    HEADS,
-    HIDDEN,
-    KV_HEADS,
-    PATH_IMPLS,
-    D,
-    causal_gradcheck,
-    geometry,
-    logits,
-    model_inputs,
-    perturb_scorers,
-    randomise,
-    tiny_llama,
-    tiny_model,
-    training_labels,
-)
+from helpers.models import logits, model_inputs, perturb_scorers, tiny_llama, tiny_model, training_labels
+from helpers.paths import PATH_IMPLS
+from helpers.references import D, F64, HEADS, HIDDEN, KV_HEADS, causal_gradcheck, geometry, randomise
+from helpers.scorers import FUSED_SCORERS
 
 import hf_neural_attn
 from hf_neural_attn.ops import blockwise, chunked, scored_attention

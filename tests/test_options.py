@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_model
+from helpers.models import tiny_model
 from recipes_helpers import (  # fresh_accelerate_state: an autouse fixture
     ROOT,
     fresh_accelerate_state,  # noqa: F401

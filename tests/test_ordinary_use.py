@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import edit_json, edit_record, logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
+from helpers.checkpoints import edit_json, edit_record
+from helpers.models import logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
 from transformers import GPT2LMHeadModel
 
 import hf_neural_attn

@@ -16,7 +16,8 @@ import warnings
 
 import pytest
 import torch
-from helpers import LEFT_PADDED, PORTABLE_IMPLS, family_case, family_cases, padded_inputs, perturb_scorers, tiny_gpt2
+from helpers.models import LEFT_PADDED, family_case, family_cases, padded_inputs, perturb_scorers, tiny_gpt2
+from helpers.paths import PORTABLE_IMPLS
 
 import hf_neural_attn
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import HIDDEN, geometry, randomise
+from helpers.references import HIDDEN, geometry, randomise
 
 from hf_neural_attn import ops
 from hf_neural_attn.ops import blockwise, chunked, scored_attention

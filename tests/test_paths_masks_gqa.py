@@ -16,21 +16,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import (
-    F64,
-    HIDDEN,
-    PATH_IMPLS,
-    PORTABLE_IMPLS,
-    always_blockwise,
-    assert_same_outputs_and_grads,
-    geometry,
-    logits,
-    model_inputs,
-    perturb_scorers,
-    randomise,
-    scorer_impls,
-    tiny_gpt2,
-)
+from helpers.models import logits, model_inputs, perturb_scorers, tiny_gpt2
+from helpers.paths import PATH_IMPLS, PORTABLE_IMPLS, always_blockwise, scorer_impls
+from helpers.references import F64, HIDDEN, assert_same_outputs_and_grads, geometry, randomise
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_neural_attn

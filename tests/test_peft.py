@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from helpers import logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
+from helpers.models import logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from peft.utils.other import ModulesToSaveWrapper

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import logits, model_inputs, perturb_scorers, tiny_llama, transformers_refuses_installed_peft
+from helpers.installed import transformers_refuses_installed_peft
+from helpers.models import logits, model_inputs, perturb_scorers, tiny_llama
 from transformers import AutoModelForCausalLM
 
 import hf_neural_attn

@@ -20,7 +20,7 @@ import textwrap
 import pytest
 import torch
 import transformers
-from helpers import model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_vit
+from helpers.models import model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_vit
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,

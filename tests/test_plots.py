@@ -15,8 +15,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import (
-    PORTABLE_IMPLS,
+from helpers.models import (
     VOCAB,
     family_names,
     model_inputs,
@@ -26,12 +25,13 @@ from helpers import (
     tiny_model,
     tiny_vit,
 )
+from helpers.paths import PORTABLE_IMPLS
 from PIL import Image
 
 import hf_neural_attn
 from hf_neural_attn import plotting
 
-HEADS = 4  # every tiny model of helpers.py has 4 query heads
+HEADS = 4  # every tiny model of helpers.models has 4 query heads
 
 
 def snapshot(model) -> dict:

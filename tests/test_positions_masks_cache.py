@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import VOCAB, family_names, perturb_scorers, tiny_model, tokens
+from helpers.models import VOCAB, family_names, perturb_scorers, tiny_model, tokens
 
 import hf_neural_attn
 from hf_neural_attn.attention import hf_neural_attention_forward

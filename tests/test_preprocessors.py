@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BERT_COMMON, tiny_gpt2, tiny_llama, tiny_vit
+from helpers.models import BERT_COMMON, tiny_gpt2, tiny_llama, tiny_vit
 from transformers import (
     AutoImageProcessor,
     AutoProcessor,

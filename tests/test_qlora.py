@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import model_inputs, save_base, tiny_model
+from helpers.checkpoints import save_base
+from helpers.models import model_inputs, tiny_model
 from quantization_helpers import HAS_PEFT, load_quantized, quantized_tensors
 
 import hf_neural_attn

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import model_inputs, perturb_scorers, save_base, tiny_model
+from helpers.checkpoints import save_base
+from helpers.models import model_inputs, perturb_scorers, tiny_model
 from quantization_helpers import BITSANDBYTES_SCHEMES, SCHEME, SCHEME_NAMES, load_quantized, quantized_tensors
 from transformers import AutoModelForCausalLM
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import scorer_impls
+from helpers.paths import scorer_impls
 from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fixtures
     clm_flags,
     finetune_in_process,

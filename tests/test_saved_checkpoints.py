@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import saved_record, scorer_impls
+from helpers.checkpoints import saved_record
+from helpers.paths import scorer_impls
 from transformers import AutoModelForCausalLM
 
 import hf_neural_attn

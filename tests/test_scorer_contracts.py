@@ -1,4 +1,4 @@
-"""The contracts every scorer case keeps, run on each row of helpers.SCORER_CASES (docs/testing.md): preserved at
+"""The contracts every scorer case keeps, run on each row of helpers.scorers.SCORER_CASES (docs/testing.md): preserved at
 init (function-preserving cases) and live when perturbed, on every family the row can patch; on one family per
 row (GPT-2, ViT for NSEA): a gradient on the first backward for every new parameter but those documented to wait
 one step, the chunked path equal to the reference path, and the checkpoint round trip. A new scorer, or a new
@@ -15,18 +15,10 @@ import functools
 
 import pytest
 import torch
-from helpers import (
-    PATH_IMPLS,
-    SCORER_CASES,
-    logits,
-    model_inputs,
-    negligible,
-    perturb_scorers,
-    scorer_cases,
-    tiny_model,
-    training_labels,
-    training_loss,
-)
+from helpers.models import logits, model_inputs, perturb_scorers, tiny_model, training_labels, training_loss
+from helpers.paths import PATH_IMPLS
+from helpers.references import negligible
+from helpers.scorers import SCORER_CASES, scorer_cases
 
 import hf_neural_attn
 from hf_neural_attn.ops import blockwise, chunked

@@ -8,14 +8,13 @@ through W_h (DiGiugno & Mahmood, Eq. 7-9). The library never builds either.
 
 import pytest
 import torch
-from helpers import (
+from helpers.references import (
     ACTIVATIONS,
+    D,
     F64,
-    FUSED_SCORERS,
     HEADS,
     HIDDEN,
     KV_HEADS,
-    D,
     causal_gradcheck,
     geometry,
     qana_case,
@@ -23,6 +22,7 @@ from helpers import (
     rope_rows,
     rope_vector,
 )
+from helpers.scorers import FUSED_SCORERS
 
 from hf_neural_attn.ops import scored_attention
 from hf_neural_attn.scorers import (

@@ -5,7 +5,8 @@ import math
 
 import pytest
 import torch
-from helpers import F64, VOCAB, family_names, geometry, tiny_bert, tiny_llama, tiny_model
+from helpers.models import VOCAB, family_names, tiny_bert, tiny_llama, tiny_model
+from helpers.references import F64, geometry
 
 import hf_neural_attn
 from hf_neural_attn.ops import scored_attention

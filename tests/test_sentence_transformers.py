@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from helpers import transformers_refuses_installed_peft
+from helpers.installed import transformers_refuses_installed_peft
 
 import hf_neural_attn
 

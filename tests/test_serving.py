@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_DECODER, free_port, healthy, perturb_scorers
+from helpers.models import TINY_DECODER, perturb_scorers
+from helpers.processes import free_port, healthy
 from recipes_helpers import word_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -21,7 +21,8 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import TINY_DECODER, launch_processes, save_live_patched
+from helpers.models import TINY_DECODER, save_live_patched
+from helpers.processes import launch_processes
 
 import hf_neural_attn
 

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import always_blockwise, model_inputs, needs_triton, perturb_scorers, tiny_llama
+from helpers.installed import needs_triton
+from helpers.models import model_inputs, perturb_scorers, tiny_llama
+from helpers.paths import always_blockwise
 from torch import nn
 
 import hf_neural_attn

@@ -2,7 +2,9 @@
 
 import pytest
 import torch
-from helpers import FUSED_SCORERS, logits, model_inputs, negligible, tiny_llama, tiny_model, training_loss
+from helpers.models import logits, model_inputs, tiny_llama, tiny_model, training_loss
+from helpers.references import negligible
+from helpers.scorers import FUSED_SCORERS
 
 import hf_neural_attn
 

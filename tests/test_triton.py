@@ -19,20 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import (
-    FUSED_SCORERS,
-    HAS_TRITON,
-    IMPLS,
-    PORTABLE_IMPLS,
-    always_blockwise,
-    geometry,
-    model_inputs,
-    needs_triton,
-    perturb_scorers,
-    randomise,
-    tiny_gpt2,
-    tiny_llama,
-)
+from helpers.installed import HAS_TRITON, needs_triton
+from helpers.models import model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
+from helpers.paths import IMPLS, PORTABLE_IMPLS, always_blockwise
+from helpers.references import geometry, randomise
+from helpers.scorers import FUSED_SCORERS
 from torch.utils._pytree import tree_map_only
 
 import hf_neural_attn

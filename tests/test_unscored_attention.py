@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import IMAGE, VOCAB, family_cases, padded_inputs, perturb_scorers, tiny_gpt2
+from helpers.models import IMAGE, VOCAB, family_cases, padded_inputs, perturb_scorers, tiny_gpt2
 
 import hf_neural_attn
 from hf_neural_attn.families.base import call_argument

@@ -31,7 +31,8 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM's tests run in their own environment: make test-vllm")
 
-from helpers import free_port, healthy, perturb_scorers
+from helpers.models import perturb_scorers
+from helpers.processes import free_port, healthy
 from transformers import (
     GenerationConfig,
     LlamaConfig,
