@@ -30,8 +30,8 @@ root (``pip install -e ".[recipes]"`` first): ``accelerate launch -m recipes.fin
 The imports run one way: ``tasks``, ``patch_flags``, ``config_files`` and ``qlora`` import no other room (only
 ``errors``);
 ``checks``, ``modeling`` and ``report`` build on the first two; ``args`` on ``checks`` and ``config_files``;
-``finetune`` on all of these; ``sweep`` on ``finetune``; ``compare`` on ``sweep`` (tests/test_architecture.py
-checks that there is no circle).
+``finetune`` on all of these; ``sweep`` on ``finetune``; ``compare`` on ``sweep``
+(tests/architecture/test_architecture.py checks that there is no circle).
 
 See ``docs/recipes.md``.
 """

@@ -1,4 +1,4 @@
-"""What tests/test_hub_http.py runs in a subprocess whose ``HF_ENDPOINT`` is tests/hub_server.py's server.
+"""What tests/integrations/test_hub_http.py runs in a subprocess whose ``HF_ENDPOINT`` is tests/hub_server.py's server.
 
 huggingface_hub reads ``HF_ENDPOINT`` when it is imported, so the Hub clients (``push_to_hub``, ``from_pretrained``
 by repo id, the recipes' upload) run here, unchanged, in a process of their own. Each step is a function that

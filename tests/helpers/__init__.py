@@ -2,7 +2,8 @@
 
 * ``helpers.models``: tiny models built from configs (no downloads), FAMILY_CASES (every family the suite builds and
   the flags that pick each contract's families), their inputs, moving scorers off their init;
-* ``helpers.scorers``: SCORER_CASES (every scorer case, run by tests/test_scorer_contracts.py) and FUSED_SCORERS;
+* ``helpers.scorers``: SCORER_CASES (every scorer case, run by tests/scorers/test_scorer_contracts.py) and
+  FUSED_SCORERS;
 * ``helpers.checkpoints``: CHECKPOINT_KINDS (full, adapter), saving either, reading and editing its patch record;
 * ``helpers.references``: the float64 scorer geometry, literal RoPE, gradcheck, output and gradient comparisons;
 * ``helpers.paths``: IMPLS and the compute paths; ``helpers.installed``: what the installed packages allow;

@@ -11,7 +11,7 @@ from hf_neural_attn.scorers import SCORERS, Scorer
 
 IMPLS = IMPL_OPTIONS  # every public impl choice
 # The choices that run on any machine: "triton" needs CUDA or Triton's CPU interpreter (the ``interpreter``
-# fixture of conftest.py; tests/test_triton.py).
+# fixture of conftest.py; tests/ops/test_triton.py).
 PORTABLE_IMPLS = tuple(impl for impl in IMPLS if impl != "triton")
 # The portable choices that name one path; the first is "reference", the oracle the others are compared with.
 PATH_IMPLS = tuple(impl for impl in PORTABLE_IMPLS if impl != "auto")

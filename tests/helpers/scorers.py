@@ -1,5 +1,5 @@
 """The table of scorer cases, SCORER_CASES: every scorer and mode with what it should do, which
-tests/test_scorer_contracts.py runs every common contract on; FUSED_SCORERS, the scorers with a fused form."""
+tests/scorers/test_scorer_contracts.py runs every common contract on; FUSED_SCORERS, the scorers with a fused form."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from .references import geometry
 @dataclass(frozen=True)
 class ScorerCase:
     """One way of patching a model, and what docs/scorers.md says it should do. A new scorer (or a new mode of
-    one) is one row of SCORER_CASES; tests/test_scorer_contracts.py then runs every common contract on it."""
+    one) is one row of SCORER_CASES; tests/scorers/test_scorer_contracts.py then runs every common contract on it."""
 
     name: str
     options: dict = field(default_factory=dict)

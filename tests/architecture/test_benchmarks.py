@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = [pytest.mark.spawns, pytest.mark.compiles]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_benchmark(script: str, *flags: str, tmp_path: Path, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -4,7 +4,7 @@ keywords it gets, returns the patched model once the library is imported; the Au
 under names nothing can load.
 
 What cannot hold: in a process that never imports the library, nothing of it runs, and transformers builds what it
-is asked for. Without a keyword the plain class refuses (tests/test_auto_loading.py); with an explicit
+is asked for. Without a keyword the plain class refuses (tests/loading/test_auto_loading.py); with an explicit
 ``attn_implementation=`` it loads the base weights and lists the scorer tensors as unexpected in its load report,
 which the last test checks so the docs (docs/api.md) stay true.
 """

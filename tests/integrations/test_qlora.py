@@ -161,7 +161,7 @@ def test_the_qlora_benchmark_measures_a_step_and_decoded_tokens_of_each_configur
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "qlora.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "qlora.py"
     spec = importlib.util.spec_from_file_location("qlora_benchmark", path)
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)

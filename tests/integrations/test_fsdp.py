@@ -201,7 +201,7 @@ def test_the_fsdp_recipe_flags_run_on_one_cpu_process(tmp_path):
 def test_the_recipe_trains_under_accelerate_fsdp(tmp_path):
     """The documented command, one process per GPU: the run trains, saves a loadable patched checkpoint, and
     --train_only_new_params keeps the base weights."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     config = root / "recipes" / "accelerate_configs" / "fsdp.yaml"
     flags = [*fsdp_recipe_flags(tmp_path), "--output_dir", str(tmp_path / "run")]
     launcher = [shutil.which("accelerate") or "accelerate", "launch", "--config_file", str(config)]

@@ -126,7 +126,7 @@ def test_chunked_equals_reference(case, monkeypatch):
 @pytest.mark.parametrize("case", scorer_cases())
 def test_checkpoint_round_trip(case, tmp_path):
     """save_pretrained -> hf_neural_attn.from_pretrained gives the same logits and the same patch record.
-    tests/test_checkpoint.py covers the families."""
+    tests/loading/test_checkpoint.py covers the families."""
     family = case.family
     model = patched(case, family)
     perturb_scorers(model)

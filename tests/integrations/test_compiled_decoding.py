@@ -3,7 +3,7 @@ eager model's logits, and ``generate`` with a static cache and a ``CompileConfig
 
 QANA and Neural Attention with live scorers, on Llama (grouped-query attention, RoPE) and GPT-2. Tolerance 1e-5 on
 logits and on every step's scores (compiled kernels reorder sums). The cases run in a process of their own: compiling
-loads inductor, whose state the rest of the suite should not share (tests/test_compile.py does the same); both
+loads inductor, whose state the rest of the suite should not share (tests/ops/test_compile.py does the same); both
 families share one process.
 """
 
@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = [pytest.mark.spawns, pytest.mark.compiles]
 
-TESTS = Path(__file__).resolve().parent  # the script imports the test helpers
+TESTS = Path(__file__).resolve().parents[1]  # the script imports the test helpers
 
 SCRIPT = r"""
 import sys

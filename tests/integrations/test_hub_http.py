@@ -38,7 +38,7 @@ from recipes import report
 
 pytestmark = [pytest.mark.spawns, pytest.mark.server]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SAME_LOGITS = 1e-6  # a checkpoint loads as the model that was pushed
 
 

@@ -1,7 +1,7 @@
-"""Contract 6 (checkpoints save, reload and push like any HF model) and the checkpoint half of 7: the round trip
-runs on every kind of checkpoint (helpers.checkpoints.CHECKPOINT_KINDS: full, adapter), the rest on full checkpoints. What only
-adapters do: tests/test_adapter_checkpoint.py. Damaged checkpoints: tests/test_damaged_checkpoints.py; push_to_hub
-and loading by repo id: tests/test_hub_http.py."""
+"""Contract 6 (checkpoints save, reload and push like any HF model) and the checkpoint half of 7: the round trip runs on
+every kind of checkpoint (helpers.checkpoints.CHECKPOINT_KINDS: full, adapter), the rest on full checkpoints. What only
+adapters do: tests/loading/test_adapter_checkpoint.py. Damaged checkpoints: tests/loading/test_damaged_checkpoints.py;
+push_to_hub and loading by repo id: tests/integrations/test_hub_http.py."""
 
 import copy
 import json
@@ -30,9 +30,9 @@ def test_save_pretrained_writes_safetensors_and_the_patch_record(tmp_path):
     assert record["options"] == model.config.hf_neural_attn["options"]
     assert record["options"]["proj_dim"] == 2 and record["options"]["h"] == 3
     assert record["version"] == hf_neural_attn.__version__
-    # The layout's own number, apart from the package version (records of 0.1.0 with and without impl share that):
-    # the loaders read it (a newer one is refused, tests/test_damaged_checkpoints.py; none is format 1, whose records
-    # still load, tests/test_saved_checkpoints.py).
+    # The layout's own number, apart from the package version (records of 0.1.0 with and without impl share that): the
+    # loaders read it (a newer one is refused, tests/loading/test_damaged_checkpoints.py; none is format 1, whose
+    # records still load, tests/loading/test_saved_checkpoints.py).
     assert record["format"] == RECORD_FORMAT == 2 and "impl" not in record["options"]
     saved = load_file(folder / "model.safetensors")
     assert set(hf_neural_attn.scorer_parameters(model)) <= set(saved)

@@ -2,8 +2,9 @@
 ``from_pretrained(impl=)`` and ``hf_neural_attn.set_impl`` set it, each checks it where it is set, the dispatcher
 reads it on every call (a torch.compile'd model included), and no checkpoint saves it.
 
-Checkpoints whose record carries one (older versions saved it): tests/test_loading_trust.py, and the saved formats
-of tests/test_saved_checkpoints.py. Which path each choice takes per call: tests/test_paths_masks_gqa.py.
+Checkpoints whose record carries one (older versions saved it): tests/loading/test_loading_trust.py, and the saved
+formats of tests/loading/test_saved_checkpoints.py. Which path each choice takes per call:
+tests/ops/test_paths_masks_gqa.py.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from durations_by_file import durations_by_file, markdown_table, registered_markers, slowest_files_first
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 # Marker -> names whose use in a test (directly or through its module's functions and fixtures) means the test needs
 # it. Attribute names count as well as bare names (``subprocess.run``, ``torch.compile``); fixtures count by their

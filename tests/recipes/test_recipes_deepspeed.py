@@ -4,7 +4,7 @@ ZeRO-3 (`recipes/accelerate_configs/deepspeed_zero3.yaml`: the model built parti
 partitioned, the whole model gathered for saving) is compared with the same run under DDP; its `save_state`
 checkpoint resumes to the same end; its output folder loads as an ordinary patched checkpoint. ZeRO-2 trains the
 new parameters only. The library-level checks (patching partitioned weights, reloading and generating under
-ZeRO-3, frozen and unfrozen base, gradient checkpointing) are in tests/test_deepspeed.py.
+ZeRO-3, frozen and unfrozen base, gradient checkpointing) are in tests/integrations/test_deepspeed.py.
 """
 
 from __future__ import annotations
@@ -183,8 +183,8 @@ def test_zero3_launch_is_one_job_that_builds_the_models_of_one_process(workspace
 
 
 def test_zero3_is_one_job_matches_ddp_resumes_and_saves_a_patched_checkpoint(workspace, tmp_path):
-    """With --train_only_new_params (and weight decay on the matrices): the library's tests train the whole model
-    under ZeRO-3 (tests/test_deepspeed.py); here the recipe must freeze the same parameters as under DDP."""
+    """With --train_only_new_params (and weight decay on the matrices): the library's tests train the whole model under
+    ZeRO-3 (tests/integrations/test_deepspeed.py); here the recipe must freeze the same parameters as under DDP."""
     flags = [*workspace["flags"], "--model_name_or_path", str(workspace["gpt2"]), "--scorer", "qana"]
     flags += ["--learning_rate", "1e-3", "--gradient_checkpointing", "--train_only_new_params", "--weight_decay", "0.1"]
     zero3, resumed, ddp = tmp_path / "zero3", tmp_path / "resumed", tmp_path / "ddp"

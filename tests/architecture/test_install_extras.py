@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # pyyaml is not among them: transformers and huggingface_hub need it themselves.
 EXTRAS = [
     "accelerate",

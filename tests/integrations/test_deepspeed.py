@@ -5,7 +5,7 @@ The processes build the base from a checkpoint with an ``HfDeepSpeedConfig`` ali
 ``zero3_init_flag: true`` and transformers' DeepSpeed integration do, so every base weight is partitioned before
 ``patch_model`` sees it. ``stage3_param_persistence_threshold: 0`` keeps DeepSpeed from leaving small tensors whole
 (the tiny model's are all small), so every scorer parameter really is gathered where it is read. The recipe under
-``accelerate launch`` with a ZeRO-3 config is tested in ``tests/test_recipes_deepspeed.py``.
+``accelerate launch`` with a ZeRO-3 config is tested in ``tests/recipes/test_recipes_deepspeed.py``.
 """
 
 from __future__ import annotations

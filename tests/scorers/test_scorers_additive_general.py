@@ -1,5 +1,5 @@
-"""Bahdanau's additive score and Luong's general score: the formulas written out in float64, gradcheck, their
-options. Preservation, liveness, first backward, chunked path and checkpoints: tests/test_scorer_contracts.py."""
+"""Bahdanau's additive score and Luong's general score: the formulas written out in float64, gradcheck, their options.
+Preservation, liveness, first backward, chunked path and checkpoints: tests/scorers/test_scorer_contracts.py."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """Contract 1: unpatch gives back the original model exactly, every layer is patched, the patch record and APIs.
-Preserved at init and live on every family, for every scorer case: tests/test_scorer_contracts.py."""
+Preserved at init and live on every family, for every scorer case: tests/scorers/test_scorer_contracts.py."""
 
 import torch
 from helpers.models import logits, model_inputs, perturb_scorers, tiny_gpt2, tiny_llama, tiny_model

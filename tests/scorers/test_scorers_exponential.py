@@ -224,7 +224,7 @@ def test_encoder_outputs_ignore_padding(name):
 @pytest.mark.parametrize("name", ["nsea", "hea"])
 def test_trains_from_scratch(name):
     """A tiny masked-LM memorises one batch: the loss falls, gradients stay finite (the checkpoint round trip is
-    in tests/test_scorer_contracts.py)."""
+    in tests/scorers/test_scorer_contracts.py)."""
     model = hf_neural_attn.patch_model(tiny_bert(), name, mode="replace").train()
     ids = torch.randint(2, VOCAB, (4, 12), generator=torch.Generator().manual_seed(0))
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)

@@ -1,5 +1,5 @@
 """recipes/hub.py without network: a Hub model fails fast. (--push_to_hub through a Hub-compatible server on
-127.0.0.1: tests/test_hub_http.py.)"""
+127.0.0.1: tests/integrations/test_hub_http.py.)"""
 
 from __future__ import annotations
 

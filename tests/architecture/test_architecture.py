@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hf_neural_attn.scorers import SCORERS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("hf_neural_attn", "recipes")
 
 # The library's floors, lowest first: a module may import modules of its own floor and of the floors below it.

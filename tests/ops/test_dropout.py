@@ -2,9 +2,9 @@
 stored, and the semantics of the reference (after the softmax, kept entries scaled by 1 / (1 - p), none in eval).
 
 Each call draws one seed from torch's default generator (hf_neural_attn.ops.dropout), so ``torch.manual_seed``
-before a call fixes its mask. Comparisons are in fp32 with the tolerance of tests/test_paths_masks_gqa.py (1e-5,
+before a call fixes its mask. Comparisons are in fp32 with the tolerance of tests/ops/test_paths_masks_gqa.py (1e-5,
 times a gradient's magnitude above 1), on every row: rows that see no key included (zero under a boolean mask,
-uniform over every key under an additive one, on every path). torch.compile: tests/test_compile.py.
+uniform over every key under an additive one, on every path). torch.compile: tests/ops/test_compile.py.
 """
 
 from __future__ import annotations

@@ -184,7 +184,7 @@ def test_finetune_without_arguments_prints_usage(capsys):
 @pytest.mark.spawns
 def test_finetune_runs_by_its_script_path_from_any_directory(tmp_path):
     """`accelerate launch recipes/finetune.py` is the documented command: a script path, not a module."""
-    script = Path(__file__).resolve().parents[1] / "recipes" / "finetune.py"
+    script = Path(__file__).resolve().parents[2] / "recipes" / "finetune.py"
     finished = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
     )

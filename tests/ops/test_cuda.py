@@ -1,6 +1,6 @@
 """On a CUDA device: the compiled Triton kernels and the other paths at real shapes, and whole patched models.
 
-Skipped without a CUDA device (CI has none): run them on a GPU machine with ``pytest tests/test_cuda.py -s`` (``-s``
+Skipped without a CUDA device (CI has none): run them on a GPU machine with ``pytest tests/ops/test_cuda.py -s`` (``-s``
 prints the errors each check saw, for docs/benchmarks.md). test_triton.py checks the same kernels in Triton's CPU
 interpreter on tiny shapes; this file checks what only a GPU runs: compiled kernels, real tile sizes, bf16, head_dim
 64 and grouped-query attention at GPT-2 small's and SmolLM-135M's shapes.

@@ -23,7 +23,7 @@ from hf_neural_attn import integrations
 from hf_neural_attn.integrations import wrapping
 from hf_neural_attn.integrations.installer import AT_IMPORT, PER_PATCHED_CONFIG_CLASS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_owner() -> type:

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_neural_attn
 
-SAVED = Path(__file__).parent / "data" / "checkpoints_0.1.0"
+SAVED = Path(__file__).resolve().parents[1] / "data" / "checkpoints_0.1.0"
 TOLERANCE = {"rtol": 0, "atol": 1e-6}
 
 

@@ -46,7 +46,7 @@ import hf_neural_attn
 
 pytestmark = [pytest.mark.spawns, pytest.mark.server]
 
-RUNNER = Path(__file__).with_name("vllm_runner.py")
+RUNNER = Path(__file__).resolve().parents[1] / "vllm_runner.py"
 WORDS = [f"w{index}" for index in range(96)]
 VOCAB = len(WORDS) + 2  # [UNK], </s>, then the words
 # vLLM's CPU attention takes head sizes from 32 up; the CPU cache's block size is a multiple of 32.

@@ -10,7 +10,7 @@ from packaging.version import Version
 
 from hf_neural_attn._compat import MIN_TRANSFORMERS, check_transformers_version, transformers_at_least
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_pyproject_floor_is_the_import_check_floor():

@@ -3,14 +3,14 @@ save, load, and compare logits, files and errors.
 
 * the compute path (``impl``) is a run-time setting: a checkpoint whose record carries one (older versions saved
   it, ``"triton"`` on GPU machines) loads as it would without it, on the ``impl=`` asked for on load (more in
-  tests/test_impl_runtime.py);
+  tests/ops/test_impl_runtime.py);
 * an adapter records checksums of its base weights: saving one after training the base warns, and loading one
   on other base weights raises;
 * ``from_pretrained`` takes what transformers' ``from_pretrained`` takes (config overrides, ``output_loading_info``,
   ``ignore_mismatched_sizes``, ``dtype``, ``device_map``, ``revision``, ``model_class``);
 * the adapter's model card says how to load it.
 
-Damaged records and files: tests/test_damaged_checkpoints.py.
+Damaged records and files: tests/loading/test_damaged_checkpoints.py.
 """
 
 import json

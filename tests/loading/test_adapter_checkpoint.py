@@ -1,9 +1,10 @@
 """Adapter-only checkpoints: save_adapter / push_adapter_to_hub write the scorer tensors, the patch record and the
 base model's id; hf_neural_attn.from_pretrained(adapter) loads the base model, patches it and fills the tensors.
 
-The round trip of every kind of checkpoint, adapters included: tests/test_checkpoint.py. Everything runs offline: base
-models are saved to local folders. Pushing adapters to the Hub and loading them by repo id: tests/test_hub_http.py
-(a Hub-compatible server on 127.0.0.1). Damaged adapters: tests/test_damaged_checkpoints.py."""
+The round trip of every kind of checkpoint, adapters included: tests/loading/test_checkpoint.py. Everything runs
+offline: base models are saved to local folders. Pushing adapters to the Hub and loading them by repo id:
+tests/integrations/test_hub_http.py (a Hub-compatible server on 127.0.0.1). Damaged adapters:
+tests/loading/test_damaged_checkpoints.py."""
 
 import json
 
