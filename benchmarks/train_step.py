@@ -104,7 +104,7 @@ def build(args, dropout: str, scorer_name: str, impl: str):
     dtype = getattr(torch, AUTOCAST_DTYPES[args.dtype]) if AUTOCAST_DTYPES[args.dtype] else None
     resolved = impl
     if scorer_name != "none" and impl in ("auto", "default"):
-        from hf_neural_attn.ops import resolve_impl
+        from hf_neural_attn.ops.dispatch import resolve_impl
         from hf_neural_attn.scorers import Scorer
 
         scorer = next(module for module in model.modules() if isinstance(module, Scorer))

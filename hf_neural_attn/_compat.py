@@ -15,8 +15,8 @@ from __future__ import annotations
 import transformers
 from packaging.version import Version
 
-# Keep equal to the floor of "transformers>=..." in pyproject.toml (tests/test_versions.py checks it); CI runs
-# the core tests on exactly this release (`make test-oldest`).
+# Keep equal to the floor of "transformers>=..." in pyproject.toml (tests/architecture/test_versions.py checks it); CI
+# runs the core tests on exactly this release (`make test-oldest`).
 MIN_TRANSFORMERS = "5.18"
 
 

@@ -34,7 +34,7 @@ The imports run one way: ``tasks``, ``patch_flags``, ``config_files`` and ``qlor
 ``errors``);
 ``checks``, ``modeling`` and ``report`` build on the first two; ``args`` on ``checks`` and ``config_files``;
 ``optimization``, ``run_state``, ``outputs`` and ``training`` on these, in that order; ``finetune`` (the command line)
-and ``sweep`` on ``training``, the sweep never on ``finetune``; ``compare`` on ``sweep`` (tests/test_architecture.py
+and ``sweep`` on ``training``, the sweep never on ``finetune``; ``compare`` on ``sweep`` (tests/architecture/test_architecture.py
 checks that there is no circle and that the sweep does not import ``finetune``).
 
 See ``docs/recipes.md``.

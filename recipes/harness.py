@@ -12,7 +12,7 @@ first) and the recipes' ``--lm_eval_tasks``::
 
 Task names are the harness's own (its ``wikitext`` downloads WikiText-2 from the Hub). ``include_path`` adds a
 folder of task YAML files, which is how a task runs offline: a ``dataset_path: json`` task over a local file
-(``tests/test_harness.py`` writes one).
+(``tests/recipes/test_harness.py`` writes one).
 
 Why the harness's ``wikitext`` numbers differ from the recipes' perplexity: the recipes report *token*
 perplexity, ``exp`` of the mean loss per token of the model's tokenizer, over sliding windows of

@@ -1,12 +1,16 @@
-"""pytest fixtures shared by the tests; the helpers themselves live in ``helpers.py``."""
+"""pytest fixtures shared by the tests; the helpers themselves live in the ``helpers`` package (tests/helpers/, one
+module per subject: models, scorers, checkpoints, references, paths, installed, processes)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 import torch
-from helpers import CORE_FAMILIES, FUSED_SCORERS
+from durations_by_file import FILE_SECONDS, slowest_files_first
+from helpers.models import CORE_FAMILIES
+from helpers.scorers import FUSED_SCORERS
 
 from hf_neural_attn.ops import dispatch
 from hf_neural_attn.ops.triton import launch
@@ -20,6 +24,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The slowest files first (tests/file_seconds.json, written by tests/durations_by_file.py --json). With
+    ``--dist loadfile --no-loadscope-reorder`` (`make test`) the xdist workers take the files in this order, so the
+    long ones that start processes do not come last, leaving one worker to run them alone while the other idles."""
+    seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
+    items[:] = slowest_files_first(items, seconds)
+
+
 @pytest.fixture(params=CORE_FAMILIES)
 def family(request) -> str:
     """The name of each core family (FAMILY_CASES rows with core=True)."""
@@ -28,7 +40,7 @@ def family(request) -> str:
 
 @pytest.fixture(params=FUSED_SCORERS)
 def scorer_name(request) -> str:
-    """The name of each scorer with a fused form (helpers.FUSED_SCORERS)."""
+    """The name of each scorer with a fused form (helpers.scorers.FUSED_SCORERS)."""
     return request.param
 
 

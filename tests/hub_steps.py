@@ -1,4 +1,4 @@
-"""What tests/test_hub_http.py runs in a subprocess whose ``HF_ENDPOINT`` is tests/hub_server.py's server.
+"""What tests/integrations/test_hub_http.py runs in a subprocess whose ``HF_ENDPOINT`` is tests/hub_server.py's server.
 
 huggingface_hub reads ``HF_ENDPOINT`` when it is imported, so the Hub clients (``push_to_hub``, ``from_pretrained``
 by repo id, the recipes' upload) run here, unchanged, in a process of their own. Each step is a function that
@@ -49,7 +49,7 @@ FULL_PUSHES = [
 
 def patched(family: str, scorer: str = "qana", seed: int = 0, **options):
     """A tiny model of ``family``, patched, its scorers moved off their init (``seed``): a trained model."""
-    from helpers import perturb_scorers, tiny_model
+    from helpers.models import perturb_scorers, tiny_model
 
     import hf_neural_attn
 
@@ -62,7 +62,7 @@ def patched(family: str, scorer: str = "qana", seed: int = 0, **options):
 def max_difference(model, other, family: str) -> float:
     """The largest absolute difference of the two models' logits on the family's test inputs."""
     import torch
-    from helpers import logits, model_inputs
+    from helpers.models import logits, model_inputs
 
     with torch.no_grad():
         inputs = model_inputs(family)
@@ -149,7 +149,7 @@ def own_card() -> dict:
 def adapters(local_base: str) -> dict:
     """push_adapter_to_hub of a model whose base came from the Hub, loaded back by repo id; and the warning for an
     adapter whose base is a local folder."""
-    from helpers import perturb_scorers, tiny_model
+    from helpers.models import perturb_scorers, tiny_model
     from transformers import LlamaForCausalLM
 
     import hf_neural_attn

@@ -1,5 +1,6 @@
 """Runs vLLM jobs the way a user's script would, without importing hf_neural_attn: the plugin must come in through
-its ``vllm.general_plugins`` entry point. tests/test_vllm.py starts it as ``python vllm_runner.py JOBS.json OUT.json``.
+its ``vllm.general_plugins`` entry point. tests/integrations/test_vllm.py starts it as ``python vllm_runner.py
+JOBS.json OUT.json``.
 
 Each job: ``{"model": folder, "engine": {LLM keyword arguments}, "batches": [[{"prompt_token_ids": [...],
 "max_tokens": n}, ...], ...]}``. Each batch is one ``LLM.generate`` call (its requests run concurrently), greedy, with

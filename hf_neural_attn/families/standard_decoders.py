@@ -1,4 +1,4 @@
-"""Decoders with the standard attention plumbing that are tested by name (tests/test_families_generic.py).
+"""Decoders with the standard attention plumbing that are tested by name (tests/families/test_families_generic.py).
 
 Each entry only names the family and its attention class (:meth:`.base.ModelFamily.described`, as
 :mod:`.llama_like` names its entries); :class:`.standard.StandardAttentionFamily` does the rest and its probe checks

@@ -13,8 +13,8 @@
   parallelism, the refusal of Ulysses);
 * :mod:`.vllm`: vLLM, as a ``vllm.general_plugins`` entry point.
 
-``tests/test_architecture.py`` checks that no module outside this folder assigns into another library or reads its
-private names. This file imports nothing at its top, so that any floor of the library can use the accessors.
+``tests/architecture/test_architecture.py`` checks that no module outside this folder assigns into another library or
+reads its private names. This file imports nothing at its top, so that any floor of the library can use the accessors.
 """
 
 from __future__ import annotations

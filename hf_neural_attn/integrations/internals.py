@@ -3,8 +3,8 @@
 transformers, torch and the others promise nothing about names with a leading underscore, and a release may move
 or drop any of them. The library still needs a few (where a config keeps its attention implementation, the flag that
 keeps transformers' init off a tensor, the tensor-parallel plan of a model, ...): reading them here, and only here
-(``tests/test_architecture.py`` checks it), makes an upgrade of those libraries a review of this file. Each accessor
-says what it stands for, so that its callers read as what they mean.
+(``tests/architecture/test_architecture.py`` checks it), makes an upgrade of those libraries a review of this file.
+Each accessor says what it stands for, so that its callers read as what they mean.
 
 This module imports nothing of the library, and of transformers only what ``import transformers`` has loaded already
 (the library's version check imports it): any floor may use it.

@@ -45,7 +45,7 @@ from .sequences import SequenceSlice, padded_sequences
 from .triton import TRITON_INSTALL_HINT, kernel_unsupported_reason, triton_attention, triton_unavailable_reason
 
 # impl="auto" on CUDA picks the fused Triton kernels for the calls they support: verified on an H100 (2026-11-27,
-# tests/test_cuda.py: fp32 within 1e-5 of float64, bf16 closer than the reference path in bf16, whole-model
+# tests/ops/test_cuda.py: fp32 within 1e-5 of float64, bf16 closer than the reference path in bf16, whole-model
 # gradients and cached generation equal) and 1.6-5.3x faster than the chunked path there (docs/benchmarks.md#gpu).
 # Not while torch.compile traces: inductor failed to compile the kernels there (torch 2.11), so a compiled model
 # keeps the torch paths. False gives CUDA the CPU's rule.

@@ -1,4 +1,4 @@
-"""How the checkpoints beside this file were written, for tests/test_saved_checkpoints.py.
+"""How the checkpoints beside this file were written, for tests/loading/test_saved_checkpoints.py.
 
 Run from a checkout of commit c10b4f2 (hf_neural_attn 0.1.0, before the loaders moved into hf_neural_attn/loading/):
 

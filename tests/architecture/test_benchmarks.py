@@ -1,0 +1,109 @@
+"""The training-step benchmark runs end to end on a tiny model and reports what it measured."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.spawns, pytest.mark.compiles]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_benchmark(script: str, *flags: str, tmp_path: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(ROOT / "benchmarks" / script), *flags, "--output_dir", str(tmp_path)]
+    finished = subprocess.run(command, capture_output=True, text=True, check=False, timeout=timeout)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return finished
+
+
+def test_train_step_benchmark_interleaved_default_row(tmp_path):
+    """One length, Neural Attention as patch_model gives it, with the config's attention dropout and without, times
+    interleaved: the table has a row per configuration and dropout with ratios to the unpatched step, and the
+    default row says which path it took."""
+    flags = ["--seq", "40", "--layers", "1", "--width", "32", "--heads", "2", "--steps", "2", "--scorers", "neural"]
+    run_benchmark("train_step.py", *flags, "--interleave", tmp_path=tmp_path)
+    results = json.loads((tmp_path / "train_step_gpt2.json").read_text())["results"]
+    assert {(row["dropout"], row["scorer"], row["impl"]) for row in results} == {
+        (dropout, scorer, impl)
+        for dropout in ("config", "zero")
+        for scorer, impl in (("none", "sdpa"), ("neural", "default"))
+    }
+    # What was measured, not how fast: a timing is no pass condition (a loaded machine makes any of them odd).
+    assert all(row["timed"] == "interleaved" and isinstance(row["time_s"], float) for row in results)
+    assert all(row["peak_bytes"] > 0 for row in results)
+    table = (tmp_path / "train_step_gpt2.md").read_text()
+    assert "timed interleaved" in table and "GPT-2 from its default config" in table
+    # 1 x 2 heads x 40 x 40 x h=4 scores: well under the threshold, so the default materialises them, with
+    # dropout or without.
+    assert "| 40 | config | neural | default -> reference |" in table
+    assert "| 40 | zero | neural | default -> reference |" in table
+    assert "| 40 | config | none | sdpa |" in table and "| 1.00 |" in table
+
+
+def test_train_step_benchmark_on_a_padded_encoder_batch(tmp_path):
+    flags = ["--family", "bert", "--batch", "2", "--padded", "--seq", "24", "--layers", "1", "--width", "32"]
+    flags += ["--heads", "2", "--steps", "1", "--scorers", "qana", "--dropouts", "zero"]
+    run_benchmark("train_step.py", *flags, tmp_path=tmp_path)
+    table = (tmp_path / "train_step_bert.md").read_text()
+    assert "BERT (sequence classification)" in table and "rows 2 and on padded" in table
+    assert "| 24 | zero | qana | default -> reference |" in table
+
+
+def test_inference_benchmark_reports_prefill_and_decode_eager_and_compiled(tmp_path):
+    flags = ["--prompt", "16", "--decode_steps", "2", "--rounds", "1", "--layers", "1", "--scorers", "qana"]
+    run_benchmark("inference.py", *flags, "--compiled", tmp_path=tmp_path)
+    results = json.loads((tmp_path / "inference.json").read_text())["results"]["16"]
+    assert set(results) == {"none", "qana", "none compiled", "qana compiled"}
+    # Every row timed its 2 decode steps themselves: the compiled ones through generate's per-token stamps (3 tokens,
+    # the first ending the prefill), not as a difference of two generate calls. No timing is a pass condition.
+    for times in results.values():
+        assert set(times) == {"prefill_s", "decode_s", "decode_steps"} and times["decode_steps"] == 2, times
+        assert isinstance(times["prefill_s"], float) and isinstance(times["decode_s"], float)
+    table = (tmp_path / "inference.md").read_text()
+    assert "| 16 | none |" in table and "| 16 | qana |" in table and "µs |" in table
+    # Each mode's ratios are to the unpatched model of that mode.
+    assert "| 16 | none compiled |" in table and "torch.compile(fullgraph=True)" in table
+    assert table.count("| 1.00 |") >= 4
+
+
+def test_inference_benchmark_at_smollm_135m_shape(tmp_path):
+    flags = ["--preset", "smollm-135m", "--layers", "1", "--prompt", "8", "--decode_steps", "1", "--rounds", "1"]
+    run_benchmark("inference.py", *flags, "--scorers", "neural", tmp_path=tmp_path)
+    results = json.loads((tmp_path / "inference_smollm-135m.json").read_text())
+    assert results["setup"]["preset"] == "smollm-135m" and set(results["results"]["8"]) == {"none", "neural"}
+    assert (
+        "SmolLM-135M's shape: Llama 1 layers x 576 wide, 9 query heads on 3"
+        in (tmp_path / "inference_smollm-135m.md").read_text()
+    )
+
+
+def test_train_step_benchmark_on_a_left_padded_decoder_batch_over_an_eager_base(tmp_path):
+    flags = ["--batch", "2", "--padded", "--padding_side", "left", "--base", "eager", "--seq", "24", "--layers", "1"]
+    flags += ["--width", "32", "--steps", "1", "--dropouts", "config", "--scorers", "qana"]
+    run_benchmark("train_step.py", *flags, tmp_path=tmp_path)
+    table = (tmp_path / "train_step_gpt2.md").read_text()
+    assert "padded from the middle on the left" in table and "| none | eager |" in table
+
+
+def test_train_step_benchmark_compiled_quick(tmp_path):
+    """--compiled --quick: every model compiled with fullgraph=True (a graph break would fail the run), the step and
+    the compile time of each configuration from the one interleaved process, with ratios to the unpatched model;
+    no memory columns. The times' values are not checked."""
+    flags = ["--compiled", "--quick", "--seq", "24", "--layers", "1", "--width", "32", "--heads", "2", "--steps", "1"]
+    flags += ["--scorers", "qana", "--impls", "chunked", "--dropouts", "config"]
+    run_benchmark("train_step.py", *flags, tmp_path=tmp_path, timeout=600)  # two compiles
+    results = json.loads((tmp_path / "train_step_gpt2.json").read_text())["results"]
+    assert [(row["scorer"], row["impl"], row["resolved_impl"]) for row in results] == [
+        ("none", "sdpa", "sdpa"),
+        ("qana", "chunked", "chunked"),
+    ]
+    assert all(row["timed"] == "interleaved" and "compile_s" in row and "peak_bytes" not in row for row in results)
+    table = (tmp_path / "train_step_gpt2.md").read_text()
+    assert "torch.compile(model, fullgraph=True)" in table
+    assert "| n | dropout | scorer | impl | step ms | x unpatched | compile s | x unpatched |" in table
+    assert "| 24 | config | none | sdpa |" in table and "| 24 | config | qana | chunked |" in table

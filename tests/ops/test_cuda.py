@@ -1,0 +1,194 @@
+"""On a CUDA device: the compiled Triton kernels and the other paths at real shapes, and whole patched models.
+
+Skipped without a CUDA device (CI has none): run them on a GPU machine with ``pytest tests/ops/test_cuda.py -s`` (``-s``
+prints the errors each check saw, for docs/benchmarks.md). test_triton.py checks the same kernels in Triton's CPU
+interpreter on tiny shapes; this file checks what only a GPU runs: compiled kernels, real tile sizes, bf16, head_dim
+64 and grouped-query attention at GPT-2 small's and SmolLM-135M's shapes.
+
+Tolerances: each path is compared with the float64 reference of the same inputs. fp32: outputs within 2e-4, gradients
+within 2e-4 of their largest magnitude (seen on an H100: at most 7.4e-6 and 4.9e-5; the kernels use IEEE fp32
+products unless torch allows TF32 matmuls, which would need a wider bound). bf16 (8 mantissa bits: rounding the inputs alone moves outputs by ~3e-2 here): the kernels no more than 1.5 times
+the error of the reference path computing in bf16 on the same device, plus 1e-3 (seen: 0.6-0.9 times); the chunked
+path 2.5 times (seen on an H100: up to 2.0 times, in Neural Attention's gradients at SmolLM's grouped shape).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.installed import HAS_TRITON
+from helpers.references import geometry, randomise
+from helpers.scorers import FUSED_SCORERS
+
+import hf_neural_attn
+from hf_neural_attn.ops.dispatch import scored_attention
+from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not HAS_TRITON, reason="needs triton"),
+]
+
+# (heads, kv_heads, head_dim, hidden): GPT-2 small's attention (12 heads of 64), SmolLM-135M's (9 on 3 kv heads).
+SHAPES = {"gpt2-small": (12, 12, 64, 768), "smollm-135m": (9, 3, 64, 576)}
+FP32_TOLERANCE = 2e-4  # seen on an H100: at most 4.9e-5
+BF16_FACTOR, BF16_SLACK = {"triton": 1.5, "chunked": 2.5, "reference": 1.0}, 1e-3
+
+
+def make_scorer(name: str, shape: str, **options):
+    heads, kv_heads, head_dim, hidden = SHAPES[shape]
+    geo = geometry(hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=torch.float64)
+    config = QanaConfig(**options) if name == "qana" else NeuralAttentionConfig(**options)
+    scorer = (QanaScorer if name == "qana" else NeuralAttentionScorer)(config, geo)
+    randomise(scorer, std=0.05)  # scores of a trained model's size: logits of a few units
+    return scorer
+
+
+def make_inputs(shape: str, batch: int, seq: int, left_pad: int, seed: int = 0):
+    """hidden (batch, seq, hidden), q (batch, heads, seq, d), k, v (batch, kv_heads, seq, d) in float64 on the CPU,
+    and a causal additive mask with the second row's first ``left_pad`` keys padded."""
+    heads, kv_heads, head_dim, hidden = SHAPES[shape]
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*size):
+        return torch.randn(*size, generator=generator, dtype=torch.float64)
+
+    allowed = torch.ones(seq, seq, dtype=torch.bool).tril().expand(batch, 1, seq, seq).clone()
+    allowed[1, ..., :left_pad] = False
+    mask = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min)
+    tensors = (randn(batch, seq, hidden), randn(batch, heads, seq, head_dim), randn(batch, kv_heads, seq, head_dim))
+    return (*tensors, randn(batch, kv_heads, seq, head_dim), mask, allowed.any(-1, keepdim=True))
+
+
+def run_path(scorer, impl, inputs, dtype, device):
+    """Output and gradients (hidden, q, k, v, every parameter) of one path, in float64 on the CPU for comparing."""
+    scorer = scorer.to(device=device, dtype=dtype)
+    scorer.config.impl = impl
+    hidden, query, key, value, mask, valid = (t.to(device) for t in inputs)
+    leaves = [t.to(dtype).requires_grad_() for t in (hidden, query, key, value)]
+    mask = mask.clamp(min=torch.finfo(dtype).min).to(dtype)
+    extras = scorer.query_extras(leaves[0], None) if scorer.name == "qana" else None
+    output, _ = scored_attention(
+        scorer, *leaves[1:], mask, scaling=query.shape[-1] ** -0.5, extras=extras, is_causal=True
+    )
+    valid = valid.transpose(1, 2)  # rows with no key to attend to have no defined output
+    weights = torch.linspace(-1, 1, output.numel(), device=device).view_as(output).to(dtype) * valid
+    grads = torch.autograd.grad((output * weights).sum(), [*leaves, *scorer.parameters()], allow_unused=True)
+    return (output.detach() * valid).double().cpu(), [None if g is None else g.double().cpu() for g in grads]
+
+
+def worst_errors(result, reference) -> tuple[float, float]:
+    """The largest output error, and the largest gradient error relative to that gradient's largest magnitude."""
+    (output, grads), (ref_output, ref_grads) = result, reference
+    out_error = (output - ref_output).abs().max().item()
+    assert [g is None for g in grads] == [r is None for r in ref_grads]
+    pairs = [(g, r) for g, r in zip(grads, ref_grads) if r is not None]
+    grad_error = max(((g - r).abs().max() / r.abs().max().clamp(min=1e-12)).item() for g, r in pairs)
+    return out_error, grad_error
+
+
+CASES = [
+    ("qana", {"h": 4}),
+    ("neural", {"h": 4, "proj_dim": 2}),
+    ("neural", {"h": 4, "mode": "replace"}),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name,options", CASES, ids=lambda value: str(value))
+@pytest.mark.parametrize("impl", ["triton", "chunked", "reference"])
+def test_paths_match_float64_on_cuda(name, options, impl, shape):
+    assert name in FUSED_SCORERS
+    scorer = make_scorer(name, shape, **options)
+    inputs = make_inputs(shape, batch=2, seq=300, left_pad=7)  # 300: not a tile multiple
+    reference = run_path(scorer, "reference", inputs, torch.float64, "cpu")
+    out_error, grad_error = worst_errors(run_path(scorer, impl, inputs, torch.float32, "cuda"), reference)
+    print(f"{name} {options} {shape} {impl} fp32: output {out_error:.2e}, gradients {grad_error:.2e}")
+    assert out_error <= FP32_TOLERANCE and grad_error <= FP32_TOLERANCE
+    bf16_reference = worst_errors(run_path(scorer, "reference", inputs, torch.bfloat16, "cuda"), reference)
+    out_error, grad_error = worst_errors(run_path(scorer, impl, inputs, torch.bfloat16, "cuda"), reference)
+    print(
+        f"{name} {options} {shape} {impl} bf16: output {out_error:.2e}, gradients {grad_error:.2e} "
+        f"(reference path in bf16: {bf16_reference[0]:.2e}, {bf16_reference[1]:.2e})"
+    )
+    assert out_error <= BF16_FACTOR[impl] * bf16_reference[0] + BF16_SLACK
+    assert grad_error <= BF16_FACTOR[impl] * bf16_reference[1] + BF16_SLACK
+
+
+def gpt2_small(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # GPT-2 small, 124M
+    return GPT2LMHeadModel(config).cuda()
+
+
+@pytest.mark.parametrize("scorer", ["qana", "neural"])
+def test_patched_gpt2_small_trains_alike_on_every_path(scorer):
+    """Loss and gradients of GPT-2 small, patched in every layer with the scorers perturbed off their
+    function-preserving start, agree across the paths on CUDA in fp32; and the patched model at init equals the
+    unpatched one."""
+    tokens = torch.randint(0, 50257, (2, 512), generator=torch.Generator().manual_seed(1)).cuda()
+    model = gpt2_small()
+    unpatched = model(input_ids=tokens).logits
+    hf_neural_attn.patch_model(model, scorer, h=4)
+    torch.testing.assert_close(model(input_ids=tokens).logits, unpatched, rtol=0, atol=1e-4)
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    with torch.no_grad():
+        for parameter in hf_neural_attn.scorer_parameters(model).values():
+            parameter.add_(torch.randn(parameter.shape, generator=generator, device="cuda") * 0.05)
+    results = {}
+    for impl in ("reference", "chunked", "triton"):
+        hf_neural_attn.set_impl(model, impl)
+        model.zero_grad()
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        results[impl] = loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    ref_loss, ref_grads = results["reference"]
+    for impl in ("chunked", "triton"):
+        loss, grads = results[impl]
+        worst = max(((grads[n] - g).abs().max() / g.abs().max().clamp(min=1e-12)).item() for n, g in ref_grads.items())
+        print(f"GPT-2 small, {scorer}, {impl}: loss {loss:.6f} vs {ref_loss:.6f}, worst relative gradient {worst:.2e}")
+        assert abs(loss - ref_loss) < 1e-3 and worst < 1e-2
+
+
+@pytest.mark.compiles
+@pytest.mark.xfail(
+    strict=True,
+    reason="inductor (torch 2.11, H100) fails compiling the kernels inside its subprocess, at their query_block call; "
+    "before the strides were passed as scalars it failed on the tuple arguments. impl='auto' keeps the torch paths "
+    "under torch.compile for this reason.",
+)
+def test_compiled_patched_model_on_the_kernels_matches_eager_on_cuda():
+    model = gpt2_small()
+    hf_neural_attn.patch_model(model, "qana", h=4, impl="triton")
+    tokens = torch.randint(0, 50257, (2, 256), generator=torch.Generator().manual_seed(3)).cuda()
+    eager = model(input_ids=tokens).logits
+    compiled = torch.compile(model, fullgraph=True)
+    torch.testing.assert_close(compiled(input_ids=tokens).logits, eager, rtol=0, atol=1e-3)
+
+
+@pytest.mark.compiles
+def test_compiled_patched_model_under_auto_matches_eager_on_cuda():
+    """impl="auto" (the kernels in eager mode) compiles on the torch paths: the same logits."""
+    model = gpt2_small()
+    hf_neural_attn.patch_model(model, "qana", h=4)
+    tokens = torch.randint(0, 50257, (2, 256), generator=torch.Generator().manual_seed(3)).cuda()
+    eager = model(input_ids=tokens).logits
+    compiled = torch.compile(model, fullgraph=True)
+    torch.testing.assert_close(compiled(input_ids=tokens).logits, eager, rtol=0, atol=1e-3)
+
+
+def test_generation_with_the_cache_is_the_same_on_every_path():
+    model = gpt2_small().eval()
+    hf_neural_attn.patch_model(model, "qana", h=4)
+    generator = torch.Generator(device="cuda").manual_seed(4)
+    with torch.no_grad():
+        for parameter in hf_neural_attn.scorer_parameters(model).values():
+            parameter.add_(torch.randn(parameter.shape, generator=generator, device="cuda") * 0.05)
+    prompt = torch.randint(0, 50257, (1, 40), generator=torch.Generator().manual_seed(5)).cuda()
+    answers = {}
+    for impl in ("reference", "triton"):
+        hf_neural_attn.set_impl(model, impl)
+        answers[impl] = model.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert torch.equal(answers["triton"], answers["reference"])
