@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+
 def launch_processes(worker: Callable[[int, str], dict], root: Path, world: int = 2) -> dict:
     """Run ``worker(rank, root)`` on ``world`` CPU processes joined over gloo (as torchrun would set them up: its
     environment variables, which transformers reads, one thread each) and return what process 0's call returned.

@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers.models import logits, model_inputs, perturb_scorers, tiny_llama, tiny_model, training_labels
 from helpers.paths import PATH_IMPLS
-from helpers.references import D, F64, HEADS, HIDDEN, KV_HEADS, causal_gradcheck, geometry, randomise
+from helpers.references import F64, HEADS, HIDDEN, KV_HEADS, D, causal_gradcheck, geometry, randomise
 from helpers.scorers import FUSED_SCORERS
 
 import hf_neural_attn

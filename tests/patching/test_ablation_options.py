@@ -15,11 +15,11 @@ from helpers.models import perturb_scorers, tiny_gpt2, tiny_llama, tokens
 from helpers.paths import PATH_IMPLS
 from helpers.references import (
     ACTIVATIONS,
-    D,
     F64,
     HEADS,
     HIDDEN,
     KV_HEADS,
+    D,
     geometry,
     qana_case,
     randomise,

@@ -10,11 +10,11 @@ import pytest
 import torch
 from helpers.references import (
     ACTIVATIONS,
-    D,
     F64,
     HEADS,
     HIDDEN,
     KV_HEADS,
+    D,
     causal_gradcheck,
     geometry,
     qana_case,

@@ -4,7 +4,7 @@ Preservation, liveness, first backward, chunked path and checkpoints: tests/scor
 import pytest
 import torch
 from helpers.models import tiny_gpt2
-from helpers.references import D, F64, HEADS, causal_gradcheck, geometry, randomise
+from helpers.references import F64, HEADS, D, causal_gradcheck, geometry, randomise
 
 import hf_neural_attn
 from hf_neural_attn.scorers import AdditiveConfig, AdditiveScorer, GeneralConfig, GeneralScorer

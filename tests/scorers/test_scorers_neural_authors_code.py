@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.models import tiny_gpt2
-from helpers.references import D, F64, HEADS, HIDDEN, KV_HEADS, causal_gradcheck, geometry, randomise
+from helpers.references import F64, HEADS, HIDDEN, KV_HEADS, D, causal_gradcheck, geometry, randomise
 from torch import nn
 
 import hf_neural_attn
