@@ -200,12 +200,14 @@ def install() -> None:
     it again changes nothing; after :func:`uninstall` it puts everything back."""
     global _optional_enabled
     with _lock:
+        reinstalling = _hooks_placed  # the hooks fired while the optional rows were off: run those rows now
         _optional_enabled = True
         _place_hooks()
         for integration in INTEGRATIONS:
             if not integration.required and integration.when == AT_IMPORT:
                 integration.install()
-        _rerun_for_what_is_there()
+        if reinstalling:
+            _rerun_for_what_is_there()
 
 
 def install_on_import() -> None:
