@@ -230,7 +230,24 @@ def prepare_quantized(model, args: argparse.Namespace):
         return model
     from peft import prepare_model_for_kbit_training
 
+    keep_the_loaded_4_bit_layout(model)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def keep_the_loaded_4_bit_layout(model) -> None:
+    """Turn off bitsandbytes' repacking of 4-bit weights for its CPU kernel, on every layer of ``model``.
+
+    On a CPU with AVX512-BF16, bitsandbytes (0.50) rewrites a 4-bit layer's weight in that kernel's layout at the
+    layer's first eval-mode forward without gradients, and rewrites it back whenever the model's state dict is taken,
+    wrongly: the block scales of a weight without double quantization come back transposed, those with it
+    re-quantized. A run evaluates (the scorer statistics at the start, --eval_steps) and saves checkpoints, so its first
+    checkpoint after an evaluation would change the base it goes on training, and a resumed run would not end where
+    the uninterrupted one does. The loaded layout is what bitsandbytes runs everywhere else (on a GPU, in training
+    mode); the CPU kernel's speed is what is given up. Layers without the flag (8-bit, torchao, older bitsandbytes)
+    are left alone."""
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
 
 
 def resume_load_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -332,23 +332,24 @@ def word_tokenizer(pad: bool):
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="</s>", **extra)
 
 
-def save_tiny_llama(folder: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama (hidden 32, grouped-query attention) with a word tokenizer that has no pad token."""
+def save_tiny_llama(folder: Path, seed: int = 0, **sizes: int) -> Path:
+    """A 2-layer Llama (hidden 32, grouped-query attention; config ``sizes`` override those) with a word tokenizer
+    that has no pad token."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = word_tokenizer(pad=False)
     torch.manual_seed(seed)
+    sizes = {"hidden_size": 32, "intermediate_size": 64, **sizes}
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
         bos_token_id=1,
         eos_token_id=1,
+        **sizes,
     )
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)

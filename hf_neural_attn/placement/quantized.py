@@ -94,6 +94,8 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
         import bitsandbytes.functional as bnb_functional  # only reached with a weight bitsandbytes made
 
         quant_state = getattr(weight, "quant_state", None)
+        if getattr(quant_state, "packing_format_for_cpu", False):
+            return dequantize_cpu_packed_4bit(weight.data, quant_state)
         if quant_state is not None:  # Params4bit (NF4 or FP4; a nested state under double quantization)
             return bnb_functional.dequantize_4bit(weight.data, quant_state)
         scales = getattr(weight, "SCB", None)
@@ -107,6 +109,34 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
         f"hf_neural_attn cannot read the weights of {type(layer).__name__}: a bitsandbytes {type(weight).__name__} "
         f"with {weight.dtype} storage and neither a 4-bit quant_state nor 8-bit row scales. The model was not changed."
     )
+
+
+def dequantize_cpu_packed_4bit(packed: torch.Tensor, quant_state) -> torch.Tensor:
+    """A bitsandbytes 4-bit weight that bitsandbytes repacked for its CPU kernel, dequantized to ``quant_state.shape``.
+
+    On a CPU with AVX512-BF16, bitsandbytes (0.50 on) rewrites a ``Linear4bit``'s weight the first time the layer runs
+    in eval mode without gradients (``quant_state.packing_format_for_cpu``): the 4-bit codes of each 32 output rows
+    interleaved as ``(out / 32, in / 2, 32, 2)`` bytes of shape ``(out, in / 2)``, and the block scales (double
+    quantization undone) as a bfloat16 ``(in / blocksize, out)`` matrix. ``dequantize_4bit`` reads only the layout
+    before that, and bitsandbytes' own inverse leaves the scales of a weight without double quantization transposed,
+    so the codes are read here from the packed layout itself. Reads ``packed``, changes nothing.
+
+    Args:
+        packed: ``(out, in / 2)`` ``uint8`` (or a float storage type viewed as bytes).
+        quant_state: its ``QuantState``: ``shape`` ``(out, in)``, ``absmax`` ``(in / blocksize, out)``, ``code`` (the
+            16 values of NF4 or FP4), ``blocksize``, ``original_dtype`` (the weight's dtype).
+    """
+    out_features, in_features = quant_state.shape
+    # Each 32 bytes hold the 64 codes of 32 output rows at two neighbouring inputs, in (row, input) order: the low
+    # nibbles those of the first 16 rows, the high nibbles those of the last 16.
+    packed_rows = packed.view(torch.uint8).reshape(-1, 32)
+    codes = torch.cat([packed_rows & 0xF, packed_rows >> 4], dim=-1)  # (out / 32 * in / 2, 64)
+    codes = codes.reshape(out_features // 32, in_features // 2, 32, 2).transpose(1, 2)
+    codes = codes.reshape(out_features, in_features)
+    scales = quant_state.absmax.float().T.repeat_interleave(quant_state.blocksize, dim=1)  # (out, in)
+    values = quant_state.code.to(packed.device)[codes.long()]
+    # The packing set the state's dtype to bfloat16 (its kernel's) and kept the weight's in original_dtype.
+    return (values * scales).to(getattr(quant_state, "original_dtype", quant_state.dtype))
 
 
 def quantized_weights(model: nn.Module) -> dict[str, str]:

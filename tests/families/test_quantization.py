@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.checkpoints import save_base
 from helpers.models import model_inputs, perturb_scorers, tiny_model
-from quantization_helpers import BITSANDBYTES_SCHEMES, SCHEME, SCHEME_NAMES, load_quantized, quantized_tensors
+from quantization_helpers import (
+    BITSANDBYTES_SCHEMES,
+    SCHEME,
+    SCHEME_NAMES,
+    load_quantized,
+    quantizable_sizes,
+    quantized_tensors,
+    save_quantizable_base,
+)
 from transformers import AutoModelForCausalLM
 
 import hf_neural_attn
-from hf_neural_attn.placement.quantized import is_quantized
+from hf_neural_attn.placement.quantized import dense_weight, is_quantized
 
 # float32 activations: the patched model computes the base's dot product on another path (explicit matmul and softmax
 # instead of SDPA), so the outputs agree to rounding, well inside this bound.
@@ -35,7 +42,7 @@ def base_folders(tmp_path_factory):
 
     def folder(family: str):
         if family not in folders:
-            folders[family] = save_base(tmp_path_factory.mktemp(f"base-{family}"), family)
+            folders[family] = save_quantizable_base(tmp_path_factory.mktemp(f"base-{family}"), family)
         return folders[family]
 
     return folder
@@ -45,11 +52,12 @@ def quantized_model(base_folders, family: str, scheme: str):
     return load_quantized(type(tiny_model(family)), base_folders(family), scheme)
 
 
-def tolerance(model, inputs, scheme: str) -> float:
-    """How far the patched model may be from the base: rounding, or under activation quantization the spread the
-    unpatched model has between its own eager and SDPA attention (measured here, on the same inputs)."""
-    if not SCHEME[scheme].quantizes_activations:
-        return PRESERVED
+def tolerance(model, inputs) -> float:
+    """How far the patched model may be from the base: rounding, or, where the base rounds its activations, the spread
+    the unpatched model has between its own eager and SDPA attention (measured here, on the same inputs). Two bases
+    round them: torchao's int8 dynamic scheme (it quantizes them per call), and bitsandbytes' 4-bit layers on a CPU
+    with AVX512-BF16 (their repacked kernel takes its input in bfloat16). A float rounding difference anywhere
+    before such a projection can move an activation across a rounding step; elsewhere the spread is 0."""
     implementation = model.config._attn_implementation
     sdpa = outputs(model, inputs)
     model.set_attn_implementation("eager")
@@ -73,7 +81,7 @@ def test_a_quantized_base_patches_function_preserving_on_every_path(base_folders
     model = quantized_model(base_folders, family, scheme)
     inputs = model_inputs(family)
     original = outputs(model, inputs)
-    atol = tolerance(model, inputs, scheme)
+    atol = tolerance(model, inputs)
     frozen = quantized_tensors(model)
     assert frozen, "the scheme must quantize the base's projections"
     layer_types = {name: type(module) for name, module in model.named_modules()}
@@ -188,19 +196,20 @@ def test_key_dim_on_a_quantized_base_is_refused_and_the_model_is_unchanged(base_
 
 
 def trained_quantized_llama(base_folders, scheme: str):
-    """A quantized tiny Llama patched with QANA, its scorers moved off their init as training would; its inputs and
-    outputs."""
+    """A quantized tiny Llama patched with QANA, its scorers moved off their init as training would; its inputs."""
     model = quantized_model(base_folders, "llama", scheme)
     hf_neural_attn.patch_model(model, "qana")
     perturb_scorers(model, std=0.05)
-    inputs = model_inputs("llama")
-    return model, inputs, outputs(model, inputs)
+    return model, model_inputs("llama")
 
 
 @pytest.mark.parametrize("scheme", SCHEME_NAMES)
 def test_a_saved_patched_quantized_model_loads_back_quantized_with_its_scorers(base_folders, tmp_path, scheme):
-    model, inputs, expected = trained_quantized_llama(base_folders, scheme)
+    model, inputs = trained_quantized_llama(base_folders, scheme)
+    # Saved before it runs in eval mode: on a CPU with AVX512-BF16, bitsandbytes 0.50 repacks the 4-bit weights then,
+    # and saving unpacks them wrongly, in the live model too, patched or not (docs/qlora.md, "Known problems").
     model.save_pretrained(tmp_path)
+    expected = outputs(model, inputs)
 
     for loaded in (hf_neural_attn.from_pretrained(tmp_path), AutoModelForCausalLM.from_pretrained(tmp_path)):
         assert hf_neural_attn.is_patched(loaded)
@@ -216,7 +225,7 @@ def test_a_float_patched_checkpoint_loads_on_a_quantized_base_with_float_scorers
     """``from_pretrained(patched_float_checkpoint, quantization_config=...)``: the quantizer sees only the base (the
     scorers are built after it ran), so they load in float with their saved values; the result is the quantized base
     patched with those scorers."""
-    float_model = tiny_model("llama")
+    float_model = tiny_model("llama", **quantizable_sizes("llama"))
     hf_neural_attn.patch_model(float_model, "neural")
     perturb_scorers(float_model, std=0.05)
     float_model.save_pretrained(tmp_path)
@@ -244,7 +253,8 @@ def test_a_float_patched_checkpoint_loads_on_a_quantized_base_with_float_scorers
 
 @pytest.mark.parametrize("scheme", ["bnb-nf4", "torchao-int8-weight-only"])
 def test_a_scorer_only_adapter_loads_onto_a_quantized_base(base_folders, tmp_path, scheme):
-    model, inputs, expected = trained_quantized_llama(base_folders, scheme)
+    model, inputs = trained_quantized_llama(base_folders, scheme)
+    expected = outputs(model, inputs)
     hf_neural_attn.save_adapter(model, tmp_path / "adapter", base_model_name_or_path=base_folders("llama"))
 
     loaded = hf_neural_attn.from_pretrained(tmp_path / "adapter", quantization_config=SCHEME[scheme].config())
@@ -270,3 +280,25 @@ def test_a_4_bit_weight_reports_its_whole_shape_not_its_packed_storage(base_fold
     projection = model.model.layers[0].self_attn.q_proj
     assert projection.weight.shape != (projection.out_features, projection.in_features)
     assert hf_neural_attn.full_shape(projection.weight) == (projection.out_features, projection.in_features)
+
+
+@pytest.mark.parametrize("scheme", ["bnb-nf4", "bnb-fp4-double"])
+def test_a_4_bit_weight_repacked_for_the_cpu_kernel_is_read_as_the_weight_it_was(base_folders, scheme):
+    """On a CPU with AVX512-BF16, bitsandbytes rewrites a 4-bit weight in its CPU kernel's layout the first time the
+    layer runs in eval mode without gradients (its block scales rounded to bfloat16, double quantization undone), and
+    ``dequantize_4bit`` no longer reads it. A user who evaluates the base before patching it gets that layout: the
+    patch must read the same weights from it, within the scales' rounding (2**-8 relative). Elsewhere the forward
+    leaves the layout alone, and the test packs the weight with bitsandbytes' own function, as the forward would."""
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+
+    model = quantized_model(base_folders, "llama", scheme)
+    projections = [model.model.layers[0].self_attn.q_proj, model.model.layers[1].mlp.down_proj]
+    before = [dense_weight(projection).clone() for projection in projections]
+    outputs(model, model_inputs("llama"))
+    for projection, weight in zip(projections, before, strict=True):
+        if not getattr(projection.weight.quant_state, "packing_format_for_cpu", False):  # a CPU without AVX512-BF16
+            projection.weight.data, projection.weight.quant_state = _convert_weight_packed_for_cpu(
+                projection.weight.data, projection.weight.quant_state
+            )
+        assert projection.weight.shape == (projection.out_features, projection.in_features // 2)
+        torch.testing.assert_close(dense_weight(projection), weight, rtol=2**-8, atol=1e-8)

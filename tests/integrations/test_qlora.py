@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.checkpoints import save_base
 from helpers.models import model_inputs, tiny_model
-from quantization_helpers import HAS_PEFT, load_quantized, quantized_tensors
+from quantization_helpers import HAS_PEFT, load_quantized, quantized_tensors, save_quantizable_base
 
 import hf_neural_attn
 
@@ -25,7 +24,7 @@ TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
 
 @pytest.fixture(scope="module")
 def base_folders(tmp_path_factory):
-    return {family: save_base(tmp_path_factory.mktemp(f"base-{family}"), family) for family in TARGETS}
+    return {family: save_quantizable_base(tmp_path_factory.mktemp(f"base-{family}"), family) for family in TARGETS}
 
 
 def patched_quantized_base(folder, family: str, scheme: str, gradient_checkpointing: bool):
@@ -115,8 +114,11 @@ def test_merging_lora_into_a_4_bit_base_requantizes_it_and_keeps_the_trained_sco
     model = lora(patched_quantized_base(base_folders["llama"], "llama", "bnb-nf4", False), "llama")
     trained = train_with_the_trainer(model, "llama", tmp_path / "trainer")
     inputs = model_inputs("llama")
+    # Its logits in train mode (the tiny Llama has no dropout), and the merged model's after it is saved: on a CPU with
+    # AVX512-BF16, bitsandbytes 0.50 repacks a 4-bit weight at its first eval-mode forward, and neither PEFT's merge
+    # nor saving reads the repacked weight right (docs/qlora.md, "Known problems").
     with torch.no_grad():
-        unmerged = trained(**inputs).logits
+        unmerged = trained.train()(**inputs).logits
     trained_scorers = {
         name.replace(".modules_to_save.default", "").removeprefix("base_model.model."): p.detach().clone()
         for name, p in trained.named_parameters()
@@ -128,13 +130,13 @@ def test_merging_lora_into_a_4_bit_base_requantizes_it_and_keeps_the_trained_sco
     assert type(merged.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
     for name, parameter in hf_neural_attn.scorer_parameters(merged).items():
         assert torch.equal(parameter, trained_scorers[name]), name
+    merged.save_pretrained(tmp_path / "merged")
     with torch.no_grad():
-        merged_logits = merged(**inputs).logits
+        merged_logits = merged.eval()(**inputs).logits
     # Re-quantizing the merged weights moves the outputs by 4-bit rounding: visible, but well below the logits' scale.
     drift = float((merged_logits - unmerged).abs().max())
     assert 0 < drift < 0.1 * float(unmerged.abs().max())
 
-    merged.save_pretrained(tmp_path / "merged")
     loaded = hf_neural_attn.from_pretrained(tmp_path / "merged")
     assert type(loaded.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
     with torch.no_grad():

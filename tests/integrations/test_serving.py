@@ -21,6 +21,7 @@ import pytest
 import torch
 from helpers.models import TINY_DECODER, perturb_scorers
 from helpers.processes import free_port, healthy
+from quantization_helpers import quantizable_sizes
 from recipes_helpers import word_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -45,9 +46,11 @@ def checkpoint(tmp_path_factory):
     tokenizer = word_tokenizer(pad=False)
     tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
     torch.manual_seed(0)
-    # TINY_DECODER's sizes over the tokenizer's words. At Llama's init scale (0.02) the tiny model answers every
+    # TINY_DECODER over the tokenizer's words, 64 wide: one test quantizes it with bitsandbytes, which needs that on
+    # some CPUs (quantization_helpers.quantizable_sizes). At Llama's init scale (0.02) the tiny model answers every
     # prompt with its end token.
-    sizes = {**TINY_DECODER, "vocab_size": len(tokenizer), "bos_token_id": 1, "eos_token_id": 1}
+    sizes = {**TINY_DECODER, **quantizable_sizes("llama"), "vocab_size": len(tokenizer)}
+    sizes.update(bos_token_id=1, eos_token_id=1)
     config = LlamaConfig(**sizes, initializer_range=0.3)
     model = LlamaForCausalLM(config).eval()
     base = {prompt: complete(model, tokenizer, prompt) for prompt in PROMPTS}

@@ -9,13 +9,14 @@ import re
 
 import pytest
 import torch
-from quantization_helpers import HAS_PEFT, INSTALL, quantized_tensors
+from quantization_helpers import HAS_PEFT, INSTALL, quantizable_sizes, quantized_tensors
 from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fixtures
     clm_flags,
     fresh_accelerate_state,  # noqa: F401
     one_thread,  # noqa: F401
     read_results,
     recipe_assets,
+    save_tiny_llama,
 )
 
 import hf_neural_attn
@@ -23,6 +24,7 @@ from recipes import report
 from recipes.args import parse_args
 from recipes.errors import RecipeError
 from recipes.outputs import write_outputs
+from recipes.qlora import keep_the_loaded_4_bit_layout
 from recipes.training import setup, train
 
 pytest.importorskip("bitsandbytes", reason=f"bitsandbytes is not installed: {INSTALL}")
@@ -35,7 +37,9 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    return recipe_assets(tmp_path_factory.mktemp("recipe_assets"))
+    """recipe_assets, with a Llama bitsandbytes can run on any CPU (quantization_helpers.quantizable_sizes)."""
+    root = tmp_path_factory.mktemp("recipe_assets")
+    return {**recipe_assets(root), "llama": save_tiny_llama(root / "tiny-llama-64", **quantizable_sizes("llama"))}
 
 
 def trained_run(output_dir, flags: list[str]):
@@ -93,9 +97,11 @@ def test_a_qlora_run_trains_lora_and_the_scorers_and_its_card_loads_the_adapter(
     assert "| base weights | bitsandbytes 4-bit NF4, double quantization, matmuls in float32 |" in card
     assert "| trained | LoRA adapters and the new parameters |" in card
 
-    # The card's code loads the run's model: the same outputs.
+    # The card's code loads the run's model: the same outputs, computed on the same bitsandbytes kernel (the run kept
+    # the loaded 4-bit layout, where the loaded model would run its CPU kernel in bfloat16 on some CPUs).
     namespace: dict = {}
     exec(card_loading_code(out), namespace)
+    keep_the_loaded_4_bit_layout(namespace["model"])
     ids = token_ids(model)
     with torch.no_grad():
         torch.testing.assert_close(namespace["model"](ids).logits, model(ids).logits, rtol=0, atol=1e-6)
