@@ -45,9 +45,11 @@ def test_train_step_benchmark_interleaved_default_row(tmp_path):
     assert "| 40 | config | none | sdpa |" in table and "| 1.00 |" in table
 
 
+# The padded batches are timed in the interleaved process alone (--quick): the processes per configuration, which
+# measure memory, build their batches the same way and are run by the test above.
 def test_train_step_benchmark_on_a_padded_encoder_batch(tmp_path):
     flags = ["--family", "bert", "--batch", "2", "--padded", "--seq", "24", "--layers", "1", "--width", "32"]
-    flags += ["--heads", "2", "--steps", "1", "--scorers", "qana", "--dropouts", "zero"]
+    flags += ["--heads", "2", "--steps", "1", "--scorers", "qana", "--dropouts", "zero", "--quick"]
     run_benchmark("train_step.py", *flags, tmp_path=tmp_path)
     table = (tmp_path / "train_step_bert.md").read_text()
     assert "BERT (sequence classification)" in table and "rows 2 and on padded" in table
@@ -84,7 +86,7 @@ def test_inference_benchmark_at_smollm_135m_shape(tmp_path):
 
 def test_train_step_benchmark_on_a_left_padded_decoder_batch_over_an_eager_base(tmp_path):
     flags = ["--batch", "2", "--padded", "--padding_side", "left", "--base", "eager", "--seq", "24", "--layers", "1"]
-    flags += ["--width", "32", "--steps", "1", "--dropouts", "config", "--scorers", "qana"]
+    flags += ["--width", "32", "--steps", "1", "--dropouts", "config", "--scorers", "qana", "--quick"]
     run_benchmark("train_step.py", *flags, tmp_path=tmp_path)
     table = (tmp_path / "train_step_gpt2.md").read_text()
     assert "padded from the middle on the left" in table and "| none | eager |" in table

@@ -46,9 +46,7 @@ for family, scorer in [(family, scorer) for family in sys.argv[1:] for scorer in
     perturb_scorers(model)
     with torch.no_grad():
         eager = model(ids).logits
-        explanation = torch._dynamo.explain(model)(ids)
-        assert explanation.graph_break_count == 0, explanation.break_reasons
-        compiled = torch.compile(model, fullgraph=True)(ids).logits
+        compiled = torch.compile(model, fullgraph=True)(ids).logits  # a graph break would raise here
     torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)
 
     expected = model.generate(ids, generation_config=generation())

@@ -11,9 +11,10 @@ eager code does. Each process compiles several cases, as compiling loads inducto
 suite should not share. Residual and embedding dropout are off. Tolerance 1e-5 on logits and on gradients (times
 the largest gradient): compiled kernels reorder sums.
 
-The thread-count test runs each case in its own process with its own thread count, as ``accelerate launch`` runs
-one thread per process: a crash (an earlier dropout hash relied on int32 wrap-around, which compiled C++ treats as
-undefined and which crashed one-thread processes) fails the test instead of the suite.
+The thread-count test runs its cases in processes of their own thread count (the one-thread case alone, as
+``accelerate launch`` runs one thread per process; the two-thread case first in the fullgraph test's process): a crash
+(an earlier dropout hash relied on int32 wrap-around, which compiled C++ treats as undefined and which crashed
+one-thread processes) fails the test instead of the suite.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ def compiled_equals_eager(family, scorer, impl, n, training, checkpointed=False,
     print(f"{family} {scorer} {impl} {mode} n={n} path={path_taken(model, impl, inputs, training)}: compiled = eager")
 """
 
+# GPT-2 trained with ``scorer`` (sys.argv[1]) at each of ``lengths`` (sys.argv[2], comma-separated), impl="auto".
 THREADS_SCRIPT = (
     CASES
     + r"""
@@ -138,11 +140,20 @@ def run_script(script: str, *args: str, threads: int = 2) -> list[str]:
 
 
 # Above the thresholds (see NO_BREAK_CASES): several of the blockwise path's 64-query blocks, with a last partial one.
-@pytest.mark.parametrize("threads,scorer,lengths", [(1, "qana", "16,160"), (2, "neural", "8,288")])
-def test_compiled_training_with_attention_dropout_is_the_eager_model(threads, scorer, lengths):
+# The 2-thread case runs first in the process of the fullgraph test (two_thread_lines): one start of Python and of
+# inductor for both.
+THREAD_CASES = [(1, "qana", "16,160"), (2, "neural", "8,288")]
+
+
+@pytest.mark.parametrize("threads,scorer,lengths", THREAD_CASES)
+def test_compiled_training_with_attention_dropout_is_the_eager_model(threads, scorer, lengths, request):
     """GPT-2, ``impl="auto"``: the reference path below the threshold, the blockwise operators above it."""
     short, long = lengths.split(",")
-    assert run_script(THREADS_SCRIPT, scorer, lengths, threads=threads) == [
+    if threads == 1:
+        lines = run_script(THREADS_SCRIPT, scorer, lengths, threads=1)
+    else:
+        lines = request.getfixturevalue("two_thread_lines")
+    assert [line for line in lines if line.startswith(f"gpt2 {scorer} auto train") and "compiled" in line] == [
         f"gpt2 {scorer} auto train n={short} path=reference: compiled = eager",
         f"gpt2 {scorer} auto train n={long} path=blockwise: compiled = eager",
     ]
@@ -159,11 +170,11 @@ NO_BREAK_CASES = [
     ("neural-deep", "chunked", 40, "chunked"),
 ]
 
+# After THREADS_SCRIPT's cases (sys.argv[1:3]), the fullgraph and graph-break cases (sys.argv[3]: NO_BREAK_CASES).
 FULLGRAPH_SCRIPT = (
-    CASES
+    THREADS_SCRIPT
     + r"""
 import ast
-import sys
 from hf_neural_attn.ops import chunked
 
 # The generic chunked path in blocks of 16 queries: its 24 and 40 tokens span several blocks, whose loop is
@@ -179,7 +190,7 @@ compiled_equals_eager("bert", "neural", "chunked", 16, training=False, padded=Tr
 
 # Without fullgraph, no graph break either (Dynamo alone: explain compiles nothing): train mode, dropout on.
 for family in ("llama", "gpt2"):
-    for scorer, impl, n, _ in ast.literal_eval(sys.argv[1]):
+    for scorer, impl, n, _ in ast.literal_eval(sys.argv[3]):
         torch._dynamo.reset()
         model = build(family, scorer, impl, n, dropout=0.1).train()
         inputs = {"input_ids": torch.randint(0, 64, (2, n))}
@@ -190,12 +201,19 @@ for family in ("llama", "gpt2"):
 )
 
 
-def test_fullgraph_on_every_path_and_no_graph_break():
+@pytest.fixture(scope="module")
+def two_thread_lines() -> list[str]:
+    """The lines of one 2-thread process: THREAD_CASES' 2-thread case, then FULLGRAPH_SCRIPT's own."""
+    _, scorer, lengths = next(case for case in THREAD_CASES if case[0] == 2)
+    return run_script(FULLGRAPH_SCRIPT, scorer, lengths, repr(NO_BREAK_CASES), threads=2)
+
+
+def test_fullgraph_on_every_path_and_no_graph_break(two_thread_lines):
     """Llama above QANA's threshold in eval mode (the blockwise operators), ``impl="chunked"`` in training with
     dropout (the blockwise path under activation checkpointing, and the generic chunked path) and on padded batches
     (a left-padded Llama over an eager base, a right-padded BERT) compile with ``fullgraph=True`` and give the eager
     model; and Dynamo finds no graph break on any path of either family, below and above the thresholds."""
-    assert run_script(FULLGRAPH_SCRIPT, repr(NO_BREAK_CASES)) == [
+    assert two_thread_lines[2:] == [
         "llama qana auto eval n=256 path=blockwise: compiled = eager",
         "llama neural chunked train, checkpointed n=24 path=blockwise: compiled = eager",
         "gpt2 neural-deep chunked train n=24 path=chunked: compiled = eager",
