@@ -301,4 +301,5 @@ def test_a_4_bit_weight_repacked_for_the_cpu_kernel_is_read_as_the_weight_it_was
                 projection.weight.data, projection.weight.quant_state
             )
         assert projection.weight.shape == (projection.out_features, projection.in_features // 2)
+        assert hf_neural_attn.full_shape(projection.weight) == (projection.out_features, projection.in_features)
         torch.testing.assert_close(dense_weight(projection), weight, rtol=2**-8, atol=1e-8)
