@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.checkpoints import save_base
 from torch import nn
 
 INSTALL = "pip install 'hf-neural-attn[quantization]'"
@@ -71,26 +72,6 @@ SCHEMES = [
     Scheme("torchao-int8-dynamic", "torchao", _torchao("Int8DynamicActivationInt8WeightConfig")),
 ]
 SCHEME = {scheme.name: scheme for scheme in SCHEMES}
-
-
-# On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit layer's weight for its CPU kernel the first time the layer
-# runs in eval mode without gradients, and that layout needs the layer's inputs a multiple of the block size (64)
-# and its outputs a multiple of 32: the tiny models' 32-wide projections crash there, patched or not, as no real
-# model's do. The quantized tests' models are these sizes (every projection 64, 128 or 256 wide), so they run the
-# repacked weights on such a CPU and the plain ones elsewhere.
-def quantizable_sizes(family: str) -> dict[str, int]:
-    """Config overrides that make the tiny ``family`` model (a FAMILY_CASES name) one bitsandbytes can run on any
-    CPU: 64 wide, 4 heads of 16."""
-    return {"n_embd": 64} if family == "gpt2" else {"hidden_size": 64, "intermediate_size": 128}
-
-
-def save_quantizable_base(folder: Path, family: str) -> Path:
-    """helpers.checkpoints.save_base with :func:`quantizable_sizes`: the float model a quantized test loads."""
-    from helpers.checkpoints import save_base
-
-    return save_base(folder, family, **quantizable_sizes(family))
-
-
 SCHEME_NAMES = [scheme.name for scheme in SCHEMES]
 BITSANDBYTES_SCHEMES = [scheme.name for scheme in SCHEMES if scheme.library == "bitsandbytes"]
 HAS_PEFT = importlib.util.find_spec("peft") is not None
@@ -112,3 +93,19 @@ def quantized_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
         for name, parameter in model.named_parameters()
         if is_quantized(parameter)
     }
+
+
+# On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit layer's weight for its CPU kernel the first time the layer
+# runs in eval mode without gradients, and that layout needs the layer's inputs a multiple of the block size (64)
+# and its outputs a multiple of 32: the tiny models' 32-wide projections crash there, patched or not, as no real
+# model's do. The quantized tests' models are these sizes (every projection 64, 128 or 256 wide), so they run the
+# repacked weights on such a CPU and the plain ones elsewhere.
+def quantizable_sizes(family: str) -> dict[str, int]:
+    """Config overrides that make the tiny ``family`` model (a FAMILY_CASES name) one bitsandbytes can run on any
+    CPU: 64 wide, 4 heads of 16."""
+    return {"n_embd": 64} if family == "gpt2" else {"hidden_size": 64, "intermediate_size": 128}
+
+
+def save_quantizable_base(folder: Path, family: str) -> Path:
+    """helpers.checkpoints.save_base with :func:`quantizable_sizes`: the float model a quantized test loads."""
+    return save_base(folder, family, **quantizable_sizes(family))
