@@ -185,9 +185,9 @@ def _build_layer(
 
     Offloaded weights are loaded while the module is read (as accelerate loads them for a call); the scorer is created
     on the module's execution device and stays there, outside the offloading. Weights DeepSpeed ZeRO-3 partitioned are
-    gathered the same way, and the new modules are partitioned like them once built (see families/zero3.py). A
+    gathered the same way, and the new modules are partitioned like them once built (placement/zero3.py). A
     quantized base (bitsandbytes, torchao) keeps its projections in packed storage: the scorer is built in the dtype
-    its activations run in, ``quantized_dtype`` (families/quantized.py; None: not quantized).
+    its activations run in, ``quantized_dtype`` (placement/quantized.py; None: not quantized).
     """
     projections = {}
     with offloaded_weights_loaded(module), partitioned_weights_gathered(module.parameters()):

@@ -17,6 +17,9 @@ torchao (int8/int4 weight-only,       a tensor subclass that reports the float d
 int8 dynamic, ...)                    and refuses most ops (``std`` among them)
 ===================================  ==============================================  =================================
 
+A 4-bit weight bitsandbytes repacked for its CPU kernel (on a CPU with AVX512-BF16, after the layer's first
+eval-mode forward) is read from that layout (:func:`dequantize_cpu_packed_4bit`).
+
 Everything here reads a dequantized *copy*: the base's quantized weights are never changed (they stay quantized and
 bit-identical through patching and training; the scorers are new float modules beside them). A weight of another
 integer storage, from a quantizer the library does not know (GPTQ, AWQ, HQQ, ...), is refused by name
@@ -137,15 +140,6 @@ def dequantize_cpu_packed_4bit(packed: torch.Tensor, quant_state) -> torch.Tenso
     values = quant_state.code.to(packed.device)[codes.long()]
     # The packing set the state's dtype to bfloat16 (its kernel's) and kept the weight's in original_dtype.
     return (values * scales).to(getattr(quant_state, "original_dtype", quant_state.dtype))
-
-
-def quantized_weights(model: nn.Module) -> dict[str, str]:
-    """Name -> quantizer of every quantized parameter of ``model`` (empty for a float model)."""
-    return {
-        name: quantizer_of(parameter) or type(parameter).__name__
-        for name, parameter in model.named_parameters()
-        if is_quantized(parameter)
-    }
 
 
 def activation_dtype(model: nn.Module) -> torch.dtype | None:
