@@ -111,7 +111,6 @@ def build(args, dropout: str, scorer_name: str, impl: str):
         resolved = resolve_impl(
             "auto", scorer, device=device, dtype=dtype or torch.float32, q_len=args.seq, kv_len=args.seq,
             head_dim=args.width // args.heads, is_causal=args.family == "gpt2", batch=args.batch, heads=args.heads,
-            dropout_active=dropout == "config",
         )  # fmt: skip
 
     forward = model

@@ -42,13 +42,20 @@ from .grouped import repeat_kv
 from .masks import as_additive_mask, query_rows_seeing_all, zero_rows_without_keys
 from .reference import reference_attention
 from .sequences import SequenceSlice, padded_sequences
-from .triton import TRITON_INSTALL_HINT, kernel_unsupported_reason, triton_attention, triton_unavailable_reason
+from .triton import (
+    TRITON_INSTALL_HINT,
+    KernelDropout,
+    kernel_unsupported_reason,
+    triton_attention,
+    triton_unavailable_reason,
+)
 
 # impl="auto" on CUDA picks the fused Triton kernels for the calls they support: verified on an H100 (2026-11-27,
 # tests/ops/test_cuda.py: fp32 within 1e-5 of float64, bf16 closer than the reference path in bf16, whole-model
 # gradients and cached generation equal) and 1.6-5.3x faster than the chunked path there (docs/benchmarks.md#gpu).
-# Not while torch.compile traces: inductor failed to compile the kernels there (torch 2.11), so a compiled model
-# keeps the torch paths. False gives CUDA the CPU's rule.
+# Training with attention dropout and torch.compile'd models included: the kernels apply the dropout every path
+# applies, and are opaque operators in compiled graphs (ops/triton/custom_ops.py says why). False gives CUDA the
+# CPU's rule.
 TRITON_IN_AUTO = True
 
 
@@ -77,20 +84,20 @@ def resolve_impl(
     attention_mask: torch.Tensor | None = None,
     value_head_dim: int | None = None,
     need_weights: bool = False,
-    dropout_active: bool = False,
 ) -> str:
     """The path (a key of :data:`PATHS`) that serves one call of ``scorer`` under the ``impl`` choice.
 
     * Calls that need the probabilities returned (``output_attentions``) go to ``"reference"``, the only path that
       materialises them; an explicit ``"chunked"`` or ``"triton"`` says so once (a warning).
     * ``"triton"``: the kernels, or a clear error when they cannot serve the call (``ImportError`` without
-      triton, ``ValueError`` naming the reason otherwise: attention dropout among them), never a silent fallback.
-    * ``"auto"`` (the default): with :data:`TRITON_IN_AUTO` set (it is), the kernels for CUDA tensors they support,
-      except while ``torch.compile`` traces the call (inductor cannot compile them yet; the torch paths compile).
-      Otherwise ``"reference"`` while the call's score tensor, ``batch * heads * q_len * kv_len`` numbers times
-      the scorer's hidden width h, is at most the scorer's ``reference_max_scores`` (materialising it is then the
-      faster choice; where the paths cross depends on the scorer, which measured it), else as ``"chunked"``.
-      Dropout does not change the rule: every path applies it.
+      triton, ``ValueError`` naming the reason otherwise), never a silent fallback.
+    * ``"auto"`` (the default): with :data:`TRITON_IN_AUTO` set (it is), the kernels for every CUDA call they
+      support: training with attention dropout, calls inside a ``torch.compile``'d model, padded batches, each
+      sequence of a packed call and decoding steps included. Otherwise ``"reference"`` while the call's score
+      tensor, ``batch * heads * q_len * kv_len`` numbers times the scorer's hidden width h, is at most the scorer's
+      ``reference_max_scores`` (materialising it is then the faster choice; where the paths cross depends on the
+      scorer, which measured it), else as ``"chunked"``. Dropout does not change the rule: every path applies it,
+      and drops the same entries for a seed.
     * ``"chunked"``: ``"blockwise"`` for a scorer with a fused form, ``"chunked"`` for the others; memory linear
       in the sequence length either way.
 
@@ -106,11 +113,9 @@ def resolve_impl(
         return "reference"
     if impl == "reference":
         return "reference"
-    auto_kernels = TRITON_IN_AUTO and torch.device(device).type == "cuda" and not torch.compiler.is_compiling()
+    auto_kernels = TRITON_IN_AUTO and torch.device(device).type == "cuda"
     if impl == "triton" or (impl == "auto" and auto_kernels):
         reason = triton_unavailable_reason(device) or _fused_form_missing(scorer)
-        if reason is None and dropout_active:
-            reason = "the Triton kernels apply no attention dropout; use impl='auto' or 'chunked' for training with it"
         if reason is None:
             reason = kernel_unsupported_reason(
                 scorer.config.activation,
@@ -175,15 +180,18 @@ def blockwise_path(
 def triton_path(
     scorer, query, key, value, attention_mask, *, scaling, dropout, extras, is_causal=False, rows_seeing_all=()
 ) -> tuple[torch.Tensor, None]:
-    """The Triton kernels with the signature of :func:`.reference.reference_attention` (:func:`resolve_impl` sends
-    no call with dropout here)."""
+    """The Triton kernels with the signature of :func:`.reference.reference_attention`."""
     # Under autocast everything arrives in the autocast dtype already; otherwise align on the query's.
     key, value = key.to(query.dtype), value.to(query.dtype)
     inputs = scorer.fused_inputs(query, key, extras)
     # The kernels skip the keys a causal mask hides from a whole tile; rows that see no key at all must see every
     # key (see .masks.query_blocks), and the mask carries the causal part, so such a call is run without the skip.
     is_causal = is_causal and not rows_seeing_all
-    return triton_attention(inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal), None
+    kernel_dropout = None if dropout is None else KernelDropout(dropout.seed, dropout.p, tuple(dropout.offsets()))
+    output = triton_attention(
+        inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal, dropout=kernel_dropout
+    )
+    return output, None
 
 
 # Every path takes keys and values with their kv heads (grouped-query attention), any mask form and the call's
@@ -238,10 +246,7 @@ def scored_attention(
             scorer, query, key, value, attention_mask, scaling=scaling, dropout=attention_dropout, is_causal=is_causal,
             need_weights=need_weights,
         )  # fmt: skip
-    path = _path_for_call(
-        scorer, query, key, value, attention_mask, is_causal=is_causal, need_weights=need_weights,
-        dropout_active=attention_dropout is not None,
-    )  # fmt: skip
+    path = _path_for_call(scorer, query, key, value, attention_mask, is_causal=is_causal, need_weights=need_weights)
     blocked, scored_in_blocks = path in ("chunked", "blockwise"), path != "reference"
     # Inside a torch.compile'd model nothing below may depend on the mask's values, which reading would break the
     # graph: a padded batch is not split into its sequences (the same outputs, to rounding, at the cost of the keys
@@ -296,9 +301,7 @@ def _attend_without_softmax(
     return output.transpose(1, 2).contiguous(), weights
 
 
-def _path_for_call(
-    scorer, query, key, value, attention_mask, *, is_causal: bool, need_weights: bool, dropout_active: bool
-) -> str:
+def _path_for_call(scorer, query, key, value, attention_mask, *, is_causal: bool, need_weights: bool) -> str:
     """:func:`resolve_impl` for the scorer's ``impl`` and this call's tensors (shapes, dtype and device)."""
     return resolve_impl(
         scorer.config.impl,
@@ -314,7 +317,6 @@ def _path_for_call(
         attention_mask=attention_mask,
         value_head_dim=value.shape[-1],
         need_weights=need_weights,
-        dropout_active=dropout_active,
     )
 
 

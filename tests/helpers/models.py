@@ -323,3 +323,27 @@ def save_live_patched(model, folder: Path, scorer: str, **options) -> Path:
 
 def logits(model, inputs: dict[str, torch.Tensor], **kwargs) -> torch.Tensor:
     return model(**inputs, **kwargs).logits
+
+
+def packed_attention_call(model, query_lengths: list[int], key_lengths: list[int], seed: int = 0):
+    """A packed call of layer 0's attention of a patched Llama-like ``model``, as continuous batching makes it: per
+    request its queries (the last of its keys) and its keys, end to end in one row, no mask. Returns the attention
+    module and the call's (query, key, value, keyword arguments): query (1, heads, Σ queries, head_dim), key and value
+    (1, kv_heads, Σ keys, head_dim), the cumulative lengths and, for a scorer that reads hidden states, its per-query
+    inputs."""
+    from hf_neural_attn.record import EXTRAS_KWARG, SCORER_ATTR
+
+    module = model.model.layers[0].self_attn
+    scorer = getattr(module, SCORER_ATTR)
+    heads, kv_heads, head_dim = model.config.num_attention_heads, model.config.num_key_value_heads, module.head_dim
+    cu_q = torch.tensor([0, *torch.tensor(query_lengths).cumsum(0).tolist()])
+    cu_k = torch.tensor([0, *torch.tensor(key_lengths).cumsum(0).tolist()])
+    queries, keys = int(cu_q[-1]), int(cu_k[-1])
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(1, heads, queries, head_dim, generator=generator)
+    key, value = torch.randn(2, 1, kv_heads, keys, head_dim, generator=generator).unbind(0)
+    kwargs = {"cu_seq_lens_q": cu_q, "cu_seq_lens_k": cu_k}
+    if scorer.needs_hidden_states:
+        hidden = torch.randn(1, queries, model.config.hidden_size, generator=generator)
+        kwargs[EXTRAS_KWARG] = scorer.query_extras(hidden, None)
+    return module, (query, key, value, kwargs)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.models import perturb_scorers, tiny_gpt2, tiny_llama, tiny_mistral
+from helpers.models import packed_attention_call, perturb_scorers, tiny_gpt2, tiny_llama, tiny_mistral
 from helpers.scorers import FUSED_SCORERS
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
@@ -284,25 +284,13 @@ def test_decoding_requests_scored_in_groups_equal_scored_apart(scorer, monkeypat
     from hf_neural_attn import attention
     from hf_neural_attn.ops.packed import decode_groups
     from hf_neural_attn.ops.sequences import SequenceSlice
-    from hf_neural_attn.record import EXTRAS_KWARG, SCORER_ATTR
 
-    torch.manual_seed(0)
     model = tiny_llama().eval()
     hf_neural_attn.patch_model(model, scorer)
     perturb_scorers(model)
-    module = model.model.layers[0].self_attn
-    scorer_module = getattr(module, SCORER_ATTR)
-    heads, kv_heads, head_dim = model.config.num_attention_heads, model.config.num_key_value_heads, module.head_dim
     key_lengths, query_lengths = [7, 12, 5, 3, 9], [1, 1, 3, 1, 1]  # the third request is still prefilling
-    cu_k = torch.tensor([0, *torch.tensor(key_lengths).cumsum(0).tolist()])
-    cu_q = torch.tensor([0, *torch.tensor(query_lengths).cumsum(0).tolist()])
-    queries = int(cu_q[-1])
-    query = torch.randn(1, heads, queries, head_dim)
-    key, value = torch.randn(2, 1, kv_heads, int(cu_k[-1]), head_dim).unbind(0)
-    kwargs = {"cu_seq_lens_q": cu_q, "cu_seq_lens_k": cu_k}
-    if scorer_module.needs_hidden_states:
-        kwargs[EXTRAS_KWARG] = scorer_module.query_extras(torch.randn(1, queries, model.config.hidden_size), None)
-
+    module, (query, key, value, kwargs) = packed_attention_call(model, query_lengths, key_lengths)
+    cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
     sequences = [SequenceSlice(slice(q0, q1), slice(k0, k1)) for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
     assert [len(group) for group in decode_groups(sequences, attention.DECODE_GROUP_SCORES)] == [2, 1, 2]
     with torch.no_grad():

@@ -24,6 +24,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers.installed import needs_triton
 
 pytestmark = [pytest.mark.spawns, pytest.mark.compiles]
 
@@ -66,11 +67,11 @@ def build(family, scorer, impl, n, dropout, base="sdpa"):
     return model
 
 
-def path_taken(model, impl, inputs, training):
+def path_taken(model, impl, inputs):
     scorer = next(module for module in model.modules() if isinstance(module, Scorer))
     batch, n = inputs["input_ids"].shape
     return dispatch.resolve_impl(impl, scorer, device="cpu", dtype=torch.float32, q_len=n, kv_len=n, head_dim=8,
-                                 is_causal=True, batch=batch, heads=4, dropout_active=training)
+                                 is_causal=True, batch=batch, heads=4)
 
 
 def step(module, model, inputs, training):
@@ -114,7 +115,7 @@ def compiled_equals_eager(family, scorer, impl, n, training, checkpointed=False,
         assert not torch.allclose(model(**inputs).logits, eager_logits, atol=1e-3)
     mode = ("train, checkpointed" if checkpointed else "train") if training else "eval"
     mode += f", {base} base padded" if padded else ""
-    print(f"{family} {scorer} {impl} {mode} n={n} path={path_taken(model, impl, inputs, training)}: compiled = eager")
+    print(f"{family} {scorer} {impl} {mode} n={n} path={path_taken(model, impl, inputs)}: compiled = eager")
 """
 
 # GPT-2 trained with ``scorer`` (sys.argv[1]) at each of ``lengths`` (sys.argv[2], comma-separated), impl="auto".
@@ -129,9 +130,12 @@ for n in lengths:
 )
 
 
-def run_script(script: str, *args: str, threads: int = 2) -> list[str]:
-    """Run ``script`` in a fresh process with ``threads`` threads; the lines it printed for its cases."""
+def run_script(script: str, *args: str, threads: int = 2, interpret: bool = False) -> list[str]:
+    """Run ``script`` in a fresh process with ``threads`` threads (and, with ``interpret``, Triton's CPU interpreter);
+    the lines it printed for its cases."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     result = subprocess.run(
         [sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=900, check=False
     )
@@ -196,9 +200,37 @@ for family in ("llama", "gpt2"):
         inputs = {"input_ids": torch.randint(0, 64, (2, n))}
         explanation = torch._dynamo.explain(model)(**inputs)
         assert explanation.graph_break_count == 0, (family, scorer, impl, explanation.break_reasons)
-        print(f"{family} {scorer} {impl} train n={n} path={path_taken(model, impl, inputs, True)}: no graph break")
+        print(f"{family} {scorer} {impl} train n={n} path={path_taken(model, impl, inputs)}: no graph break")
 """
 )
+
+
+# The fused Triton kernels in Triton's CPU interpreter (set for the whole process, before triton is imported), in
+# 4 x 4 forward and 8 x 4 backward tiles so that the short sequences span several tiles: inductor's compiled graph
+# calls the kernels' operators (opaque: hf_neural_attn/ops/triton/custom_ops.py), in training with dropout, causal
+# and padded, GPT-2 and Llama (grouped-query attention).
+TRITON_SCRIPT = (
+    CASES
+    + r"""
+from hf_neural_attn.ops.triton import launch
+
+launch.BLOCK_SIZES, launch.BACKWARD_BLOCK_SIZES = (4, 4), (8, 4)
+compiled_equals_eager("gpt2", "qana", "triton", 7, training=True)
+compiled_equals_eager("llama", "neural", "triton", 6, training=True, padded=True, base="eager")
+"""
+)
+
+
+@needs_triton
+def test_compiled_training_on_the_triton_kernels_is_the_eager_model():
+    """``torch.compile(model, fullgraph=True)`` (inductor) of a model on ``impl="triton"`` trains as the eager model:
+    the same logits and gradients with attention dropout on (GPT-2 causal, QANA; a left-padded Llama over an eager
+    base, Neural Attention), and another seed drops other entries."""
+    lines = run_script(TRITON_SCRIPT, threads=2, interpret=True)
+    assert lines == [
+        "gpt2 qana triton train n=7 path=triton: compiled = eager",
+        "llama neural triton train, eager base padded n=6 path=triton: compiled = eager",
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -240,21 +240,6 @@ def test_gradient_checkpointing_recomputes_the_same_masks(dropout_gpt2):
         torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_auto_chooses_the_same_path_with_dropout_as_without():
-    scorer = make_scorer("qana", 4, 4)  # h = 3
-    largest = int((scorer.reference_max_scores / (4 * 3)) ** 0.5)
-    shapes = [(1, largest, largest), (1, largest + 1, largest + 1), (2, largest, largest), (1, 1, 8192), (8, 128, 128)]
-    for batch, q_len, kv_len in shapes:
-        chosen = {
-            dispatch.resolve_impl(
-                "auto", scorer, device="cpu", dtype=torch.float32, q_len=q_len, kv_len=kv_len, head_dim=D,
-                is_causal=True, batch=batch, heads=4, dropout_active=active,
-            )
-            for active in (False, True)
-        }  # fmt: skip
-        assert len(chosen) == 1, (batch, q_len, kv_len, chosen)
-
-
 @pytest.mark.parametrize("value", [1.5, -0.1, float("nan")])
 def test_a_dropout_value_that_is_no_probability_is_refused_naming_its_config_field(value):
     # At patch time, from the config, before the model changes.

@@ -4,8 +4,13 @@ The kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``) on tiny sha
 (8 x 4 in backward), so sequence lengths are not tile multiples, causal tiles get skipped, and
 grouped-query heads share a key tile. Speed and bf16 need a GPU and are not checked here (the interpreter's bf16 ``tl.dot`` is broken).
 
+Attention dropout runs inside the kernels, from the hash every path shares (``ops/dropout.py``): at one seed the
+kernels drop exactly the entries the chunked path drops (outputs and gradients within the tolerance below), on every
+mask form, grouped-query heads and causal tiles, for a call that is a part of a larger whole (tensor and context
+parallelism's heads and rows), and through whole models (GPT-2 with its default ``attn_pdrop=0.1``, packed batches).
+
 The kernels run as torch operators (``ops/triton/custom_ops.py``): opcheck checks them, and a compiled patched model
-keeps them in its graph, without graph breaks.
+keeps them in its graph, without graph breaks (inductor: tests/ops/test_compile.py).
 
 Tolerances: fp32 outputs and gradients within ``atol=1e-5, rtol=1e-5`` of the reference path (the two
 sum the same terms in different orders; gradients of the larger parameters reach ~10, where fp32
@@ -20,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.installed import HAS_TRITON, needs_triton
-from helpers.models import model_inputs, perturb_scorers, tiny_gpt2, tiny_llama
+from helpers.models import model_inputs, packed_attention_call, perturb_scorers, tiny_gpt2, tiny_llama
 from helpers.paths import IMPLS, PORTABLE_IMPLS, always_blockwise
 from helpers.references import geometry, randomise
 from helpers.scorers import FUSED_SCORERS
@@ -30,6 +35,7 @@ import hf_neural_attn
 from hf_neural_attn.ops import dispatch
 from hf_neural_attn.ops import triton as ops_triton
 from hf_neural_attn.ops.dispatch import resolve_impl, scored_attention
+from hf_neural_attn.ops.dropout import DropoutPlacement
 from hf_neural_attn.ops.triton import fused
 from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
 
@@ -178,27 +184,197 @@ def test_patched_llama_matches_reference(interpreter, triton_calls, scorer_name)
         torch.testing.assert_close(grads[name], ref_grad, **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
 
 
+# --- attention dropout in the kernels ---------------------------------------------------------------------
+
+DROPOUT = 0.3
+
+
+def run_with_dropout(
+    scorer, impl, hidden, query, key, value, mask, valid_rows, causal, seed, p=DROPOUT, placement=None
+):
+    """:func:`run` in training mode with attention dropout ``p``, its seed drawn after ``torch.manual_seed(seed)``
+    (or ``placement``'s: a part of a larger attention)."""
+    scorer.config.impl = impl
+    tensors = [hidden, query, key, value, *scorer.parameters()]
+    for tensor in tensors:
+        tensor.grad = None
+    extras = scorer.query_extras(hidden, None) if scorer.name == "qana" else None
+    torch.manual_seed(seed)
+    output, _ = scored_attention(
+        scorer, query, key, value, mask, scaling=D**-0.5, extras=extras, is_causal=causal, dropout=p, training=True,
+        dropout_placement=placement,
+    )  # fmt: skip
+    valid = valid_rows.transpose(1, 2)
+    weights = torch.linspace(-1, 1, output.numel()).view_as(output).to(output.dtype) * valid
+    (output * weights).sum().backward()
+    return output.detach() * valid, [t.grad for t in tensors]
+
+
+def assert_same(result, expected):
+    (out, grads), (ref_out, ref_grads) = result, expected
+    torch.testing.assert_close(out, ref_out, **TOLERANCE)
+    for index, (grad, ref_grad) in enumerate(zip(grads, ref_grads, strict=True)):
+        assert (grad is None) == (ref_grad is None), index
+        if grad is not None:
+            torch.testing.assert_close(grad, ref_grad, **TOLERANCE, msg=lambda m, i=index: f"gradient {i}: {m}")
+
+
+# One case per mask form and term, grouped-query heads in most: (scorer, options, (heads, kv_heads), q_len, kv_len,
+# mask). The 7 x 7 causal case skips tiles above the diagonal in all three kernels (4 x 4 and 8 x 4 tiles).
+DROPOUT_CASES = [CASES[0], CASES[1], CASES[2], CASES[3], CASES[4], CASES[5], CASES[6], CASES[8]]
+
+
+@needs_triton
+@pytest.mark.parametrize("name,options,heads,q_len,kv_len,mask_kind", DROPOUT_CASES)
+def test_kernels_drop_what_the_chunked_path_drops(interpreter, triton_calls, name, options, heads, q_len, kv_len,
+                                                  mask_kind):  # fmt: skip
+    """At one seed the kernels give the chunked (blockwise) path's output and every gradient; another seed drops
+    other entries."""
+    scorer = make_scorer(name, *heads, **options)
+    case = attention_case(*heads, q_len, kv_len, mask_kind)
+    causal = mask_kind in ("causal", "left_padded")
+    expected = run_with_dropout(scorer, "chunked", *case, causal, seed=5)
+    assert_same(run_with_dropout(scorer, "triton", *case, causal, seed=5), expected)
+    assert len(triton_calls) == 1
+    other_seed = run_with_dropout(scorer, "triton", *case, causal, seed=6)[0]
+    assert (other_seed - expected[0]).abs().max() > 1e-3
+
+
+@needs_triton
+@pytest.mark.parametrize("p", [0.9, 1.0])
+def test_kernels_drop_at_every_probability(interpreter, triton_calls, p):
+    """A high probability keeps few entries, each scaled by 10; p = 1 keeps none: the output and the values'
+    gradient are zero on both paths (the kernels' threshold is capped to a 32-bit word, their scale set to 0)."""
+    scorer = make_scorer("neural", 2, 1, h=3, proj_dim=2)
+    case = attention_case(2, 1, 7, 7, "causal")
+    expected = run_with_dropout(scorer, "chunked", *case, True, seed=2, p=p)
+    result = run_with_dropout(scorer, "triton", *case, True, seed=2, p=p)
+    assert_same(result, expected)
+    if p == 1.0:
+        assert result[0].abs().max() == 0 and result[1][3].abs().max() == 0  # the output, the values' gradient
+
+
+@needs_triton
+@pytest.mark.parametrize("name,options", [("qana", {"h": 2}), ("neural", {"h": 3, "proj_dim": 2})])
+def test_kernels_drop_a_part_as_the_whole_drops(interpreter, triton_calls, name, options):
+    """A call that is a part of a larger attention (tensor parallelism: heads 2-3 of 6; context parallelism: rows
+    from 11 on) drops what the chunked path drops at that place: the kernels' streams and rows are the whole's."""
+    scorer = make_scorer(name, 2, 1, **options)
+    case = attention_case(2, 1, 5, 9, "causal")
+    placement = DropoutPlacement(torch.tensor(1234), head_offset=2, total_heads=6, row_offset=11)
+    expected = run_with_dropout(scorer, "chunked", *case, True, seed=0, placement=placement)
+    assert_same(run_with_dropout(scorer, "triton", *case, True, seed=0, placement=placement), expected)
+    at_start = DropoutPlacement(torch.tensor(1234))
+    assert (
+        run_with_dropout(scorer, "triton", *case, True, seed=0, placement=at_start)[0] - expected[0]
+    ).abs().max() > 1e-3
+
+
+def train_step(model, inputs, seed):
+    """One training forward and backward after ``torch.manual_seed(seed)``: loss, logits and every gradient."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = model(**inputs, labels=inputs["input_ids"])
+    out.loss.backward()
+    return out.loss.detach(), out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@needs_triton
+@pytest.mark.parametrize("scorer_name", FUSED_SCORERS)
+def test_gpt2_trains_with_its_default_attention_dropout_on_the_kernels(interpreter, triton_calls, scorer_name):
+    """A tiny GPT-2 with GPT-2's default ``attn_pdrop=0.1``, in training mode: ``impl="triton"`` gives
+    ``impl="chunked"``'s loss, logits and every gradient at the same torch seed; another seed drops other
+    entries."""
+    models = {impl: tiny_gpt2(attn_pdrop=0.1, n_layer=1) for impl in ("chunked", "triton")}
+    inputs = model_inputs("gpt2", seq=7)
+    results = {}
+    for impl, model in models.items():
+        hf_neural_attn.patch_model(model, scorer_name, impl=impl)
+        perturb_scorers(model)
+        results[impl] = train_step(model.train(), inputs, seed=7)
+    assert len(triton_calls) == 1
+    (ref_loss, ref_logits, ref_grads), (loss, logits, grads) = results["chunked"], results["triton"]
+    torch.testing.assert_close(loss, ref_loss, **TOLERANCE)
+    torch.testing.assert_close(logits, ref_logits, **TOLERANCE)
+    assert any(".attn_scorer." in name and grad is not None for name, grad in grads.items())
+    for name, ref_grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref_grad, **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
+    other_logits = train_step(models["triton"], inputs, seed=8)[1]
+    assert not torch.allclose(other_logits, logits, atol=1e-3)
+
+
+# --- serving shapes on the kernels -------------------------------------------------------------------------
+
+
+@needs_triton
+@pytest.mark.parametrize("scorer_name", FUSED_SCORERS)
+def test_packed_calls_and_decoding_steps_run_on_the_kernels(interpreter, triton_calls, scorer_name):
+    """A packed call as continuous batching makes it (no mask; a prefilling request beside decoding ones, one query
+    against its cache each) runs every part on the kernels: the prefill alone, the decoding requests a group at a
+    time (one call, a block-diagonal mask), and gives the reference path's output within the tolerance."""
+    from hf_neural_attn import attention
+
+    model = tiny_llama().eval()
+    hf_neural_attn.patch_model(model, scorer_name)
+    perturb_scorers(model)
+    # Requests 0, 1 and 3 decode one token against caches of 7, 12 and 9 keys; request 2 prefills 3 of its 5.
+    module, (query, key, value, kwargs) = packed_attention_call(model, [1, 1, 3, 1], [7, 12, 5, 9])
+    outputs = {}
+    for impl in ("reference", "triton"):
+        hf_neural_attn.set_impl(model, impl)
+        with torch.no_grad():
+            outputs[impl], _ = attention.attention_with_keys(module, query, key, value, None, **dict(kwargs))
+    assert [shape[-2] for shape in triton_calls] == [2, 3, 1]  # requests 0-1 as a group, the prefill, request 3
+    torch.testing.assert_close(outputs["triton"], outputs["reference"], **TOLERANCE)
+
+
+@needs_triton
+def test_a_packed_training_batch_with_dropout_runs_on_the_kernels(interpreter, triton_calls):
+    """DataCollatorWithFlattening's packed row (one sequence after another, cu_seq_lens_q/k), in training mode with
+    attention dropout: each sequence on the kernels, the chunked path's logits and gradients at the same seed."""
+    from transformers import DataCollatorWithFlattening
+
+    prompts = [[5, 9, 12, 3, 7], [8, 2, 30, 31, 40, 41, 42], [17, 18, 19]]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": p} for p in prompts])
+    batch.pop("labels")  # train_step's labels are the ids
+    results = {}
+    for impl in ("chunked", "triton"):
+        model = tiny_llama(attention_dropout=0.2)
+        hf_neural_attn.patch_model(model, "qana", impl=impl)
+        perturb_scorers(model)
+        results[impl] = train_step(model.train(), batch, seed=3)
+    assert len(triton_calls) == 2 * len(prompts)  # each sequence, each layer
+    (ref_loss, ref_logits, ref_grads), (loss, logits, grads) = results["chunked"], results["triton"]
+    torch.testing.assert_close(loss, ref_loss, **TOLERANCE)
+    torch.testing.assert_close(logits, ref_logits, **TOLERANCE)
+    for name, ref_grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref_grad, **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
+
+
 # --- the kernels as torch operators -----------------------------------------------------------------------
 
-# torch.library.opcheck's checks that run under the interpreter. Not test_aot_dispatch_dynamic: AOTAutograd runs a
-# triton_op's body on fake tensors, where on a GPU wrap_triton traces each launch into the graph; under the
-# interpreter wrap_triton hands back the interpreted kernel itself, which reads the tensors' memory and fails.
-OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
+# torch.library.opcheck's checks, all of them: schema, autograd registration, fake implementations, and AOTAutograd
+# tracing the operators (opaque, so it runs the fakes, never the kernels, on fake tensors).
+OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
 @needs_triton
 @pytest.mark.parametrize(
-    "name,options", [("qana", {"h": 3}), ("neural", {"h": 3, "proj_dim": 2}), ("neural", {"h": 2, "mode": "replace"})]
+    "name,options,dropout",
+    [("qana", {"h": 3}, 0.2), ("neural", {"h": 3, "proj_dim": 2}, 0.0), ("neural", {"h": 2, "mode": "replace"}, 0.2)],
 )
-def test_kernels_are_torch_operators(interpreter, name, options):
+def test_kernels_are_torch_operators(interpreter, name, options, dropout):
     """fused_attention's output is that of torch.ops.hf_neural_attn.fused_attention_forward, and both operators
-    pass opcheck: schema, autograd registration, and fake implementations whose outputs have the real ones' shapes,
-    dtypes and strides (QANA, the pair MLP with a gate and in its replace form, which has none)."""
+    pass opcheck: schema, autograd registration, fake implementations whose outputs have the real ones' shapes,
+    dtypes and strides, and AOTAutograd's tracing (QANA, the pair MLP with a gate and in its replace form, which has
+    none; with and without a dropout seed)."""
     scorer = make_scorer(name, 2, 1, **options)
     hidden, query, key, value, mask, _ = attention_case(2, 1, 5, 5, "causal")
     inputs = scorer.fused_inputs(query, key, scorer.query_extras(hidden, None) if name == "qana" else None)
-    output = fused.fused_attention(inputs, query, key, value, mask, scaling=D**-0.5, is_causal=True)
-    arguments = fused.operator_arguments(inputs, query, key, value, mask, scaling=D**-0.5, is_causal=True)
+    seed = torch.tensor(99)
+    call = {"scaling": D**-0.5, "is_causal": True, "dropout": fused.KernelDropout(seed, dropout) if dropout else None}
+    output = fused.fused_attention(inputs, query, key, value, mask, **call)
+    arguments = fused.operator_arguments(inputs, query, key, value, mask, **call)
     # Leaf tensors (opcheck copies its arguments), requiring a gradient where the call's tensors do.
     arguments = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), arguments)
     forward = torch.ops.hf_neural_attn.fused_attention_forward
@@ -223,7 +399,8 @@ def fresh_dynamo():
 def test_compiled_patched_llama_holds_the_operator_and_matches_reference(interpreter, fresh_dynamo):
     """torch.compile's Dynamo keeps the forward operator in its graph, once per layer, with no graph break (it does
     not trace the launch code), and the compiled model gives the reference path's logits and gradients through the
-    operators' autograd. Dynamo's graph runs on the eager backend: inductor's kernels need a GPU."""
+    operators' autograd. Dynamo's graph runs on the eager backend here; inductor's, in a process of its own:
+    tests/ops/test_compile.py."""
     models = {impl: tiny_llama() for impl in ("reference", "triton")}
     inputs = model_inputs("llama", seq=6)
     for impl, model in models.items():
@@ -296,39 +473,53 @@ def resolve(scorer, impl, device="cpu", dtype=torch.float32, q_len=8, kv_len=8, 
     )
 
 
+def cuda_calls(batch: int = 2) -> dict[str, dict]:
+    """The calls a patched model makes, by what makes them (keywords of :func:`resolve`): training and inference,
+    padded batches under either mask form, a packed call's parts, a decoding step against a long cache."""
+    allowed = torch.ones(batch, 1, 8, 8, dtype=torch.bool).tril()
+    allowed[1, ..., :3] = False  # a left-padded second sequence
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    # Three decoding requests of a packed call scored as one group: a block-diagonal (1, 1, 3, 40) boolean mask.
+    group = torch.zeros(1, 1, 3, 40, dtype=torch.bool)
+    group[..., 0, :9], group[..., 1, 9:30], group[..., 2, 30:] = True, True, True
+    return {
+        "long": {"q_len": 4096, "kv_len": 4096},
+        "short": {},
+        "bf16 on cuda:1": {"device": torch.device("cuda", 1), "dtype": torch.bfloat16, "q_len": 4096, "kv_len": 4096},
+        "padded, boolean mask": {"attention_mask": allowed, "batch": batch},
+        "padded, additive mask": {"attention_mask": additive, "batch": batch},
+        "a packed call's prefill": {"q_len": 3, "kv_len": 12, "batch": 1},
+        "a packed call's decoding group": {"q_len": 3, "kv_len": 40, "attention_mask": group, "batch": 1},
+        "a decoding step": {"q_len": 1, "kv_len": 4096},
+    }
+
+
 @pytest.mark.parametrize("name", FUSED_SCORERS)
-def test_auto_takes_triton_on_cuda_except_while_compiling(monkeypatch, name):
-    """With dispatch.TRITON_IN_AUTO (set since the kernels were verified on a GPU), CUDA calls the kernels support go
-    to them, except while torch.compile traces (inductor cannot compile them yet); switched off, CUDA calls get the
-    CPU's rule. CPU calls never do."""
+def test_auto_takes_the_kernels_for_every_cuda_call_they_serve(monkeypatch, name):
+    """With dispatch.TRITON_IN_AUTO (set since the kernels were verified on a GPU), every CUDA call the kernels
+    support goes to them: long and short, padded, a packed call's parts, decoding steps; while torch.compile traces
+    too (the kernels are opaque operators there). Training with dropout too: the choice does not read it
+    (``resolve_impl`` takes no dropout), and the kernels drop what every path drops (the tests above). Switched off,
+    CUDA calls get the CPU's rule; CPU calls never go to the kernels. The calls they do not serve:
+    test_unsupported_configs_fall_back_under_auto_and_raise_under_triton."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     scorer = make_scorer(name, 2, 1)
-    long = {"q_len": 4096, "kv_len": 4096}
     assert dispatch.TRITON_IN_AUTO
-    expected = "triton" if HAS_TRITON else "blockwise"
-    assert resolve(scorer, "auto", device="cuda", **long) == expected
-    assert resolve(scorer, "auto", device="cuda") == ("triton" if HAS_TRITON else "reference")
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert resolve(scorer, "auto", device="cuda", **long) == "blockwise"
-    assert resolve(scorer, "auto", device="cuda") == "reference"
-    monkeypatch.undo()
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for compiling in (False, True):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda compiling=compiling: compiling)
+        for call, shapes in cuda_calls().items():
+            shapes = {"device": "cuda", **shapes}
+            expected = "triton" if HAS_TRITON else resolve(scorer, "auto", **{**shapes, "device": "cpu"})
+            assert resolve(scorer, "auto", **shapes) == expected, (call, compiling)
+            assert resolve(scorer, "auto", **{**shapes, "device": "cpu"}) != "triton", call
     monkeypatch.setattr(dispatch, "TRITON_IN_AUTO", False)
+    long = {"q_len": 4096, "kv_len": 4096}
     assert resolve(scorer, "auto", device="cuda") == "reference"
     assert resolve(scorer, "auto", device="cuda", **long) == "blockwise"
     monkeypatch.setattr(dispatch, "TRITON_IN_AUTO", True)
-    assert resolve(scorer, "auto", device="cuda", **long) == expected
-    assert resolve(scorer, "auto", device=torch.device("cuda", 1), dtype=torch.bfloat16, **long) == expected
-    assert resolve(scorer, "auto", device="cpu", **long) == "blockwise"
     # Calls that need the probabilities go to the reference path, whatever impl says (an explicit path warns once).
     for impl in IMPLS:
         assert resolve(scorer, impl, device="cuda", need_weights=True) == "reference"
-    # Dropout does not change the choice; the kernels, which apply none, refuse it, and auto goes around them.
-    assert resolve(scorer, "auto", device="cuda", dropout_active=True, **long) == "blockwise"
-    assert resolve(scorer, "chunked", device="cuda", dropout_active=True) == "blockwise"
-    if HAS_TRITON:
-        with pytest.raises(ValueError, match="apply no attention dropout"):
-            resolve(scorer, "triton", device="cuda", dropout_active=True)
     assert resolve(scorer, "reference", device="cuda") == "reference"
     assert resolve(scorer, "chunked", device="cuda") == "blockwise"  # the chunked choice, in its fused form
     with pytest.raises(ValueError, match="impl='fused' is not supported"):
@@ -488,21 +679,24 @@ parent.__path__ = [sys.argv[1]]
 sys.modules["standalone_ops"] = parent
 kernels = importlib.import_module("standalone_ops.triton.common")
 assert not any(name.startswith("transformers") or name.startswith("hf_neural_attn") for name in sys.modules)
-INTS = {"H", "GROUPS", "M", "N", "D", "HID"}
+INTS = {"H", "GROUPS", "M", "N", "D", "HID", "seed", "drop_stream_base", "drop_stream_stride", "drop_row_offset"}
 STRIDES = {"sq": 4, "sk": 4, "sv": 4, "sm": 4, "su": 5, "sx": 4, "sb": 4, "sc": 3, "sp": 4, "sr": 4}
 FP32 = {"ROW_MAX", "ROW_SUM", "DELTA", "DGATE_PARTIAL", "DWO_PARTIAL", "GATE", "WO", "QV", "QB", "QC", "MASK"}
-for kind, (block_m, block_n, warps) in ((0, (64, 32, 8)), (1, (64, 32, 8))):
+# (KIND, tiles, warps, dropout): both terms with dropout, and a decoding step's 16-row forward tile without.
+for kind, (block_m, block_n, warps), dropout in ((0, (64, 32, 8), True), (1, (64, 32, 8), True), (0, (16, 64, 4), False)):
     for fn in (kernels.forward_kernel, kernels.backward_query_kernel, kernels.backward_key_kernel):
         constexprs = dict(KIND=kind, ACT=0, HAS_MASK=True, IS_CAUSAL=True, BLOCK_M=block_m, BLOCK_N=block_n,
-                          BLOCK_D=64, HID_PAD=4, PRECISION="tf32")
+                          BLOCK_D=64, HID_PAD=4, PRECISION="tf32", HAS_DROPOUT=dropout)
         signature = {}
         for name in inspect.signature(fn.fn).parameters:
             if name in constexprs:
                 signature[name] = "constexpr"
             elif name in STRIDES:
                 signature[name] = ("i32",) * STRIDES[name]
+            elif name == "drop_threshold":
+                signature[name] = "u32"  # round(p * 2**32) is above 2**31 - 1 from p = 0.5 on
             elif name in INTS or name.islower():
-                signature[name] = "fp32" if name == "scaling" else "i32"
+                signature[name] = "fp32" if name in ("scaling", "drop_scale") else "i32"
             else:
                 signature[name] = "*fp32" if name in FP32 else "*bf16"
         source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
@@ -530,4 +724,4 @@ def test_kernels_compile_for_a_gpu_without_one(tmp_path):
         env=env,
     )
     assert finished.returncode == 0, finished.stderr[-3000:]
-    assert finished.stdout.count("compiled") == 6
+    assert finished.stdout.count("compiled") == 9

@@ -8,7 +8,7 @@ This package imports without triton. Layout (after flash-linear-attention's ``fl
   tensors and a few static values), never a scorer.
 * ``fused.py``: the torch side; the limits and :func:`fused_attention` (imports ``custom_ops.py`` on the first
   call).
-* ``custom_ops.py``: the kernels as torch operators (``torch.library.triton_op``: ``torch.ops.hf_neural_attn``'s
+* ``custom_ops.py``: the kernels as opaque torch operators (``torch.library.custom_op``: ``torch.ops.hf_neural_attn``'s
   ``fused_attention_forward``, with its autograd, and ``fused_attention_backward``), which torch.compile keeps in
   its graphs; importing it imports triton.
 * ``launch.py``: the kernels' launch arguments (tile sizes, pointers, strides, constexprs) from the operators'.
@@ -34,6 +34,7 @@ from .fused import (
     MAX_HIDDEN,
     SUPPORTED_ACTIVATIONS,
     SUPPORTED_DTYPES,
+    KernelDropout,
     fused_attention,
     inputs_unsupported_reason,
     mlp_unsupported_reason,
@@ -45,6 +46,7 @@ __all__ = [
     "SUPPORTED_ACTIVATIONS",
     "SUPPORTED_DTYPES",
     "TRITON_INSTALL_HINT",
+    "KernelDropout",
     "fused_attention",
     "kernel_unsupported_reason",
     "triton_attention",
@@ -119,6 +121,7 @@ def triton_attention(
     *,
     scaling: float,
     is_causal: bool = False,
+    dropout: KernelDropout | None = None,
 ) -> torch.Tensor:
     """softmax(scores + mask) @ v, the scores given by ``inputs``' term, with the fused kernels.
 
@@ -129,6 +132,7 @@ def triton_attention(
         attention_mask: None, boolean (True = attend) or additive float, broadcastable to
             (batch, heads, q_len, kv_len).
         is_causal: causal, with queries aligned to the end of the keys (the kernels mask the diagonal).
+        dropout: the call's attention dropout (:class:`.fused.KernelDropout`), or None.
 
     Returns:
         output (batch, heads, q_len, head_dim). The caller has checked the machine and the call with
@@ -140,4 +144,6 @@ def triton_attention(
         attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
             ~attention_mask, blocked
         )
-    return fused_attention(inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal)
+    return fused_attention(
+        inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal, dropout=dropout
+    )

@@ -29,6 +29,14 @@ All three get a tile's scores from :func:`tile_scores`, s_ij in fp32 whatever th
 
 then ``max(s + mask, finfo(float32).min)`` with the additive mask (as the reference clamps), ``-inf`` after
 the causal diagonal when ``IS_CAUSAL`` (queries aligned to the end of the keys) and beyond the last key.
+
+Attention dropout (``HAS_DROPOUT``): each tile's probabilities are multiplied by its dropout factors
+(:func:`tile_dropout`: 0 where dropped, 1 / (1 - p) where kept) after the softmax's normaliser is taken, in the
+forward kernel before the values are summed and in both backward kernels where the probabilities are rebuilt. The
+factors are a hash of the call's seed, the probabilities' stream (``batch * heads + head`` in the whole the call drops
+for), the query row and the key column (:func:`.utils.dropout_row_hashes`, :func:`.utils.dropout_factors`): the hash
+of :mod:`hf_neural_attn.ops.dropout`, so the kernels drop the entries every other path drops for a seed, and no mask
+is stored.
 The explicit causal ``-inf`` makes skipping whole tiles exact in every kernel, including for rows that
 the mask hides entirely: those get uniform weights over the keys at or before their own position.
 
@@ -46,7 +54,43 @@ import triton
 import triton.language as tl
 
 from . import pair_mlp, query_network
-from .utils import load_key_tile, load_row_stats, load_rows, mask_scores, softmax_backward
+from .utils import (
+    dropout_factors,
+    dropout_row_hashes,
+    load_key_tile,
+    load_row_stats,
+    load_rows,
+    mask_scores,
+    softmax_backward,
+)
+
+# The dropout values each kernel takes after its sizes (see launch.launch_args), none of them specialised on: a
+# fresh seed every call must not compile a fresh kernel (Triton specialises integers equal to 1 or divisible by 16).
+DROPOUT_VALUES = ["seed", "drop_stream_base", "drop_stream_stride", "drop_row_offset", "drop_threshold"]
+
+
+@triton.jit
+def block_dropout_rows(
+    seed, off_z, off_h, offs_m, drop_stream_base, drop_stream_stride, drop_row_offset, HAS_DROPOUT: tl.constexpr
+):
+    """The row hashes (:func:`.utils.dropout_row_hashes`) of query rows ``offs_m`` of batch ``off_z``, head
+    ``off_h``, whose probabilities are stream ``off_z * drop_stream_stride + off_h + drop_stream_base`` of the whole
+    the call drops for (``ops.dropout.AttentionDropout.streams``); a placeholder without dropout."""
+    hashes = offs_m
+    if HAS_DROPOUT:
+        stream = off_z * drop_stream_stride + off_h + drop_stream_base
+        hashes = dropout_row_hashes(seed, stream, offs_m, drop_row_offset)
+    return hashes
+
+
+@triton.jit
+def tile_dropout(row_hashes, start_n, drop_threshold, drop_scale, BLOCK_N: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """The dropout factors (BLOCK_M, BLOCK_N) of the key tile starting at ``start_n``
+    (:func:`.utils.dropout_factors`); 1 without dropout."""
+    factors = 1.0
+    if HAS_DROPOUT:
+        factors = dropout_factors(row_hashes, start_n + tl.arange(0, BLOCK_N), drop_threshold, drop_scale)
+    return factors
 
 
 @triton.jit
@@ -200,16 +244,17 @@ def key_tile_scores(
     return k, v, s, mlp, act, dact
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DROPOUT_VALUES)
 def forward_kernel(
     Q, K, V, MASK, U, QV, QB, QC, PQ, RK, WO, GATE,
     O, ROW_MAX, ROW_SUM,
     sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sm0, sm1, sm2, sm3,
     su0, su1, su2, su3, su4, sx0, sx1, sx2, sx3, sb0, sb1, sb2, sb3, sc0, sc1, sc2,
     sp0, sp1, sp2, sp3, sr0, sr1, sr2, sr3, H, GROUPS, M, N, D, HID, scaling,
+    seed, drop_stream_base, drop_stream_stride, drop_row_offset, drop_threshold, drop_scale,
     KIND: tl.constexpr, ACT: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HID_PAD: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):  # fmt: skip
     sq, sk, sv, sm, su, sx, sb, sc, sp, sr = stride_tuples(
         sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sm0, sm1, sm2, sm3,
@@ -220,6 +265,9 @@ def forward_kernel(
         Q, U, QV, QB, QC, PQ, WO, GATE, sq, su, sx, sb, sc, sp, H, GROUPS, M, D, HID, KIND, BLOCK_M, BLOCK_D, HID_PAD
     )
     off_hk = off_h // GROUPS
+    drop_rows = block_dropout_rows(
+        seed, off_z, off_h, offs_m, drop_stream_base, drop_stream_stride, drop_row_offset, HAS_DROPOUT
+    )
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -234,7 +282,10 @@ def forward_kernel(
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
+        # The normaliser sums the probabilities before dropout; the values see them after (dropout acts on the
+        # softmax's output, as the torch paths apply it).
         l_i = l_i * alpha + tl.sum(p, 1)
+        p = p * tile_dropout(drop_rows, start_n, drop_threshold, drop_scale, BLOCK_N, HAS_DROPOUT)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
@@ -248,7 +299,7 @@ def forward_kernel(
     tl.store(ROW_SUM + base + offs_m, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DROPOUT_VALUES)
 def backward_query_kernel(
     Q, K, V, MASK, U, QV, QB, QC, PQ, RK, WO, GATE,
     DO, DELTA, ROW_MAX, ROW_SUM,
@@ -256,9 +307,10 @@ def backward_query_kernel(
     sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sm0, sm1, sm2, sm3,
     su0, su1, su2, su3, su4, sx0, sx1, sx2, sx3, sb0, sb1, sb2, sb3, sc0, sc1, sc2,
     sp0, sp1, sp2, sp3, sr0, sr1, sr2, sr3, H, GROUPS, M, N, D, HID, scaling,
+    seed, drop_stream_base, drop_stream_stride, drop_row_offset, drop_threshold, drop_scale,
     KIND: tl.constexpr, ACT: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HID_PAD: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):  # fmt: skip
     sq, sk, sv, sm, su, sx, sb, sc, sp, sr = stride_tuples(
         sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sm0, sm1, sm2, sm3,
@@ -273,6 +325,9 @@ def backward_query_kernel(
     )
     off_hk = off_h // GROUPS
     qv = qs[2]
+    drop_rows = block_dropout_rows(
+        seed, off_z, off_h, offs_m, drop_stream_base, drop_stream_stride, drop_row_offset, HAS_DROPOUT
+    )
     base = pid_bh.to(tl.int64) * M
     do, delta, row_max, row_sum = load_row_stats(DO, DELTA, ROW_MAX, ROW_SUM, base, offs_m, offs_d, row_ok, d_ok, D)
 
@@ -289,7 +344,8 @@ def backward_query_kernel(
             start_n, K, V, RK, MASK, qs, wo, gate, off_z, off_h, off_hk, offs_m, offs_d, offs_l, row_ok, d_ok, l_ok,
             M, N, scaling, sk, sv, sr, sm, KIND, ACT, HAS_MASK, IS_CAUSAL, BLOCK_M, BLOCK_N, HID_PAD, PRECISION,
         )  # fmt: skip
-        _, ds = softmax_backward(s, v, do, delta, row_max, row_sum, row_ok, PRECISION)
+        drop = tile_dropout(drop_rows, start_n, drop_threshold, drop_scale, BLOCK_N, HAS_DROPOUT)
+        _, ds = softmax_backward(s, v, do, delta, row_max, row_sum, row_ok, drop, HAS_DROPOUT, PRECISION)
         if KIND != 2:
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
             dgate += tl.sum(ds * mlp, 1)
@@ -321,7 +377,7 @@ def backward_query_kernel(
         tl.store(DWO_PARTIAL + partial * HID_PAD + offs_l, dwo)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DROPOUT_VALUES)
 def backward_key_kernel(
     Q, K, V, MASK, U, QV, QB, QC, PQ, RK, WO, GATE,
     DO, DELTA, ROW_MAX, ROW_SUM,
@@ -329,9 +385,10 @@ def backward_key_kernel(
     sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sm0, sm1, sm2, sm3,
     su0, su1, su2, su3, su4, sx0, sx1, sx2, sx3, sb0, sb1, sb2, sb3, sc0, sc1, sc2,
     sp0, sp1, sp2, sp3, sr0, sr1, sr2, sr3, H, GROUPS, M, N, D, HID, scaling,
+    seed, drop_stream_base, drop_stream_stride, drop_row_offset, drop_threshold, drop_scale,
     KIND: tl.constexpr, ACT: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HID_PAD: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):  # fmt: skip
     sq, sk, sv, sm, su, sx, sb, sc, sp, sr = stride_tuples(
         sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sm0, sm1, sm2, sm3,
@@ -372,7 +429,11 @@ def backward_key_kernel(
                 qs, k, rk, wo, gate, MASK, off_z, off_h, offs_m, offs_n, row_ok, col_ok, M, N, scaling, sm,
                 KIND, ACT, HAS_MASK, IS_CAUSAL, BLOCK_M, BLOCK_N, HID_PAD, PRECISION,
             )  # fmt: skip
-            p, ds = softmax_backward(s, v, do, delta, row_max, row_sum, row_ok, PRECISION)
+            drop_rows = block_dropout_rows(
+                seed, off_z, off_h, offs_m, drop_stream_base, drop_stream_stride, drop_row_offset, HAS_DROPOUT
+            )
+            drop = tile_dropout(drop_rows, pid_n * BLOCK_N, drop_threshold, drop_scale, BLOCK_N, HAS_DROPOUT)
+            p, ds = softmax_backward(s, v, do, delta, row_max, row_sum, row_ok, drop, HAS_DROPOUT, PRECISION)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
             if KIND != 2:
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION) * scaling

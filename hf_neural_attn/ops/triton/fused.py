@@ -19,6 +19,8 @@ either path.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..terms import PAIR_MLP, QUERY_NETWORK, FusedInputs
@@ -30,6 +32,22 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # tile no longer fits and the chunked path is the better choice.
 MAX_HIDDEN = 16
 MAX_HEAD_DIM = 256
+
+
+class KernelDropout(NamedTuple):
+    """One call's attention dropout, as the kernels take it: the values of an
+    :class:`hf_neural_attn.ops.dropout.AttentionDropout` (its ``seed``, ``p`` and ``offsets()``), which the dispatcher
+    hands over (this package sees tensors and values, nothing of the compute paths above it).
+
+    seed: the call's seed, a 0-d int64 CPU tensor in [0, 2**31) (``ops.dropout.draw_seed``).
+    p: the dropout probability.
+    offsets: where the call sits in the whole it drops for: the part of the batch, the first head, the whole's heads
+        (0: the call's own), the first row.
+    """
+
+    seed: torch.Tensor
+    p: float
+    offsets: tuple[int, int, int, int] = (0, 0, 0, 0)
 
 
 def mlp_unsupported_reason(activation: str, hidden: int) -> str | None:
@@ -82,6 +100,7 @@ def fused_attention(
     *,
     scaling: float,
     is_causal: bool = False,
+    dropout: KernelDropout | None = None,
 ) -> torch.Tensor:
     """softmax(scores + mask) @ v, the scores given by ``inputs``' term, with the fused kernels.
 
@@ -92,6 +111,8 @@ def fused_attention(
         attention_mask: additive float mask broadcastable to (batch, heads, q_len, kv_len), or None.
         is_causal: the mask is causal, with queries aligned to the end of the keys. The kernels then skip
             the tiles it hides entirely and mask after the diagonal themselves.
+        dropout: the call's attention dropout (:class:`KernelDropout`), or None: the kernels drop exactly the
+            entries every other path drops for its seed, and regenerate them in backward.
 
     Returns:
         output (batch, heads, q_len, head_dim). The caller has checked the call with
@@ -100,9 +121,10 @@ def fused_attention(
     # Imported here, not at the top: it imports triton and defines the operators (once, on the first call).
     from .custom_ops import fused_attention_forward
 
-    out, _, _ = fused_attention_forward(
-        *operator_arguments(inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal)
+    arguments = operator_arguments(
+        inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal, dropout=dropout
     )
+    out, _, _ = fused_attention_forward(*arguments)
     return out
 
 
@@ -132,11 +154,13 @@ def operator_arguments(
     *,
     scaling: float,
     is_causal: bool,
+    dropout: KernelDropout | None = None,
 ) -> tuple:
     """The arguments of ``torch.ops.hf_neural_attn.fused_attention_forward`` (:mod:`.custom_ops`) for a call of
     :func:`fused_attention`: query, key, value, mask, the term's tensors as one list (read back by
-    :func:`.launch.term_tensors`), then the kernels' ``KIND`` code, activation, scaling, is_causal and hidden width.
-    Keys, values and the term's tensors that multiply them are cast to the query's dtype."""
+    :func:`.launch.term_tensors`), the dropout seed (or None), then the kernels' ``KIND`` code, activation, scaling,
+    is_causal, hidden width, the dropout probability and the call's place in the whole it drops for. Keys, values and the term's tensors that multiply them are cast to the query's
+    dtype."""
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads % kv_heads != 0 or value.shape[1] != kv_heads:
         raise ValueError(
@@ -147,4 +171,10 @@ def operator_arguments(
     key, value = key.to(dtype), value.to(dtype)
     kind, term = TERM_OPERANDS[inputs.term](inputs.tensors, dtype)
     scaling = float(inputs.term_scaling(scaling))
-    return query, key, value, attention_mask, term, kind, inputs.activation, scaling, bool(is_causal), inputs.hidden
+    seed, p, offsets = (
+        (None, 0.0, [0, 0, 0, 0]) if dropout is None else (dropout.seed, dropout.p, list(dropout.offsets))
+    )
+    return (
+        query, key, value, attention_mask, term, seed, kind, inputs.activation, scaling, bool(is_causal),
+        inputs.hidden, p, offsets,
+    )  # fmt: skip

@@ -33,14 +33,22 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _block_sizes(hid_pad: int, device: torch.device, backward: bool) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for the forward kernel or the two backward kernels.
+# The fewest query rows of a CUDA tile: tl.dot needs at least 16 rows.
+MIN_TILE_ROWS = 16
 
-    Not tuned by timing (no GPU has run these kernels yet). Chosen, for bf16 and head_dim 64 on sm_90, as
+
+def _block_sizes(hid_pad: int, device: torch.device, backward: bool, q_len: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for the forward kernel or the two backward kernels, for ``q_len`` queries.
+
+    Not tuned by timing (one GPU session ran them, at these tiles). Chosen, for bf16 and head_dim 64 on sm_90, as
     the candidates ptxas compiled with the fewest register spills: a tile keeps BLOCK_M x h x BLOCK_N fp32
     hidden activations and their derivatives in registers, so wider h gets smaller tiles. At h = 4 that is
     no spill in the query-network forward and 100-260 bytes per thread in the backward kernels; at h = 8 the
     backward kernels still spill about 1.5 KB.
+
+    A forward call of fewer queries than a tile (a decoding step: one query against its cache) gets a tile of as
+    few rows as ``tl.dot`` takes (:data:`MIN_TILE_ROWS`) and wider key tiles, rather than 64 rows of which one is
+    real.
     """
     override = BACKWARD_BLOCK_SIZES if backward else BLOCK_SIZES
     if override is not None:
@@ -48,6 +56,8 @@ def _block_sizes(hid_pad: int, device: torch.device, backward: bool) -> tuple[in
     if device.type != "cuda":
         return 16, 16, 4  # the interpreter: one numpy op per tile op, so fewer, larger tiles are faster
     if not backward:
+        if q_len <= MIN_TILE_ROWS:
+            return (MIN_TILE_ROWS, 64, 4) if hid_pad <= 4 else (MIN_TILE_ROWS, 32, 4)
         return (64, 64, 8) if hid_pad <= 2 else (64, 32, 4) if hid_pad <= 4 else (64, 32, 8)
     return (64, 32, 8) if hid_pad <= 4 else (32, 32, 4)
 
@@ -56,9 +66,38 @@ def _strides(tensor: torch.Tensor | None, count: int) -> tuple[int, ...]:
     return tuple(tensor.stride()[:count]) if tensor is not None else (0,) * count
 
 
-def launch_args(q, k, v, mask, term, kind, activation, scaling, is_causal, hidden, *, backward: bool):
+# The kernels' dropout values of a call without dropout (HAS_DROPOUT False: never read).
+NO_DROPOUT = (0, 0, 0, 0, 0, 1.0)
+
+
+def dropout_values(
+    dropout_seed: torch.Tensor | None, dropout_p: float, dropout_offsets: list[int], heads: int
+) -> tuple[int, int, int, int, int, float] | None:
+    """The kernels' dropout values, after their sizes: seed, stream base and stride, row offset, keep threshold and
+    scale, for a call of ``batch`` x ``heads`` probabilities whose dropout has probability ``dropout_p``, seed
+    ``dropout_seed`` (a 0-d int64 CPU tensor, read here: no device synchronisation) and place ``dropout_offsets``
+    (``ops.dropout.AttentionDropout.offsets``: part of the batch, first head, the whole's heads or 0, first row),
+    for a call of ``heads`` query heads.
+
+    The kernels hash exactly what ``ops.dropout.keep_mask`` hashes: stream ``(batch_offset + b) * total_heads +
+    head_offset + h`` is ``b * stride + h + base``; an entry is kept when its hash is at least ``round(p * 2**32)``
+    (capped to a uint32, with scale 0 for p = 1, which keeps nothing). None without dropout (no seed)."""
+    if dropout_seed is None:
+        return None
+    batch_offset, head_offset, total_heads, row_offset = dropout_offsets
+    total_heads = total_heads or heads
+    # ops.dropout.keep_threshold's round(p * 2**32) (this package imports nothing of the compute paths above it).
+    threshold = min(round(dropout_p * (1 << 32)), (1 << 32) - 1)
+    scale = 1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0
+    return int(dropout_seed), batch_offset * total_heads + head_offset, total_heads, row_offset, threshold, scale
+
+
+def launch_args(
+    q, k, v, mask, term, kind, activation, scaling, is_causal, hidden, *, backward: bool, dropout: tuple | None = None
+):
     """The arguments the three kernels share, from the operators' own: pointers and strides, in the kernels'
-    order, sizes, constexprs, and the launch's number of warps."""
+    order, sizes and dropout values (``dropout``: what :func:`dropout_values` returns, or None), constexprs, and the
+    launch's number of warps."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     U, QV, QB, QC, P, R, w, gate = term_tensors(kind, term)
@@ -75,9 +114,10 @@ def launch_args(q, k, v, mask, term, kind, activation, scaling, is_causal, hidde
         *_strides(QV, 4), *_strides(QB, 4), *_strides(QC, 3), *_strides(P, 4), *_strides(R, 4),
     )  # fmt: skip
     sizes = (heads, heads // kv_heads, q_len, kv_len, head_dim, hidden, scaling)
+    sizes += dropout if dropout is not None else NO_DROPOUT
     interpreting = q.device.type != "cuda"
     hid_pad = _next_power_of_2(hidden)
-    block_m, block_n, num_warps = _block_sizes(hid_pad, q.device, backward)
+    block_m, block_n, num_warps = _block_sizes(hid_pad, q.device, backward, q_len)
     block_d = _next_power_of_2(head_dim) if interpreting else max(16, _next_power_of_2(head_dim))
     fp32_products = q.dtype == torch.float32 and (interpreting or not torch.backends.cuda.matmul.allow_tf32)
     from .utils import ACTIVATION_CODES
@@ -92,5 +132,6 @@ def launch_args(q, k, v, mask, term, kind, activation, scaling, is_causal, hidde
         "BLOCK_D": block_d,
         "HID_PAD": hid_pad,
         "PRECISION": "ieee" if fp32_products else "tf32",
+        "HAS_DROPOUT": dropout is not None,
     }
     return pointers, strides, sizes, constexprs, num_warps

@@ -1,4 +1,4 @@
-"""Leaf Triton helpers of the fused kernels: activations, tile loads, masking, softmax backward.
+"""Leaf Triton helpers of the fused kernels: activations, tile loads, masking, attention dropout, softmax backward.
 
 Importing this module needs ``triton``. Nothing here knows which scoring function a kernel computes.
 """
@@ -94,11 +94,58 @@ def load_row_stats(DO, DELTA, ROW_MAX, ROW_SUM, base, offs_m, offs_d, row_ok, d_
 
 
 @triton.jit
-def softmax_backward(s, v, do, delta, row_max, row_sum, row_ok, PRECISION: tl.constexpr):
+def softmax_backward(
+    s, v, do, delta, row_max, row_sum, row_ok, drop, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr
+):
     """The tile's probabilities p, rebuilt from the forward's row statistics, and the gradient of its
-    scores ds = p * (dO . v - delta) (softmax backward)."""
+    scores ds = p * (dO . v - delta) (softmax backward).
+
+    With ``HAS_DROPOUT``, ``drop`` is the tile's dropout factors (:func:`dropout_factors`): the forward's output is
+    (p * drop) @ v, so the gradient reaching p is (dO . v) * drop, and ``delta`` = dO . O (O the dropped output)
+    is still rowsum(p * that gradient). p is returned as the probabilities the values saw (p * drop)."""
     p = tl.exp(s - row_max[:, None]) / row_sum[:, None]
     p = tl.where(row_ok[:, None], p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    if HAS_DROPOUT:
+        dp = dp * drop
     ds = p * (dp - delta[:, None])
+    if HAS_DROPOUT:
+        p = p * drop
     return p, ds
+
+
+# The dropout hash of hf_neural_attn.ops.dropout (its module doc has the design), in uint32 arithmetic: the torch
+# version carries 32-bit words in int64 and masks every product back to 32 bits; Triton's unsigned multiplication
+# wraps modulo 2**32, which is the same arithmetic. tests/ops/test_triton.py checks that the two keep the same
+# entries.
+@triton.jit
+def mix32(x):
+    """``lowbias32`` on uint32 words: a bijection that spreads every input bit."""
+    x ^= x >> 16
+    x *= 0x7FEB352D
+    x ^= x >> 15
+    x *= 0x846CA68B
+    x ^= x >> 16
+    return x
+
+
+@triton.jit
+def dropout_row_hashes(seed, stream, offs_m, row_offset):
+    """Each query row's hash (BLOCK_M,) uint32, for the probabilities of ``stream`` (``batch * heads + head`` in
+    the whole the call drops for): ``ops.dropout.keep_mask``'s ``row_hashes``. ``offs_m`` are the rows' positions in
+    the call, ``row_offset`` the call's first row in that whole."""
+    key = mix32(mix32((stream ^ seed).to(tl.uint32)))
+    rows = (offs_m + row_offset).to(tl.uint32)
+    return mix32(key + rows * 0x9E3779B9)
+
+
+@triton.jit
+def dropout_factors(row_hashes, offs_n, threshold, scale):
+    """A tile's dropout as fp32 factors (BLOCK_M, BLOCK_N): ``scale`` = 1 / (1 - p) where the entry is kept (its
+    hash at least ``threshold`` = round(p * 2**32), capped at 2**32 - 1 with ``scale`` 0 for p = 1), else 0."""
+    columns = mix32(offs_n.to(tl.uint32) + 0x632BE5AB)
+    entries = row_hashes[:, None] ^ columns[None, :]
+    entries ^= entries >> 15
+    entries *= 0x846CA68B
+    # uint32 against uint32 whatever integer type the launch gave the threshold (it depends on the value).
+    return tl.where(entries >= threshold.to(tl.uint32), scale, 0.0)
