@@ -225,7 +225,8 @@ def _training_flags(add: AddFlag) -> None:
         "--min_learning_rate",
         type=float,
         default=None,
-        help="cosine_with_min_lr (and only it, which needs it): the learning rate the cosine decays to.",
+        help="cosine_with_min_lr (and only it, which needs it): the learning rate the cosine decays to, at most "
+        "--learning_rate (--scorer_learning_rate decays by the same factor).",
     )
     add("--max_grad_norm", type=float, default=1.0, help="Gradient clipping (0 disables).")
     add(

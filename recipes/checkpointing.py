@@ -20,7 +20,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,10 +63,14 @@ def save_checkpoint(
     name: str,
     progress: TrainingProgress,
     write_model_files: Callable[[Path], None] | None = None,
+    state_hooks: Sequence[Callable[[list, list[dict[str, Any]], str], None]] = (),
+    safe_serialization: bool = True,
 ) -> Path:
     """Save the full training state as ``output_dir/name``, atomically. Called by every process;
     ``write_model_files(folder)`` (the main process's) writes the model's config and preprocessor into
-    :data:`MODEL_FILES`."""
+    :data:`MODEL_FILES`. ``state_hooks``: more ``accelerator.save_state`` pre-hooks, run after
+    :func:`drop_tied_weights` on the state dicts about to be saved (``recipes.qlora.set_aside_torchao_weights``);
+    ``safe_serialization=False``: the model's weights in ``pytorch_model.bin`` rather than ``model.safetensors``."""
     output_dir = Path(output_dir)
     final = output_dir / name
     partial = output_dir / f".{name}.partial"
@@ -74,11 +78,12 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    hook = accelerator.register_save_state_pre_hook(drop_tied_weights)
+    hooks = [accelerator.register_save_state_pre_hook(hook) for hook in (drop_tied_weights, *state_hooks)]
     try:
-        accelerator.save_state(str(partial))
+        accelerator.save_state(str(partial), safe_serialization=safe_serialization)
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if write_model_files is not None:

@@ -9,6 +9,7 @@ the gate schedule. The checks of the data flags that depend on the task are the 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Any
 
@@ -31,6 +32,7 @@ COUNT_FLAGS = (
     "gradient_accumulation_steps",
     "num_train_epochs",
     "logging_steps",
+    "max_seq_length",
 )
 OPTIONAL_COUNT_FLAGS = (
     "max_train_steps",
@@ -41,7 +43,10 @@ OPTIONAL_COUNT_FLAGS = (
     "train_stride",
     "max_train_samples",
     "max_eval_samples",
+    "checkpoints_total_limit",
 )
+# Flags that take a rate or a factor: a finite number, at least 0 (--max_grad_norm 0 turns clipping off).
+NON_NEGATIVE_FLAGS = ("learning_rate", "scorer_learning_rate", "min_learning_rate", "weight_decay", "max_grad_norm")
 
 
 def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -58,6 +63,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         raise RecipeError("Give either --dataset_name or local data (--train_file / --train_dir), not both.")
     _check_model_source(args)
     _check_numbers(args)
+    _check_rates(args)
     _check_training_state(args)
     _check_patch(args)
     _check_gate_schedule(args)
@@ -91,13 +97,10 @@ def _check_numbers(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise RecipeError(f"--{name} must be at least 1, got {value}.")
-    if args.num_warmup_steps < 0:
-        raise RecipeError(f"--num_warmup_steps must be >= 0, got {args.num_warmup_steps}.")
-    if (args.min_learning_rate is None) != (args.lr_scheduler_type != "cosine_with_min_lr"):
-        raise RecipeError(
-            "--lr_scheduler_type cosine_with_min_lr needs --min_learning_rate (the rate it decays to), and "
-            f"--min_learning_rate needs that scheduler (got {args.lr_scheduler_type})."
-        )
+    for name in ("num_warmup_steps", "preprocessing_num_workers"):  # 0 workers: datasets' map in this process
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            raise RecipeError(f"--{name} must be >= 0, got {value}.")
     for name in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(args, name) < 1:
             raise RecipeError(f"--{name} must be in [0, 1), got {getattr(args, name)}.")
@@ -109,6 +112,31 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise RecipeError("--validation_split_percentage must be between 1 and 99.")
     if args.validation_split_seed is not None and not 0 <= args.validation_split_seed < 2**32:
         raise RecipeError(f"--validation_split_seed must be in [0, 2**32), got {args.validation_split_seed}.")
+    if not 0 <= args.seed < 2**32:  # numpy's generator takes no other seed
+        raise RecipeError(f"--seed must be in [0, 2**32), got {args.seed}.")
+
+
+def _check_rates(args: argparse.Namespace) -> None:
+    """Learning rates, weight decay and the clipping norm: finite and not negative (AdamW refuses a negative rate
+    only once the model has loaded; a negative norm would flip every gradient), and a cosine that decays to at most
+    where it starts."""
+    for name in NON_NEGATIVE_FLAGS:
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise RecipeError(f"--{name} must be a finite number >= 0, got {value}.")
+    if (args.min_learning_rate is None) != (args.lr_scheduler_type != "cosine_with_min_lr"):
+        raise RecipeError(
+            "--lr_scheduler_type cosine_with_min_lr needs --min_learning_rate (the rate it decays to), and "
+            f"--min_learning_rate needs that scheduler (got {args.lr_scheduler_type})."
+        )
+    if args.min_learning_rate is not None and not args.min_learning_rate <= args.learning_rate:
+        # The schedule scales every rate by a factor falling from 1 to min/learning_rate: above 1, it would rise.
+        raise RecipeError(
+            f"--min_learning_rate {args.min_learning_rate} is above --learning_rate {args.learning_rate}: the cosine "
+            "decays from --learning_rate to --min_learning_rate, so give a smaller one (e.g. a tenth of it)."
+        )
+    if args.min_learning_rate is not None and args.learning_rate == 0:
+        raise RecipeError("--lr_scheduler_type cosine_with_min_lr decays --learning_rate: it must be above 0.")
 
 
 def _check_training_state(args: argparse.Namespace) -> None:

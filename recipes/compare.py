@@ -34,10 +34,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from recipes.args import build_parser, parse_args, parse_values, split_own_flags
+from recipes.args import build_parser, parse_args, parse_values, public_settings, split_own_flags
 from recipes.errors import RecipeError, refuse
 from recipes.patch_flags import BASELINE, example_scorers
-from recipes.report import HISTORY_FILE, RESULTS_FILE, describe_patch, plot_evaluation_curves, read_json, scorer_section
+from recipes.report import (
+    HISTORY_FILE,
+    RESULTS_FILE,
+    describe_patch,
+    describe_training,
+    plot_evaluation_curves,
+    read_json,
+    scorer_section,
+)
 from recipes.sweep.plan import (
     MANAGED_FLAGS,
     NOT_ACCEPTED_FLAGS,
@@ -160,6 +168,7 @@ def write_comparison(plan: SweepPlan) -> None:
         f"every run, seed{'s' if several else ''} {', '.join(map(str, plan.seeds))}; model {first['model_source']}."
         "\n\n"
     )
+    header += how_trained(plan)
     table = markdown_table(plan, summary)
     notes = sweep_notes(plan)
     patched_dir = patched.runs[0].output_dir.resolve().relative_to(plan.root.resolve())
@@ -176,9 +185,18 @@ def write_comparison(plan: SweepPlan) -> None:
     title = f"{task}: evaluation {summary.metric}"
     plot_evaluation_curves(histories, summary.metric, plan.root / COMPARISON_PLOT, title)
     write_csvs(plan, summary)
-    print("\n" + table)
+    print("\n" + how_trained(plan) + table)
     print(notes)
     print(f"Wrote {plan.root / COMPARISON_TABLE}, {plan.root / COMPARISON_PLOT} and the sweep's CSV files")
+
+
+def how_trained(plan: SweepPlan) -> str:
+    """What each run of the comparison trained, on which base's weights: a list in Markdown."""
+    lines = [
+        f"* `{configuration.name}` trained {describe_training(public_settings(configuration.runs[0].args))}.\n"
+        for configuration in plan.configurations
+    ]
+    return "".join(lines) + "\n"
 
 
 def run_demo(

@@ -85,7 +85,10 @@ def load_config(args: argparse.Namespace, task: Task):
 def apply_config_overrides(config, overrides: str) -> None:
     """``--config_overrides "n_layer=8,attn_pdrop=0.1"`` onto ``config``: an item that is not key=value, a key the
     config does not have, a value of the wrong type, and a dropout probability (a numeric key with ``drop`` in its
-    name: attn_pdrop, hidden_dropout_prob, layerdrop, drop_path_rate, ...) outside [0, 1] are RecipeErrors."""
+    name: attn_pdrop, hidden_dropout_prob, layerdrop, drop_path_rate, ...) outside [0, 1] are RecipeErrors. A head
+    width the config derived from the old width and head count follows the new ones (:func:`follow_head_dim`)."""
+    derived_head_dim = _derived_head_dim(config)
+    overridden = set()
     for item in (item.strip() for item in overrides.split(",")):
         key, equals, value = (part.strip() for part in item.partition("="))
         if not (equals and key and value) or "=" in value:
@@ -109,6 +112,7 @@ def apply_config_overrides(config, overrides: str) -> None:
                 "--config_overrides sets only numbers, true/false and text; set it in a config.json and pass its "
                 "folder as --config_name."
             )
+        overridden.add(key)
         try:
             config.update_from_string(f"{key}={value}")
         except ValueError:
@@ -120,6 +124,35 @@ def apply_config_overrides(config, overrides: str) -> None:
             raise RecipeError(
                 f"--config_overrides {item!r}: a dropout probability must be in [0, 1] (0 turns the dropout off)."
             )
+    if derived_head_dim and overridden & set(HEAD_SHAPE_KEYS) and "head_dim" not in overridden:
+        follow_head_dim(config, overrides)
+
+
+# The keys a head width is derived from: hidden_size // num_attention_heads (Llama, Mistral, Qwen3, ...).
+HEAD_SHAPE_KEYS = ("hidden_size", "num_attention_heads")
+
+
+def _derived_head_dim(config) -> bool:
+    """Whether ``config`` holds a ``head_dim`` that is its width over its head count, as the configs that derive it
+    at init store it (Llama's), rather than a width of its own (Gemma's 256 over 3072 / 16)."""
+    head_dim, width, heads = (getattr(config, key, None) for key in ("head_dim", *HEAD_SHAPE_KEYS))
+    return (
+        all(isinstance(value, int) for value in (head_dim, width, heads)) and heads > 0 and head_dim == width // heads
+    )
+
+
+def follow_head_dim(config, overrides: str) -> None:
+    """``config.head_dim`` set again from the overridden width and head count: a config that derived it at init keeps
+    the old value otherwise (Llama's 128 under ``hidden_size=256,num_attention_heads=4``, where 64 is meant). A width
+    the head count does not divide is a RecipeError: no head width follows from it."""
+    width, heads = config.hidden_size, config.num_attention_heads
+    if heads < 1 or width % heads:
+        raise RecipeError(
+            f"--config_overrides {overrides!r}: hidden_size {width} is not a multiple of num_attention_heads {heads}, "
+            "so no head width follows from them: change one, or set head_dim too."
+        )
+    config.head_dim = width // heads
+    logger.info("--config_overrides: head_dim = hidden_size / num_attention_heads = %d", config.head_dim)
 
 
 def model_class_for(config, task: Task):

@@ -20,6 +20,7 @@ PEFT's adapter (the LoRA matrices and the trained scorers); its card says how to
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +39,14 @@ TORCHAO_SCHEMES: dict[str, tuple[str, dict[str, Any]]] = {
     "int4_weight_only": ("IntxWeightOnlyConfig", {"weight_dtype": torch.int4}),
     "int8_dynamic": ("Int8DynamicActivationInt8WeightConfig", {}),
 }
+# Schemes that quantize the activations too: their layers pass no gradient to their input, so nothing before them
+# trains (check_args refuses them; the library loads, patches and serves them).
+INFERENCE_ONLY_SCHEMES = ("int8_dynamic",)
 DEFAULT_LORA_TARGETS = "all-linear"
+# A training-state checkpoint's torchao-quantized weights, beside accelerate's model.safetensors
+# (set_aside_torchao_weights).
+TORCHAO_WEIGHTS_STEM = "torchao_weights"
+TORCHAO_WEIGHTS = f"{TORCHAO_WEIGHTS_STEM}.safetensors"
 # The settings that shape the base and what trains: a resumed run must share them (recipes.training.resume_settings).
 QLORA_SETTINGS = (
     "load_in_4bit",
@@ -76,7 +84,8 @@ def declare_flags(add: Callable[..., Any]) -> None:
         type=str,
         default=None,
         choices=tuple(TORCHAO_SCHEMES),
-        help="Load the pretrained base quantized by torchao with this scheme (its nn.Linear layers).",
+        help="Load the pretrained base quantized by torchao with this scheme (its nn.Linear layers). int8_dynamic "
+        "quantizes the activations too, which passes no gradient: refused for training (an inference scheme).",
     )
     add("--lora_r", type=int, default=None, help="Train LoRA adapters of this rank beside the scorers (QLoRA).")
     add("--lora_alpha", type=int, default=None, help="LoRA scaling alpha (default: 2 x --lora_r).")
@@ -126,6 +135,14 @@ def check_args(args: argparse.Namespace) -> None:
             raise RecipeError(
                 "--lora_r trains LoRA adapters beside the scorers, --train_only_new_params the scorers alone: give one."
             )
+    if args.torchao in INFERENCE_ONLY_SCHEMES:
+        raise RecipeError(
+            f"--torchao {args.torchao} cannot train: torchao quantizes the activations of its layers at every call, "
+            "and that quantization passes no gradient back, so nothing before a quantized layer learns (the scorers "
+            "and the LoRA adapters of earlier layers get none; --train_only_new_params fails at the first step). "
+            "Train with --torchao int8_weight_only or int4_weight_only; int8 dynamic quantization is for inference "
+            "(docs/qlora.md)."
+        )
     if quantizes(args):
         if not args.model_name_or_path:
             raise RecipeError(
@@ -138,6 +155,21 @@ def check_args(args: argparse.Namespace) -> None:
                 "take no gradient): add --lora_r 16 (QLoRA: LoRA adapters and the scorers train) or "
                 "--train_only_new_params (the scorers train)."
             )
+
+
+def check_baseline(flags: dict[str, Any]) -> None:
+    """The unpatched baseline of a run with ``flags`` (``recipes.compare``'s, a sweep's ``baseline: true``) has
+    something to train: a scorer-only run on a quantized base trains the scorers alone, and without them the quantized
+    base has nothing that takes a gradient."""
+    args = argparse.Namespace(**{"load_in_4bit": False, "load_in_8bit": False, "torchao": None, **flags})
+    if quantizes(args) and flags.get("train_only_new_params") and flags.get("lora_r") is None:
+        flag = quantization_flag(args)
+        raise RecipeError(
+            f"--{flag} --train_only_new_params trains the scorers alone, and its unpatched baseline (--scorer none) "
+            "would have nothing to train: no scorers, and quantized weights that take no gradient. Compare QLoRA runs "
+            f"instead, --{flag} --lora_r 16 in place of --train_only_new_params (LoRA trains in both runs, the "
+            f"scorers too in the patched one), or scorer-only runs on the full-precision base (drop --{flag.split()[0]})."
+        )
 
 
 def quantization_flag(args: argparse.Namespace) -> str:
@@ -257,6 +289,47 @@ def resume_load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     ``--model_name_or_path`` quantized the same way, so what it restores is unchanged; what trained (LoRA, the scorers)
     loads as usual."""
     return {"strict": False} if quantizes(args) else {}
+
+
+def set_aside_torchao_weights(models: list, weights: list[dict[str, Any]], output_dir: str) -> None:
+    """``accelerator.save_state`` pre-hook: move the torchao-quantized weights out of each model's state dict into
+    :data:`TORCHAO_WEIGHTS` (``model_1`` and on: ``torchao_weights_1.safetensors``) in ``output_dir``, in torchao's own
+    safetensors layout, the one transformers' ``save_pretrained`` writes for a torchao model: each weight's plain
+    tensors (``<module>._weight_qdata``, ``..._scale``) and, in the file's metadata, what rebuilds it
+    (``torchao.prototype.safetensors.unflatten_tensor_state_dict``).
+
+    A torchao weight is a tensor subclass without a storage of its own, and Accelerate's safetensors writer asks every
+    tensor for its storage to find shared ones ("Attempted to access the data pointer on an invalid python storage"),
+    so the model's weights file holds everything else (:func:`safetensors_checkpoints`). A resumed run loads the frozen
+    base quantized again from ``--model_name_or_path`` and restores what trained (:func:`resume_load_kwargs`); this
+    file keeps the checkpoint a whole model."""
+    from accelerate import PartialState
+
+    for index, state in enumerate(weights):
+        quantized = {name: tensor for name, tensor in state.items() if _is_torchao_tensor(tensor)}
+        if not quantized:
+            continue
+        for name in quantized:
+            del state[name]
+        if PartialState().is_main_process:
+            from safetensors.torch import save_file
+            from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+
+            tensors, metadata = flatten_tensor_state_dict(quantized)
+            suffix = f"_{index}" if index else ""
+            save_file(tensors, os.path.join(output_dir, f"{TORCHAO_WEIGHTS_STEM}{suffix}.safetensors"), metadata)
+
+
+def safetensors_checkpoints(args: argparse.Namespace) -> bool:
+    """Whether a run's checkpoints hold the model's weights in ``model.safetensors`` (else ``pytorch_model.bin``): not
+    over a torchao base. safetensors' loader, which ``accelerator.load_state`` reads that file with, looks for shared
+    storage among the model's own tensors, and a torchao weight has no storage to look at; torch's loader does not
+    look. The torchao weights themselves go to :data:`TORCHAO_WEIGHTS` either way (:func:`set_aside_torchao_weights`)."""
+    return not args.torchao
+
+
+def _is_torchao_tensor(tensor) -> bool:
+    return isinstance(tensor, torch.Tensor) and type(tensor).__module__.split(".", 1)[0] == "torchao"
 
 
 def add_lora(model, args: argparse.Namespace, new_parameters: set[str]):

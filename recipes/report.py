@@ -382,6 +382,17 @@ def _trained_rows(settings: dict[str, Any]) -> str:
     return rows + f"| trained | {trained} |\n"
 
 
+def describe_training(settings: dict[str, Any]) -> str:
+    """What a run with ``settings`` trained and on which base's weights, in words (``recipes.compare``'s header)."""
+    lora = qlora.describe_lora(settings)
+    patched = settings.get("scorer", BASELINE) != BASELINE
+    if lora:
+        trained = f"LoRA adapters ({lora})" + (" and the new parameters" if patched else "")
+    else:
+        trained = "the new parameters only" if settings.get("train_only_new_params") else "all parameters"
+    return f"{trained}; base weights {qlora.describe_quantization(settings) or 'in full precision'}"
+
+
 def _training_rows(results: dict[str, Any], task: Task) -> str:
     """The card's training table: the budget, the optimisation settings, and the task's own rows."""
     settings = results["settings"]

@@ -122,6 +122,7 @@ def reseed(seed: int, micro_step: int) -> None:
     np.random.seed(value)
     torch.manual_seed(value)
 
+
 def tracker_config(settings: dict[str, Any]) -> dict[str, Any]:
     """TensorBoard hparams take scalars and strings only."""
     return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in settings.items()}
@@ -338,7 +339,15 @@ def save_checkpoint(state: TrainingRun, name: str) -> None:
     progress.pending_loss = accelerator.gather(state.running[None]).sum(0).tolist()
     progress.runtime_s = time.time() - state.started
     model_files = functools.partial(write_model_files, accelerator.unwrap_model(state.model), state.preprocessor)
-    checkpointing.save_checkpoint(accelerator, state.args.output_dir, name, progress, model_files)
+    checkpointing.save_checkpoint(
+        accelerator,
+        state.args.output_dir,
+        name,
+        progress,
+        model_files,
+        state_hooks=(qlora.set_aside_torchao_weights,),
+        safe_serialization=qlora.safetensors_checkpoints(state.args),
+    )
     if accelerator.is_main_process:
         checkpointing.prune_checkpoints(state.args.output_dir, state.args.checkpoints_total_limit)
     accelerator.wait_for_everyone()
@@ -451,6 +460,7 @@ def train(state: TrainingRun) -> TrainingRun:
     state.runtime_s = time.time() - state.started
     state.peak_memory = state.memory.read()
     return state
+
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """One fine-tuning run, end to end: setup, train, write the outputs."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recipes import modeling
+from recipes import modeling, qlora
 from recipes.args import build_parser, given_flags, parse_values, public_settings
 from recipes.config_files import check_config_values
 from recipes.errors import RecipeError
@@ -358,7 +358,9 @@ def patch_only_flags() -> set[str]:
 
 
 def baseline_flags(flags: dict[str, Any]) -> dict[str, Any]:
-    """A configuration's baseline: the same flags unpatched, ``--scorer none``."""
+    """A configuration's baseline: the same flags unpatched, ``--scorer none``; a configuration whose baseline would
+    train nothing (scorers alone on a quantized base) is a RecipeError."""
+    qlora.check_baseline(flags)
     base = {key: value for key, value in flags.items() if key not in patch_only_flags()}
     base["scorer"] = BASELINE
     return base
@@ -574,7 +576,10 @@ def paired_baseline(
 ) -> str:
     """The name of ``configuration``'s baseline: the same flags unpatched, shared with the configurations whose
     baseline has the same settings, else added to ``baselines`` (named after the axis values it keeps)."""
-    unpatched = baseline_flags(configuration.flags)
+    try:
+        unpatched = baseline_flags(configuration.flags)
+    except RecipeError as error:
+        raise RecipeError(f"Run {configuration.name!r} of {plan.source}: {error}") from error
     base_key = settings_key(parse_run(plan, unpatched, f"baseline of {configuration.name}"))
     existing = next((b for b in baselines if by_settings.get(base_key) == b.name), None)
     if existing is not None:

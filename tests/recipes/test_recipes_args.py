@@ -228,3 +228,79 @@ def test_a_bad_config_override_is_one_line_with_exit_code_2_before_training(main
     assert len(error) == 1 and error[0].startswith(f"{prog}: error: ")
     assert re.search(BAD_OVERRIDES[overrides], error[0]), error[0]
     assert not out.exists()
+
+
+# Rates, their schedule and the other numbers a run takes that were unchecked until they failed (or did not) after the
+# model had loaded: (flags, the message, a regular expression).
+BAD_NUMBERS = {
+    # The cosine would rise to 100x the rate asked for.
+    "minimum above the rate": (
+        ["--learning_rate", "1e-4", "--lr_scheduler_type", "cosine_with_min_lr", "--min_learning_rate", "1e-2"],
+        r"--min_learning_rate 0.01 is above --learning_rate 0.0001",
+    ),
+    # One step, then a rate of 0.
+    "negative minimum": (
+        ["--lr_scheduler_type", "cosine_with_min_lr", "--min_learning_rate=-1e-4"],
+        r"--min_learning_rate must be a finite number >= 0, got -0.0001",
+    ),
+    # AdamW refused it only once the model had loaded.
+    "negative rate": (["--learning_rate=-1e-4"], r"--learning_rate must be a finite number >= 0, got -0.0001"),
+    "rate that is not a number": (["--learning_rate", "nan"], r"--learning_rate must be a finite number >= 0"),
+    "negative scorer rate": (["--scorer_learning_rate", "-1"], r"--scorer_learning_rate must be a finite number"),
+    "cosine from a rate of 0": (
+        ["--learning_rate", "0", "--lr_scheduler_type", "cosine_with_min_lr", "--min_learning_rate", "0"],
+        r"cosine_with_min_lr decays --learning_rate: it must be above 0",
+    ),
+    "negative weight decay": (["--weight_decay", "-0.1"], r"--weight_decay must be a finite number >= 0"),
+    # A negative clipping norm would turn every gradient around.
+    "negative clipping norm": (["--max_grad_norm", "-1"], r"--max_grad_norm must be a finite number >= 0"),
+    "negative seed": (["--seed", "-1"], r"--seed must be in \[0, 2\*\*32\), got -1"),
+    "no checkpoints kept": (["--checkpoints_total_limit", "0"], r"--checkpoints_total_limit must be at least 1"),
+    "negative workers": (["--preprocessing_num_workers", "-2"], r"--preprocessing_num_workers must be >= 0"),
+    "no tokens per example": (["--max_seq_length", "0"], r"--max_seq_length must be at least 1, got 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_NUMBERS))
+def test_bad_rates_and_numbers_are_refused_naming_the_flag_before_anything_loads(assets, tmp_path, case, capsys):
+    flags, message = BAD_NUMBERS[case]
+    out = tmp_path / "run"
+    assert finetune_main([*clm_flags(assets, *flags), "--output_dir", str(out)]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("finetune.py: error: ")
+    assert re.search(message, error[0]), error[0]
+    assert not out.exists()
+
+
+def test_a_minimum_rate_at_or_below_the_rate_is_taken():
+    flags = ["--learning_rate", "1e-3", "--lr_scheduler_type", "cosine_with_min_lr"]
+    for minimum in ("1e-3", "1e-4", "0"):
+        assert parse_args([*flags, "--min_learning_rate", minimum]).min_learning_rate == float(minimum)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "head_dim"),
+    [
+        # Llama stores head_dim = hidden_size // num_attention_heads (4096 // 32 = 128) when its config is made.
+        ("llama", "hidden_size=256,num_attention_heads=4", 64),
+        ("llama", "num_attention_heads=8,hidden_size=256,num_hidden_layers=1", 32),
+        ("llama", "hidden_size=256,num_attention_heads=4,head_dim=16", 16),  # given: kept
+        ("llama", "num_hidden_layers=1", 128),  # neither overridden: kept
+        ("gemma", "hidden_size=256,num_attention_heads=4", 256),  # Gemma's own 256, not 3072 // 16: kept
+    ],
+)
+def test_a_head_width_the_config_derived_follows_the_overridden_width_and_heads(model_type, overrides, head_dim):
+    from recipes.modeling import load_config
+    from recipes.tasks import get_task
+
+    args = parse_args(["--task", "clm", "--model_type", model_type, "--config_overrides", overrides])
+    assert load_config(args, get_task("clm")).head_dim == head_dim
+
+
+def test_an_overridden_width_the_heads_do_not_divide_is_refused_when_the_head_width_follows_from_them():
+    from recipes.modeling import load_config
+    from recipes.tasks import get_task
+
+    args = parse_args(["--task", "clm", "--model_type", "llama", "--config_overrides", "hidden_size=250"])
+    with pytest.raises(RecipeError, match="hidden_size 250 is not a multiple of num_attention_heads 32.*set head_dim"):
+        load_config(args, get_task("clm"))

@@ -53,6 +53,11 @@ def test_compare_runs_baseline_and_patched_on_the_same_budget(compared):
     assert "| `baseline` | scorer=none | 0 |" in table and "| `qana` | scorer=qana |" in table
     assert "Δ perplexity vs baseline" in table and (out / COMPARISON_PLOT).is_file()
     assert "| `baseline` |" in compared.printed
+    trained = (
+        "* `baseline` trained all parameters; base weights in full precision.\n"
+        "* `qana` trained all parameters; base weights in full precision.\n"
+    )
+    assert trained in table and trained in compared.printed
     for name in ("baseline", "qana"):
         assert (out / name / "all_results.json").is_file()
     # Same data, seed and budget; QANA is function-preserving, so both start from the same perplexity.
@@ -140,3 +145,43 @@ def test_a_bad_flag_is_an_error_of_compare(argv, message, capsys):
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert f"compare.py: error: {message}" in error and "finetune.py" not in error
+
+
+def quantized_comparison_flags(tmp_path, *extra: str) -> list[str]:
+    """A comparison's flags on a quantized pretrained base (planning the comparison reads its config; nothing trains)."""
+    from recipes_helpers import save_tiny_llama
+
+    model, text = save_tiny_llama(tmp_path / "llama"), tmp_path / "train.txt"
+    text.write_text("unused\n")
+    return ["--model_name_or_path", str(model), "--train_file", str(text), "--task", "clm", "--scorer", "qana"] + [
+        *extra,
+        *("--max_train_steps", "4", "--output_dir", str(tmp_path / "out")),
+    ]
+
+
+def test_a_qlora_comparison_says_how_both_runs_trained(tmp_path):
+    from recipes.compare import comparison_plan, how_trained
+
+    args = parse_args(quantized_comparison_flags(tmp_path, "--load_in_4bit", "--lora_r", "4"))
+    lora = "LoRA adapters (r=4, alpha=8, dropout=0.05, on all-linear)"
+    base = "base weights bitsandbytes 4-bit NF4, matmuls in float32"
+    assert how_trained(comparison_plan(args)) == (
+        f"* `baseline` trained {lora}; {base}.\n* `qana` trained {lora} and the new parameters; {base}.\n\n"
+    )
+
+
+@pytest.mark.parametrize("quantization", [["--load_in_4bit"], ["--torchao", "int8_weight_only"]])
+def test_a_scorer_only_comparison_on_a_quantized_base_is_refused_for_its_baseline_naming_what_to_do(
+    tmp_path, capsys, quantization
+):
+    """Its baseline (--scorer none) would have nothing to train; the message names the flags given and the way out,
+    rather than asking for --train_only_new_params, which was given."""
+    flag = " ".join(quantization)
+    flags = quantized_comparison_flags(tmp_path, *quantization, "--train_only_new_params")
+    capsys.readouterr()  # what saving the model printed
+    assert main(flags) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith(f"compare.py: error: {flag} --train_only_new_params trains the ")
+    assert "baseline (--scorer none) would have nothing to train" in error[0]
+    assert f"{flag} --lora_r 16 in place of --train_only_new_params" in error[0]
+    assert not (tmp_path / "out").exists()

@@ -20,7 +20,7 @@ from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fix
 )
 
 import hf_neural_attn
-from recipes import report
+from recipes import qlora, report
 from recipes.args import parse_args
 from recipes.errors import RecipeError
 from recipes.outputs import write_outputs
@@ -146,6 +146,49 @@ def test_a_qlora_run_resumes_from_its_checkpoint_to_the_uninterrupted_result(ass
     assert resumed["perplexity"] == whole["perplexity"]
 
 
+TORCHAO_TRAINING = [("int8_weight_only", ["--train_only_new_params"]), ("int4_weight_only", ["--lora_r", "4"])]
+
+
+@pytest.mark.parametrize(
+    "scheme, training", TORCHAO_TRAINING, ids=[" ".join([scheme, *flags]) for scheme, flags in TORCHAO_TRAINING]
+)
+def test_a_torchao_run_checkpoints_its_quantized_base_and_resumes_to_the_uninterrupted_result(
+    assets, tmp_path, scheme, training
+):
+    """torchao's weights are tensor subclasses without a storage, which Accelerate's safetensors writer cannot take:
+    the checkpoint holds them in torchao's own safetensors layout beside the rest, and the resumed run reloads the
+    frozen base and restores what trained."""
+    import shutil
+
+    from quantization_helpers import SCHEME
+    from recipes_helpers import finetune_in_process
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+    from transformers import LlamaForCausalLM
+
+    flags = [
+        *clm_flags(assets, "--scorer", "neural", "--torchao", scheme, *training, "--checkpointing_steps", "2"),
+        *("--model_name_or_path", str(assets["llama"]), "--attention_map_layer", "none"),
+    ]
+    whole = finetune_in_process(tmp_path / "whole", *flags)
+    checkpoint = tmp_path / "whole" / "step_2"
+    assert not list((tmp_path / "whole").glob(".*.partial"))
+    saved = checkpoint / qlora.TORCHAO_WEIGHTS
+    with safe_open(saved, "pt") as handle:
+        quantized, left = unflatten_tensor_state_dict(load_file(saved), handle.metadata())
+    assert quantized and not left
+    fresh = LlamaForCausalLM.from_pretrained(
+        assets["llama"], quantization_config=SCHEME["torchao-" + scheme.replace("_", "-")].config()
+    )
+    for name, tensor in quantized_tensors(fresh).items():
+        saved_name = name if "--lora_r" not in training else f"base_model.model.{name[:-7]}.base_layer.weight"
+        assert torch.equal(quantized[saved_name].dequantize(), tensor), name
+    shutil.copytree(checkpoint, tmp_path / "resumed" / "step_2")
+    resumed = finetune_in_process(tmp_path / "resumed", *flags, "--resume_from_checkpoint", "latest")
+    assert resumed["perplexity"] == whole["perplexity"]
+
+
 def test_the_qlora_baseline_is_lora_on_the_quantized_unpatched_base(assets, tmp_path):
     from recipes_helpers import finetune_in_process
 
@@ -167,6 +210,10 @@ REFUSED = [
     (["--lora_alpha", "32"], "--lora_alpha sets up LoRA: add --lora_r"),
     (["--lora_r", "4", "--train_only_new_params"], "give one"),
     (["--lora_r", "0"], "--lora_r and --lora_alpha must be at least 1"),
+    # Its activation quantization passes no gradient: LoRA would train only behind the last quantized layers (exit 0),
+    # the scorers alone would die at the first step.
+    (["--torchao", "int8_dynamic", "--lora_r", "4"], "--torchao int8_dynamic cannot train: .* no gradient"),
+    (["--torchao", "int8_dynamic", "--train_only_new_params"], "--torchao int8_dynamic cannot train"),
 ]
 
 
@@ -184,5 +231,7 @@ def test_quantizing_a_model_built_from_scratch_is_refused(assets):
 def test_torchao_on_a_model_without_linear_projections_is_refused_not_trained_in_float(assets, tmp_path):
     """torchao quantizes nn.Linear layers; GPT-2's projections are Conv1D, so nothing would be quantized."""
     flags = clm_flags(assets, "--scorer", "qana", "--torchao", "int8_weight_only", "--train_only_new_params")
-    with pytest.raises(RecipeError, match="quantized no layer of GPT2ForCausalLM|quantized no layer of GPT2LMHeadModel"):
+    with pytest.raises(
+        RecipeError, match="quantized no layer of GPT2ForCausalLM|quantized no layer of GPT2LMHeadModel"
+    ):
         setup(parse_args([*flags, "--output_dir", str(tmp_path)]))

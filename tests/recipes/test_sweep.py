@@ -110,6 +110,10 @@ def bad_configs(assets, tmp_path):
         "sweeping the seed": ({"base": base, "axes": {"seed": [1, 2]}}, "cannot be swept"),
         "uploading": ({"base": {**base, "push_to_hub": True}}, "push_to_hub cannot be set in a sweep"),
         "a baseline of a baseline": ({"base": {**base, "scorer": "none", "h": None}, "baseline": True}, "a baseline"),
+        "a baseline with nothing to train": (
+            {"base": {**base, "load_in_4bit": True, "train_only_new_params": True}, "baseline": True},
+            r"Run 'base' of .*: --load_in_4bit --train_only_new_params trains the scorers alone, and its unpatched",
+        ),
         "reduced that names an unknown axis": (
             {"base": base, "axes": {"h": [2]}, "reduced": {"axes": {"d": [1]}}},
             "reduced.axes names 'd'",
