@@ -5,7 +5,7 @@ A checkpoint ``<output_dir>/step_<N>`` (or ``epoch_<N>``) holds what ``accelerat
 progress and the loss and evaluation history, so a resumed run continues the same curves. Its ``model_files/``
 holds the model's config and preprocessor, what ``python -m recipes.export`` rebuilds the model from around the
 checkpoint's weights (a training-state folder is not a model checkpoint: ``save_state`` writes the weights in the
-backend's own layout, without a config).
+backend's own layout, without a config), and its ``README.md`` says so, with how to export and load the model.
 
 Every process writes into a hidden temporary folder ``.<name>.partial``; only when all of them are done
 does the main process write ``trainer_state.json`` last and rename the folder to its final name (an atomic
@@ -68,9 +68,10 @@ def save_checkpoint(
 ) -> Path:
     """Save the full training state as ``output_dir/name``, atomically. Called by every process;
     ``write_model_files(folder)`` (the main process's) writes the model's config and preprocessor into
-    :data:`MODEL_FILES`. ``state_hooks``: more ``accelerator.save_state`` pre-hooks, run after
-    :func:`drop_tied_weights` on the state dicts about to be saved (``recipes.qlora.set_aside_torchao_weights``);
-    ``safe_serialization=False``: the model's weights in ``pytorch_model.bin`` rather than ``model.safetensors``."""
+    :data:`MODEL_FILES` and the checkpoint's README.md beside it. ``state_hooks``: more ``accelerator.save_state``
+    pre-hooks, run after :func:`drop_tied_weights` on the state dicts about to be saved
+    (``recipes.qlora.set_aside_torchao_weights``); ``safe_serialization=False``: the model's weights in
+    ``pytorch_model.bin`` rather than ``model.safetensors``."""
     output_dir = Path(output_dir)
     final = output_dir / name
     partial = output_dir / f".{name}.partial"

@@ -5,8 +5,17 @@
 A recipe's ``step_N`` / ``epoch_N`` folder is what ``accelerator.save_state`` writes to resume training: the weights
 in the layout of the run's backend, with the optimizer, scheduler and random states, and no model config. The recipe
 saves the model's config and preprocessor beside them (``model_files/``, see :mod:`recipes.checkpointing`). This
-builds the model from those, loads the checkpoint's weights into it and saves it with its preprocessor: a folder that
-``hf_neural_attn.from_pretrained`` loads patched (a patched run's) and transformers loads as any model (a baseline's).
+writes the model of the checkpoint as the run writes its final one, with its preprocessor and a README.md saying how
+to load it:
+
+* a full checkpoint, the model built from the config with the checkpoint's weights loaded and saved: a folder that
+  ``hf_neural_attn.from_pretrained`` loads patched (a patched run's) and transformers loads as any model (a
+  baseline's);
+* of a run on a quantized base that trained the scorers alone (``--train_only_new_params``), a full checkpoint whose
+  base stays quantized: the config with its ``quantization_config`` and the checkpoint's weights as they are (the
+  quantized ones in the layout ``save_pretrained`` writes), checked by loading the model from them;
+* of a LoRA run (``--lora_r``), PEFT's adapter: the model's skeleton (meta device) wrapped by PEFT as the run wrapped
+  it, from the ``--lora_*`` settings in ``trainer_state.json``, and the adapter's weights taken from the checkpoint.
 
 The weights, by backend: ``model.safetensors`` (one process, or DDP, whose wrapper prefixes ``module.``), DeepSpeed's
 partitioned files (gathered by DeepSpeed's own ``zero_to_fp32`` functions, as its ``zero_to_fp32.py`` script beside
@@ -24,21 +33,30 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from recipes.checkpointing import MODEL_FILES, STATE_FILE
+from recipes import qlora, report
+from recipes.checkpointing import MODEL_FILES, STATE_FILE, read_progress
 from recipes.errors import RecipeError, refuse
+from recipes.modeling import model_class_for, patch_record_of
+from recipes.report import CARD_FILE
+from recipes.tasks import get_task
 
 DEEPSPEED_TAG_FILE = "latest"  # DeepSpeed's checkpoint: names the subfolder (tag) holding the partitioned states
 FSDP_FULL_WEIGHTS = "pytorch_model_fsdp.bin"  # FSDP's FULL_STATE_DICT, as accelerate's save_state writes it
 FSDP_SHARDED_WEIGHTS = "pytorch_model_fsdp_0"
 WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")  # save_state's own, with and without safetensors
+PEFT_MODEL_CLASS = "PeftModel"  # what LoRA checkpoints' config.json named before the recipe recorded the model's class
+PEFT_PREFIX = "base_model.model."  # PEFT's wrapper's prefix of the transformers model's names
+MODULES_TO_SAVE = ".modules_to_save."  # PEFT's name of the trained copy of a module in modules_to_save
+LORA_FLAGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
 
 
 def export_checkpoint(checkpoint: str | os.PathLike, target: str | os.PathLike, model_files=None) -> Path:
     """Save the model of ``checkpoint`` (a recipe's ``step_N`` folder) with its preprocessor into ``target`` (a new or
-    empty folder). ``model_files``: the folder holding its config.json and preprocessor, ``checkpoint/model_files``
-    unless given (checkpoints written before the recipe saved them: the run's ``--output_dir`` once the run has
-    finished). Returns ``target``."""
-    import torch
+    empty folder), as the kind of folder the run's final output is: PEFT's adapter for a LoRA run, a full checkpoint
+    (its base weights quantized as the run loaded them, if it did) otherwise. ``model_files``: the folder holding its
+    config.json and preprocessor, ``checkpoint/model_files`` unless given (checkpoints written before the recipe saved
+    them: the run's ``--output_dir`` once the run has finished). Returns ``target``; a failed export leaves no
+    ``target`` behind."""
     import transformers
     from transformers import AutoConfig
 
@@ -59,23 +77,125 @@ def export_checkpoint(checkpoint: str | os.PathLike, target: str | os.PathLike, 
         )
     if target.exists() and any(target.iterdir()):
         raise RecipeError(f"{target} is not empty; export into a new folder.")
+    settings = read_progress(checkpoint).settings
+    task = get_task(settings["task"])  # recorded by every run since the recipes began
     state = read_weights(checkpoint)
     config = AutoConfig.from_pretrained(files)
-    model_class = getattr(transformers, (config.architectures or [""])[0], None)
+    model_class = _model_class(config, task, files)
+    if settings.get("lora_r") is not None:
+        write = _write_adapter
+    elif getattr(config, "quantization_config", None) is not None:
+        write = _write_quantized
+    else:
+        write = _write_full
+    staging = target.parent / f".{target.name}.partial"  # renamed into place once complete
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        # The preprocessor alone (--model_files may be a finished run's --output_dir, holding much else).
+        getattr(transformers, task.preprocessor_class).from_pretrained(files).save_pretrained(staging)
+        misfit = f"The weights of {checkpoint} do not fit the model of {files}/config.json"
+        write(staging, model_class, config, settings, state, misfit)
+        patch = patch_record_of(config, source=str(files))
+        card = report.checkpoint_card(settings, model_class.__name__, patch, checkpoint.name, exported=True)
+        (staging / CARD_FILE).write_text(card)
+        os.replace(staging, target)  # onto an empty target folder too
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _model_class(config, task, files: Path):
+    """The transformers class of the checkpoint's model: its config's, or (LoRA checkpoints written before the recipe
+    recorded the class inside PEFT's wrapper, whose config names ``PeftModel``) the run's ``task``'s for its model
+    type."""
+    import transformers
+
+    name = (config.architectures or [""])[0]
+    if name == PEFT_MODEL_CLASS:
+        return model_class_for(config, task)
+    model_class = getattr(transformers, name, None)
     if model_class is None:
-        raise RecipeError(f"{files}/config.json names no transformers model class (architectures).")
+        raise RecipeError(f"{files}/config.json names no transformers model class (architectures: {name!r}).")
+    return model_class
+
+
+def _write_full(folder: Path, model_class, config, settings, state: dict[str, Any], misfit: str) -> None:
+    """The model built from ``config``, ``state`` loaded into it, saved with ``save_pretrained``."""
+    import torch
+
     with torch.random.fork_rng(devices=[]):
         model = model_class(config)  # a patched config builds the patched model (fresh scorers, loaded next)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [name for name in missing if name not in (getattr(model, "all_tied_weights_keys", None) or {})]
-    if missing or unexpected:
-        raise RecipeError(
-            f"The weights of {checkpoint} do not fit the model of {files}/config.json: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}. The model files come from another run."
+    expected = model.state_dict()
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    _check_fit(
+        misfit,
+        missing=[name for name in expected if name not in state and name not in tied],
+        unexpected=[name for name in state if name not in expected],
+        other_shapes=[
+            name for name, tensor in state.items() if name in expected and tensor.shape != expected[name].shape
+        ],
+    )
+    model.load_state_dict(state, strict=False)
+    model.save_pretrained(folder)
+
+
+def _write_quantized(folder: Path, model_class, config, settings, state: dict[str, Any], misfit: str) -> None:
+    """A full checkpoint of a quantized base, as ``save_pretrained`` of the run's model writes it: the config (its
+    ``quantization_config`` included) and ``state`` as it is, which holds the quantized weights in the layout
+    ``save_pretrained`` writes (bitsandbytes': each 4-bit weight packed, its quantization state beside it). The model
+    is loaded from them first, which checks that they fit; transformers cannot save a model loaded pre-quantized
+    itself (its bitsandbytes loading step has no reverse)."""
+    from safetensors.torch import save_file
+
+    try:
+        _, info = model_class.from_pretrained(None, config=config, state_dict=dict(state), output_loading_info=True)
+    except RuntimeError as error:  # tensors of other shapes
+        raise RecipeError(f"{misfit}: {str(error).splitlines()[0]}") from None
+    _check_fit(misfit, sorted(info["missing_keys"]), sorted(info["unexpected_keys"]), [])
+    config.save_pretrained(folder)
+    if model_class.can_generate():
+        from transformers import GenerationConfig
+
+        GenerationConfig.from_model_config(config).save_pretrained(folder)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _write_adapter(folder: Path, model_class, config, settings, state: dict[str, Any], misfit: str) -> None:
+    """PEFT's adapter of a LoRA run, as the run saves it: the model's skeleton (on the meta device: no weights, no
+    memory) wrapped by PEFT as the run wrapped it (``recipes.qlora.add_lora``, from the run's ``--lora_*`` settings
+    and the modules the checkpoint holds trained in full), saved by PEFT from ``state``."""
+    import argparse
+
+    import torch
+    from peft import get_peft_model_state_dict
+
+    with torch.device("meta"):
+        skeleton = model_class(config)
+    skeleton.name_or_path = settings.get("model")  # PEFT records it as the adapter's base model
+    flags = argparse.Namespace(**{flag: settings.get(flag) for flag in LORA_FLAGS})
+    in_full = {name.removeprefix(PEFT_PREFIX).split(MODULES_TO_SAVE)[0] for name in state if MODULES_TO_SAVE in name}
+    model = qlora.wrap_with_lora(skeleton, flags, in_full)
+    expected = get_peft_model_state_dict(model, save_embedding_layers=False)
+    found = get_peft_model_state_dict(model, state_dict=state, save_embedding_layers=False)
+    _check_fit(
+        misfit,
+        missing=[name for name in expected if name not in found],
+        unexpected=[name for name in found if name not in expected],
+        other_shapes=[name for name in expected if name in found and found[name].shape != expected[name].shape],
+    )
+    model.save_pretrained(folder, state_dict=state)
+
+
+def _check_fit(misfit: str, missing: list[str], unexpected: list[str], other_shapes: list[str]) -> None:
+    """Refuse weights that do not fit the model (``misfit`` says which of which), naming a few of each kind."""
+    if missing or unexpected or other_shapes:
+        found = ", ".join(
+            f"{kind} {names[:3]}{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
+            for kind, names in (("missing", missing), ("unexpected", unexpected), ("of other shapes", other_shapes))
+            if names
         )
-    shutil.copytree(files, target, dirs_exist_ok=True)  # the preprocessor; the model's own files are rewritten next
-    model.save_pretrained(target)
-    return target
+        raise RecipeError(f"{misfit}: {found}. The model files are of another run: pass --model_files this run's.")
 
 
 def read_weights(checkpoint: Path) -> dict[str, Any]:
@@ -110,8 +230,9 @@ def read_weights(checkpoint: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m recipes.export",
-        description="Save the model of a recipe's training-state checkpoint (step_N, epoch_N) as an ordinary "
-        "checkpoint: hf_neural_attn.from_pretrained loads a patched run's, transformers a baseline's.",
+        description="Save the model of a recipe's training-state checkpoint (step_N, epoch_N) as the run saves its "
+        "final one: a checkpoint hf_neural_attn.from_pretrained loads (a patched run's; transformers loads a "
+        "baseline's), PEFT's adapter for a LoRA run. Its README.md says how to load it.",
     )
     parser.add_argument("checkpoint", help="the checkpoint folder: <output_dir>/step_N or epoch_N")
     parser.add_argument("target", help="a new folder for the model and its preprocessor")

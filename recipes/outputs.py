@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import hf_neural_attn
 from recipes import harness, qlora, report, scorer_plots
 from recipes.checks import harness_tasks
 from recipes.errors import RecipeError
@@ -17,11 +18,19 @@ from recipes.run_state import TrainingRun
 logger = logging.getLogger("recipes")
 
 
-def write_model_files(unwrapped, preprocessor, folder: Path) -> None:
-    """The model's config and preprocessor in a checkpoint's ``folder``: what recipes.export rebuilds the model from."""
-    unwrapped.config.architectures = [type(unwrapped).__name__]  # as the model's save_pretrained records it
-    unwrapped.config.save_pretrained(folder)
+def write_model_files(unwrapped, preprocessor, settings: dict[str, Any], step: str, folder: Path) -> None:
+    """The model's config and preprocessor in a checkpoint's ``folder``: what recipes.export rebuilds the model from;
+    and the checkpoint's README.md beside it (``step``: the checkpoint's name; ``settings``: the run's, as its
+    trainer_state.json records them)."""
+    model = qlora.transformers_model(unwrapped)  # a LoRA run's: the transformers model inside PEFT's wrapper
+    model.config.architectures = [type(model).__name__]  # as the model's save_pretrained records it
+    model.config.save_pretrained(folder)
+    # A patched config writes a full checkpoint's card beside itself: this folder is none, its parent's card says so.
+    (folder / report.CARD_FILE).unlink(missing_ok=True)
     preprocessor.save_pretrained(folder)
+    patch = hf_neural_attn.patch_record(model) if hf_neural_attn.is_patched(model) else None
+    card = report.checkpoint_card(settings, type(model).__name__, patch, step, exported=False)
+    (folder.parent / report.CARD_FILE).write_text(card)
 
 
 def write_outputs(state: TrainingRun) -> dict[str, Any]:

@@ -338,12 +338,19 @@ def add_lora(model, args: argparse.Namespace, new_parameters: set[str]):
     asked for."""
     if args.lora_r is None:
         return model
+    return wrap_with_lora(model, args, {name.rpartition(".")[0] for name in new_parameters if "." in name})
+
+
+def wrap_with_lora(model, args: argparse.Namespace, new_modules: set[str]):
+    """``model`` wrapped by PEFT as :func:`add_lora` wraps it, with ``new_modules`` (names of modules in ``model``)
+    beside the scorers in ``modules_to_save``. ``args``: the ``--lora_*`` flags (``recipes.export`` rebuilds them from
+    a checkpoint's settings)."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise RecipeError("--lora_r needs peft: pip install 'hf-neural-attn[peft]'") from None
     to_save = hf_neural_attn.peft_modules_to_save(model) if hf_neural_attn.is_patched(model) else []
-    to_save += sorted({name.rpartition(".")[0] for name in new_parameters if "." in name} - set(to_save))
+    to_save += sorted(new_modules - set(to_save))
     targets = args.lora_target_modules
     config = LoraConfig(
         r=args.lora_r,

@@ -24,6 +24,8 @@ RESULTS_FILE = "all_results.json"
 HISTORY_FILE = "training_history.json"
 PLOT_FILE = "training_curves.png"
 CARD_FILE = "README.md"
+THIS_FOLDER = "path/to/this/folder"  # the loading code's source in a card of a local folder
+EXPORT_FOLDER = "path/to/the/export"  # ... in a checkpoint's card: the folder recipes.export writes
 # Folders and files of a run that are not part of the model repository.
 HUB_IGNORE_PATTERNS = ["step_*", "epoch_*", ".*", "runs/*", "finetune/*", "*.partial/*"]
 
@@ -311,9 +313,12 @@ def _eval_results(results: dict[str, Any], task: Task, metrics: list[str]) -> li
     return entries
 
 
-def _loading_snippet(results: dict[str, Any], task: Task, patch: hf_neural_attn.PatchRecord | None) -> str:
-    """The card's "How to load": the model (with the library where it is patched) and its preprocessor."""
-    repo = results["settings"].get("hub_model_id") or "path/to/this/folder"
+def _loading_snippet(
+    results: dict[str, Any], task: Task, patch: hf_neural_attn.PatchRecord | None, repo: str | None = None
+) -> str:
+    """The card's "How to load": the model (with the library where it is patched) and its preprocessor, from ``repo``
+    (default: the run's Hub repo, else this folder)."""
+    repo = repo or results["settings"].get("hub_model_id") or THIS_FOLDER
     processor_class, processor_name = task.preprocessor_class, task.preprocessor_noun
     if qlora.describe_lora(results["settings"]):
         return _adapter_loading_snippet(results, task, patch, repo)
@@ -354,6 +359,63 @@ def _adapter_loading_snippet(
     lines.append(f'{task.preprocessor_noun} = {task.preprocessor_class}.from_pretrained("{repo}")')
     code = "\n".join(lines)
     return f"```bash\npip install {hf_neural_attn.LIBRARY_NAME} peft\n```\n\n```python\n{code}\n```\n"
+
+
+def checkpoint_card(
+    settings: dict[str, Any], model_class: str, patch: hf_neural_attn.PatchRecord | None, step: str, exported: bool
+) -> str:
+    """The README.md of a run's training-state checkpoint ``step`` (``step_N``, ``epoch_N``): what it is, how to export
+    its model and how to load that; or, ``exported``, of the folder ``python -m recipes.export`` made of it.
+    ``settings``: the run's, as its ``trainer_state.json`` records them; ``model_class``: the transformers class."""
+    run_settings = {**settings, "model_name_or_path": settings.get("model"), "hub_model_id": None}
+    where = THIS_FOLDER if exported else EXPORT_FOLDER
+    loading = _loading_snippet(
+        {"settings": run_settings, "model_class": model_class}, get_task(settings["task"]), patch, where
+    )
+    what = export_kind(settings, patch)
+    if exported:
+        return (
+            f"# {model_class} at {step} of a recipes run\n\n`python -m recipes.export` wrote this folder from the run's "
+            f"training-state checkpoint `{step}`: {what}.\n\n## How to load\n\n{loading}"
+        )
+    quantized = (
+        ", with the quantization states of the base's weights beside them,"
+        if qlora.describe_quantization(settings)
+        else ""
+    )
+    return f"""# Training state at {step} of a recipes run
+
+This folder is a **training-state checkpoint**, not a model checkpoint: Accelerate's `save_state` wrote the model's
+weights in the training backend's own layout{quantized} and the optimizer, scheduler and random states;
+`trainer_state.json` holds the run's progress and settings. `--resume_from_checkpoint` resumes the run from it.
+`model_files/` holds the model's config and preprocessor. Neither folder loads with `from_pretrained`.
+
+## How to export its model
+
+```bash
+python -m recipes.export path/to/{step} {EXPORT_FOLDER}
+```
+
+writes {what}.
+
+## How to load the export
+
+{loading}"""
+
+
+def export_kind(settings: dict[str, Any], patch: hf_neural_attn.PatchRecord | None) -> str:
+    """What ``python -m recipes.export`` makes of a checkpoint of a run with ``settings``, in words: the kind of folder
+    the run's final output is."""
+    if qlora.describe_lora(settings):
+        return (
+            "PEFT's adapter (`adapter_config.json`, `adapter_model.safetensors`): the LoRA matrices and the modules "
+            "trained in full (the scorers, a new head), without the base's weights, as the run's final output is"
+        )
+    quantization = qlora.describe_quantization(settings)
+    kind = "a full patched checkpoint" if patch else "a full transformers checkpoint"
+    if quantization:
+        return f"{kind} whose base weights stay quantized ({quantization}), as the run's final output is"
+    return kind
 
 
 def _patch_rows(results: dict[str, Any], patch: hf_neural_attn.PatchRecord | None) -> str:

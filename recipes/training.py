@@ -338,7 +338,9 @@ def save_checkpoint(state: TrainingRun, name: str) -> None:
     accelerator, progress = state.accelerator, state.progress
     progress.pending_loss = accelerator.gather(state.running[None]).sum(0).tolist()
     progress.runtime_s = time.time() - state.started
-    model_files = functools.partial(write_model_files, accelerator.unwrap_model(state.model), state.preprocessor)
+    model_files = functools.partial(
+        write_model_files, accelerator.unwrap_model(state.model), state.preprocessor, progress.settings, name
+    )
     checkpointing.save_checkpoint(
         accelerator,
         state.args.output_dir,

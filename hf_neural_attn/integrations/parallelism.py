@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..placement.zero3 import is_partitioned
 from ..scorers import HeadLayout, Scorer
 from .internals import (
     attn_implementation_of,
@@ -314,9 +315,9 @@ def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def one_writer(tensors) -> Iterator[bool]:
     """Whether this process writes the files of a checkpoint holding ``tensors`` (gathered whole already): every
-    process that calls, unless tensor parallelism sharded some of them, when process 0 writes (every process runs the
-    same save) and the others wait for it at the end of the block."""
-    if not any(is_dtensor(tensor) for tensor in tensors):
+    process that calls, unless tensor parallelism sharded some of them or DeepSpeed ZeRO-3 partitioned them, when
+    process 0 writes (every process runs the same save) and the others wait for it at the end of the block."""
+    if not any(is_dtensor(tensor) or is_partitioned(tensor) for tensor in tensors):
         yield True
         return
     try:

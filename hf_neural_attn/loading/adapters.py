@@ -41,6 +41,7 @@ from ..integrations.internals import hub_file_or_none
 from ..integrations.parallelism import one_writer, whole_tensor
 from ..model_cards import CARD_NAME, adapter_card
 from ..patched_config import base_config
+from ..placement.zero3 import partitioned_weights_gathered
 from ..record import (
     PatchRecord,
     inner_transformers_model,
@@ -83,6 +84,9 @@ def save_adapter(
         base_model_revision: the base model's revision (branch, tag or commit) to load it at. transformers
             does not record the revision a model was loaded at, so it is recorded only when given here.
 
+    Under tensor parallelism or DeepSpeed ZeRO-3 every process calls it, as every process calls ``save_pretrained``:
+    the sharded or partitioned tensors it saves and checks are gathered (collectively), and process 0 writes.
+
     Raises:
         TypeError: ``model`` is a PEFT model or not a transformers model.
         ValueError: ``model`` is not patched, its base model is unknown, or ``save_directory`` holds a full
@@ -97,7 +101,7 @@ def save_adapter(
             f"{str(folder)!r} holds a full model checkpoint (config.json); hf_neural_attn.from_pretrained would no "
             "longer know which of the two to load. Save the adapter to a folder of its own."
         )
-    # Under tensor parallelism every process has gathered the tensors, and one writes them.
+    # Under tensor parallelism and ZeRO-3 every process has gathered the tensors, and one writes them.
     with one_writer(scorer_parameters(inner_transformers_model(model) or model).values()) as writes:
         if writes:
             _write_adapter(folder, metadata, tensors)
@@ -335,8 +339,13 @@ def _adapter_contents(
     _warn_if_base_was_trained(model, base, base_model_revision)
     parameters = scorer_parameters(model)
     disk_name = {name: candidates[0] for name, candidates in names_on_disk(model, parameters).items()}
-    # Whole tensors: a scorer tensor parallelism sharded is gathered (every process saves, as with save_pretrained).
-    tensors = {disk_name[name]: whole_tensor(p).detach().to("cpu").contiguous() for name, p in parameters.items()}
+    # Whole tensors: a scorer tensor parallelism sharded or DeepSpeed ZeRO-3 partitioned is gathered (every process
+    # saves, as with save_pretrained), and copied, since ZeRO-3 frees the gathered tensors after the block.
+    with partitioned_weights_gathered(parameters.values()):
+        tensors = {
+            disk_name[name]: whole_tensor(p).detach().to("cpu", copy=True).contiguous()
+            for name, p in parameters.items()
+        }
     metadata = {
         ADAPTER_FORMAT_KEY: ADAPTER_FORMAT_VERSION,
         "base_model_name_or_path": base,

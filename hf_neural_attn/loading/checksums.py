@@ -13,6 +13,7 @@ import torch
 from ..integrations.parallelism import whole_tensor
 from ..placement.offload import offloaded_weights_loaded
 from ..placement.quantized import is_quantized
+from ..placement.zero3 import partitioned_weights_gathered
 from ..record import scorer_parameters
 
 # At most this many elements of each base tensor go into its checksum (evenly strided): training moves every
@@ -64,11 +65,12 @@ def base_checksums(model) -> dict[str, dict[str, str]]:
 @contextmanager
 def loaded_parameter(model, name: str):
     """``model``'s parameter ``name``, loaded for the block when accelerate offloaded it (only its own module's
-    tensors, so the model never has to fit at once), whole when tensor parallelism sharded it (collective: every
-    process asks for the same names); a meta tensor where it has no values anywhere."""
+    tensors, so the model never has to fit at once), whole when tensor parallelism sharded it or DeepSpeed ZeRO-3
+    partitioned it (collective then: every process asks for the same names); a meta tensor where it has no values
+    anywhere."""
     owner_name, _, attribute = name.rpartition(".")
     owner = model.get_submodule(owner_name)
-    with offloaded_weights_loaded(owner):
+    with offloaded_weights_loaded(owner), partitioned_weights_gathered([getattr(owner, attribute)]):
         yield whole_tensor(getattr(owner, attribute))
 
 

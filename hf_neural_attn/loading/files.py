@@ -132,7 +132,10 @@ def check_not_training_state(path_or_repo_id) -> None:
     if not any(name.startswith("random_states") and name.endswith(".pkl") for name in names):
         return
     if "trainer_state.json" in names:  # a checkpoint of hf_neural_attn's recipes (recipes/checkpointing.py)
-        how = f"`python -m recipes.export {folder} <new folder>` saves its model, with its tokenizer, as one"
+        how = (
+            f"`python -m recipes.export {folder} <new folder>` saves its model with its tokenizer, as the run saves "
+            "its final one (a LoRA run's as PEFT's adapter), with a README.md that says how to load it"
+        )
     else:
         how = (
             "load it into the model it was trained from with `accelerator.load_state(folder)` and save that model "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,17 @@ def _zero3_case(rank: int, base: str, out: str, case: dict) -> None:
         engine.module.save_pretrained(f"{out}/trained", state_dict=state)
     dist.barrier()
 
+    # save_adapter on every process, as save_pretrained runs: the partitioned tensors it saves and checks are
+    # gathered, and process 0 writes. Then the trained model's logits (DeepSpeed's hooks gather each layer).
+    results["partitioned_at_save"] = all(p.numel() == 0 for p in scorer_parameters.values())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf_neural_attn.save_adapter(engine.module, f"{out}/adapter")
+    results["adapter_warnings"] = [str(warning.message) for warning in caught]
+    engine.module.eval()
+    with torch.no_grad():
+        results["trained_logits"] = engine.module(prompt).logits.tolist()
+
     # generate on the unwrapped model: DeepSpeed's hooks gather each layer's parameters, the scorers' included.
     engine.module.eval()
     engine.module.config.use_cache = True
@@ -232,3 +244,37 @@ def test_zero3_patch_train_save_reload_generate(name, zero3_runs):
     with torch.no_grad():
         expected = saved.generate(batches()[0][:1, :6], max_new_tokens=5, do_sample=False)
     assert results["generated"] == expected.tolist()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_zero3_save_adapter_gathers_what_it_saves_and_checks(name, zero3_runs):
+    """``save_adapter`` of the ZeRO-3 model (every process calls it, process 0 writes) saves the whole scorer tensors,
+    those of the consolidated checkpoint, and real checksums of the base. Where the scorers alone trained, it warns of
+    nothing and the adapter loads onto a fresh base (one process, no DeepSpeed) with the ZeRO-3 model's logits
+    (rtol 1e-5, atol 1e-5, as the logits above); where the base trained too, it says so, and loading refuses the
+    adapter on the base it was not saved on."""
+    from safetensors.torch import load_file
+
+    _, _, root = zero3_runs
+    case, case_dir = CASES[name], root / name
+    results = json.loads((case_dir / "results.json").read_text())
+    assert results["partitioned_at_save"]  # what save_adapter has to gather
+    adapter = case_dir / "adapter"
+    metadata = json.loads((adapter / "hf_neural_attn_adapter.json").read_text())
+    saved = load_file(adapter / "hf_neural_attn_adapter.safetensors")
+    consolidated = load_file(case_dir / "trained" / "model.safetensors")
+    assert saved and all(torch.equal(tensor, consolidated[tensor_name]) for tensor_name, tensor in saved.items())
+    assert metadata["num_parameters"] == sum(tensor.numel() for tensor in saved.values())
+    trained_base = [
+        message for message in results["adapter_warnings"] if "more than the scorers was trained" in message
+    ]
+    if case["only_new"]:
+        assert trained_base == []
+        loaded = hf_neural_attn.from_pretrained(adapter)
+        with torch.no_grad():
+            logits = loaded(batches()[0]).logits
+        torch.testing.assert_close(logits, torch.tensor(results["trained_logits"]), rtol=1e-5, atol=1e-5)
+    else:
+        assert trained_base
+        with pytest.raises(ValueError, match="was saved on base weights other than those of"):
+            hf_neural_attn.from_pretrained(adapter)

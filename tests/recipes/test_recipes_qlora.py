@@ -235,3 +235,90 @@ def test_torchao_on_a_model_without_linear_projections_is_refused_not_trained_in
         RecipeError, match="quantized no layer of GPT2ForCausalLM|quantized no layer of GPT2LMHeadModel"
     ):
         setup(parse_args([*flags, "--output_dir", str(tmp_path)]))
+
+
+def checkpointed_run(assets, output_dir, *flags: str):
+    """A 4-step 4-bit run of the 64-wide Llama with a checkpoint every 2 steps: (the trained model, unwrapped, in eval
+    mode; its last checkpoint, step_4, taken after the last step)."""
+    run_flags = [*clm_flags(assets, "--load_in_4bit", "--checkpointing_steps", "2", "--attention_map_layer", "none")]
+    model, _ = trained_run(output_dir, [*run_flags, *flags, "--model_name_or_path", str(assets["llama"])])
+    return model, output_dir / "step_4"
+
+
+def assert_same_tensors(file, other) -> None:
+    from safetensors.torch import load_file
+
+    tensors, others = load_file(file), load_file(other)
+    assert tensors.keys() == others.keys() and all(torch.equal(tensors[name], others[name]) for name in tensors)
+
+
+def loaded_by_the_card(folder):
+    """The model the "How to load" code of ``folder``'s README.md loads, with the recipe's 4-bit layout kept."""
+    namespace: dict = {}
+    exec(card_loading_code(folder), namespace)
+    keep_the_loaded_4_bit_layout(namespace["model"])
+    return namespace["model"].eval()
+
+
+def test_a_qlora_checkpoint_exports_to_the_adapter_the_run_saves(assets, tmp_path):
+    """The step_N of a 4-bit LoRA run says what it is (a training state, not a model) and how to export it;
+    ``python -m recipes.export`` of the last one writes what the run's final output is, PEFT's adapter, tensor for
+    tensor, and the export's card loads it onto the quantized, patched base: the trained model's logits (within
+    1e-6, as the run's own card). A checkpoint written before the recipe recorded the model's class (its config.json
+    named PeftModel) exports the same."""
+    from recipes.export import main as export
+
+    out = tmp_path / "qlora"
+    model, step = checkpointed_run(assets, out, "--scorer", "qana", "--lora_r", "4")
+    card = (step / report.CARD_FILE).read_text()
+    assert "**training-state checkpoint**, not a model checkpoint" in card
+    assert "python -m recipes.export path/to/step_4 path/to/the/export" in card and "PEFT's adapter" in card
+    assert 'PeftModel.from_pretrained(base, "path/to/the/export")' in card
+    files = step / "model_files"
+    assert json.loads((files / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert not (files / report.CARD_FILE).exists()  # no full checkpoint's card: the folder is none
+
+    assert export([str(step), str(tmp_path / "exported")]) == 0
+    exported = tmp_path / "exported"
+    names = {path.name for path in exported.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", report.CARD_FILE} <= names
+    assert "config.json" not in names  # an adapter folder, as the run's output is
+    assert_same_tensors(exported / "adapter_model.safetensors", out / "adapter_model.safetensors")
+    adapter, final = (json.loads((folder / "adapter_config.json").read_text()) for folder in (exported, out))
+    assert {**adapter, "target_modules": sorted(adapter["target_modules"])} == {
+        **final,
+        "target_modules": sorted(final["target_modules"]),
+    }
+    ids = token_ids(model)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded_by_the_card(exported)(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
+
+    config = json.loads((files / "config.json").read_text())
+    (files / "config.json").write_text(json.dumps({**config, "architectures": ["PeftModel"]}))
+    assert export([str(step), str(tmp_path / "older")]) == 0
+    assert_same_tensors(tmp_path / "older" / "adapter_model.safetensors", out / "adapter_model.safetensors")
+
+
+def test_a_4_bit_scorer_checkpoint_exports_to_the_quantized_checkpoint_the_run_saves(assets, tmp_path):
+    """``python -m recipes.export`` of the last step_N of a 4-bit run that trained the scorers alone writes what the
+    run's final output is: a full patched checkpoint whose base stays 4-bit, tensor for tensor; the export's card
+    loads it with the trained model's logits (within 1e-6). Weights that do not fit the model files are refused by
+    name, with no folder left behind."""
+    from recipes.export import main as export
+
+    out = tmp_path / "scorers"
+    model, step = checkpointed_run(assets, out, "--scorer", "neural", "--train_only_new_params")
+    assert "a full patched checkpoint whose base weights stay quantized" in (step / report.CARD_FILE).read_text()
+
+    assert export([str(step), str(tmp_path / "exported")]) == 0
+    exported = tmp_path / "exported"
+    assert_same_tensors(exported / "model.safetensors", out / "model.safetensors")
+    config = json.loads((exported / "config.json").read_text())
+    assert config["quantization_config"]["load_in_4bit"] and config == json.loads((out / "config.json").read_text())
+    ids = token_ids(model)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded_by_the_card(exported)(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
+
+    before = sorted(path.name for path in tmp_path.iterdir())
+    assert export([str(step), str(tmp_path / "misfit"), "--model_files", str(assets["llama"])]) == 2
+    assert sorted(path.name for path in tmp_path.iterdir()) == before
