@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 import hf_neural_attn
+from recipes import quiet
 from recipes.errors import RecipeError
 
 INSTALL = "pip install 'hf-neural-attn[quantization]'"
@@ -269,7 +270,10 @@ def add_lora(model, args: argparse.Namespace, new_parameters: set[str]):
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise RecipeError("--lora_r needs peft: pip install 'hf-neural-attn[peft]'") from None
-    to_save = hf_neural_attn.peft_modules_to_save(model) if hf_neural_attn.is_patched(model) else []
+    to_save = []
+    if hf_neural_attn.is_patched(model):
+        with quiet.filtered((quiet.UNPATCHED_BASE_MESSAGE,)):  # the card loads the adapter as the warning asks
+            to_save = hf_neural_attn.peft_modules_to_save(model)
     to_save += sorted({name.rpartition(".")[0] for name in new_parameters if "." in name} - set(to_save))
     targets = args.lora_target_modules
     config = LoraConfig(
@@ -280,7 +284,8 @@ def add_lora(model, args: argparse.Namespace, new_parameters: set[str]):
         modules_to_save=to_save or None,
     )
     try:
-        return get_peft_model(model, config)
+        with quiet.filtered(quiet.PEFT_MESSAGES):
+            return get_peft_model(model, config)
     except ValueError as error:  # no module matched the targets, say
         raise RecipeError(f"LoRA cannot wrap {type(model).__name__}: {error}") from error
 

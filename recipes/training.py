@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recipes import checkpointing, harness, hub, modeling, qlora, report, scorer_plots
+from recipes import checkpointing, harness, hub, modeling, qlora, quiet, report, scorer_plots
 from recipes.args import public_settings
 from recipes.checks import harness_tasks
 from recipes.errors import RecipeError
@@ -121,6 +121,7 @@ def reseed(seed: int, micro_step: int) -> None:
     random.seed(value)
     np.random.seed(value)
     torch.manual_seed(value)
+
 
 def tracker_config(settings: dict[str, Any]) -> dict[str, Any]:
     """TensorBoard hparams take scalars and strings only."""
@@ -452,6 +453,8 @@ def train(state: TrainingRun) -> TrainingRun:
     state.peak_memory = state.memory.read()
     return state
 
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """One fine-tuning run, end to end: setup, train, write the outputs."""
+    quiet.import_quietly()
     return write_outputs(train(setup(args)))
