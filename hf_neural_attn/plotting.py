@@ -43,6 +43,12 @@ MAP_EXTRA_WIDTH = 1.2  # row labels and colour bars
 MAP_EXTRA_HEIGHT = 1.0  # title and tick labels
 # Positions are labelled with their tokens up to this many; beyond, every k-th one.
 MAX_TICK_LABELS = 40
+# The token labels' font: at least MIN_LABEL_POINTS points and MIN_LABEL_PIXELS pixels high in the saved image, up to
+# MAX_LABEL_POINTS where a panel has room; every k-th position is labelled, with LABEL_SPACING label heights between.
+MIN_LABEL_POINTS = 7.0
+MIN_LABEL_PIXELS = 10.0
+MAX_LABEL_POINTS = 9.0
+LABEL_SPACING = 1.3
 
 __all__ = [
     "AttentionMaps",
@@ -266,21 +272,38 @@ def _pyplot():
     return plt
 
 
-def _label_axes(axis, labels: list[str] | None, n_query: int, n_key: int, first_column: bool, last_row: bool) -> None:
-    for count, set_ticks, set_labels, show in (
-        (n_key, axis.set_xticks, axis.set_xticklabels, last_row),
-        (n_query, axis.set_yticks, axis.set_yticklabels, first_column),
+def _label_points(dpi: int, panel_size: float, count: int) -> float:
+    """The font size of the token labels: at least MIN_LABEL_POINTS and MIN_LABEL_PIXELS at ``dpi``, larger (up to
+    MAX_LABEL_POINTS) where a panel of ``panel_size`` inches has room to label each of ``count`` positions."""
+    smallest = max(MIN_LABEL_POINTS, MIN_LABEL_PIXELS * 72 / dpi)
+    fitting = 0.8 * panel_size * 72 / (max(count, 1) * LABEL_SPACING)
+    return min(max(smallest, fitting), max(smallest, MAX_LABEL_POINTS))
+
+
+def _label_axes(
+    axis, labels: list[str] | None, counts: tuple[int, int], shown: tuple[bool, bool], points: float
+) -> None:
+    """Tick labels of one map: keys along x (``counts[0]``; shown on the last row), queries along y (shown on the first
+    column), every k-th position, k such that labels of ``points`` keep LABEL_SPACING label heights apart along the
+    axis's drawn length."""
+    box = axis.get_window_extent()
+    for count, length, set_ticks, set_labels, show in (
+        (counts[0], box.width, axis.set_xticks, axis.set_xticklabels, shown[0]),
+        (counts[1], box.height, axis.set_yticks, axis.set_yticklabels, shown[1]),
     ):
-        step = max(1, math.ceil(count / MAX_TICK_LABELS))
+        label_pixels = points * axis.figure.dpi / 72 * LABEL_SPACING
+        step = max(1, math.ceil(count / MAX_TICK_LABELS), math.ceil(count * label_pixels / max(length, 1.0)))
         positions = list(range(0, count, step))
         set_ticks(positions)
         if not show:
             set_labels([])
         elif labels is not None and len(labels) >= count:
             names = labels[-count:] if count < len(labels) else labels  # keys may outnumber queries (cache)
-            set_labels([names[p] for p in positions], fontsize=6, rotation=90 if set_ticks == axis.set_xticks else 0)
+            set_labels(
+                [names[p] for p in positions], fontsize=points, rotation=90 if set_ticks == axis.set_xticks else 0
+            )
         else:
-            set_labels([str(p) for p in positions], fontsize=6)
+            set_labels([str(p) for p in positions], fontsize=points)
 
 
 def plot_attention_maps(
@@ -302,7 +325,9 @@ def plot_attention_maps(
     A grid with a column per head and the rows ``patched``, ``unpatched`` and (``difference=True``)
     ``patched - unpatched``: rows are queries, columns keys, on one colour scale for the two maps and a
     diverging one centred at 0 for the difference. The image is
-    ``dpi * (panel_size * len(heads) + 1.2)`` by ``dpi * (panel_size * rows + 1.0)`` pixels.
+    ``dpi * (panel_size * len(heads) + 1.2)`` by ``dpi * (panel_size * rows + 1.0)`` pixels. The axes are labelled
+    with the tokens (or positions) at least MIN_LABEL_POINTS and MIN_LABEL_PIXELS high at ``dpi``, every k-th
+    position where not all fit.
 
     "Unpatched" is the base model with the same weights, its attention scored by the plain dot product (for a
     function-preserving patch at init, the model before patching); see :func:`unpatched_view`. The model is
@@ -315,24 +340,18 @@ def plot_attention_maps(
         rows.append(("patched − unpatched", maps.difference))
     columns = len(maps.heads)
     figsize = (panel_size * columns + MAP_EXTRA_WIDTH, panel_size * len(rows) + MAP_EXTRA_HEIGHT)
-    figure, axes = plt.subplots(len(rows), columns, figsize=figsize, dpi=dpi, squeeze=False)
+    # Constrained layout fits the panels around their labels, colour bars and title, whatever the tokens' length.
+    figure, axes = plt.subplots(len(rows), columns, figsize=figsize, dpi=dpi, squeeze=False, layout="constrained")
+    figure.get_layout_engine().set(w_pad=0.03, h_pad=0.03, wspace=0.02, hspace=0.02)
     heading = f"layer {maps.layer}: attention (rows: queries, columns: keys)"
     record = patch_record(model)
     if record is not None:
         heading = f"layer {maps.layer}, {record.scorer} patch vs unpatched (same weights, dot-product attention)"
     heading = heading if title is None else f"{title}\n{heading}"
-    top_inches = 0.35 + 0.17 * (heading.count("\n") + 1)
-    figure.subplots_adjust(
-        left=0.6 / figsize[0],
-        right=1 - 0.6 / figsize[0],
-        bottom=0.45 / figsize[1],
-        top=1 - top_inches / figsize[1],
-        wspace=0.08,
-        hspace=0.15,
-    )
     top = float(max(maps.patched.max(), maps.unpatched.max(), 1e-12))
     spread = float(max(np.abs(maps.difference).max(), 1e-12))
     n_query, n_key = maps.patched.shape[1:]
+    points = _label_points(dpi, panel_size, max(n_query, n_key))
     for row, (name, values) in enumerate(rows):
         is_difference = row == 2
         scale = (
@@ -343,14 +362,20 @@ def plot_attention_maps(
         for column, head in enumerate(maps.heads):
             axis = axes[row, column]
             image = axis.imshow(values[column], interpolation="nearest", aspect="auto", **scale)
-            _label_axes(axis, maps.tokens, n_query, n_key, column == 0, row == len(rows) - 1)
             if row == 0:
                 axis.set_title(f"head {head}", fontsize=9)
             if column == 0:
                 axis.set_ylabel(name, fontsize=9)
         colorbar = figure.colorbar(image, ax=list(axes[row]), fraction=0.02, pad=0.01)
-        colorbar.ax.tick_params(labelsize=6)
+        colorbar.ax.tick_params(labelsize=points)
     figure.suptitle(heading, fontsize=9)
+    # Labelled once for the layout, then again along the panels' laid-out lengths (how many labels fit there).
+    for laid_out in (False, True):
+        if laid_out:
+            figure.draw_without_rendering()
+        for (row, column), axis in np.ndenumerate(axes):
+            shown = (row == len(rows) - 1, column == 0)
+            _label_axes(axis, maps.tokens, (n_key, n_query), shown, points)
     path = Path(path)
     figure.savefig(path, dpi=dpi)
     plt.close(figure)

@@ -29,9 +29,11 @@ root (``pip install -e ".[recipes]"`` first): ``accelerate launch -m recipes.fin
   ``stats.py``: the statistics of comparisons over seeds.
 * ``harness.py``: evaluation with lm-evaluation-harness.
 * ``demo.py``, ``plot_example.py``: the one-minute API tour and the pictures of docs/plots.md.
+* ``quiet.py``: what a run would print that it does not act on (other libraries' start-up messages, warnings about
+  what PEFT settles itself), filtered where it is printed.
 
 The imports run one way: ``tasks``, ``patch_flags``, ``config_files`` and ``qlora`` import no other room (only
-``errors``);
+``errors`` and ``quiet``, which import none);
 ``checks``, ``modeling`` and ``report`` build on the first two; ``args`` on ``checks`` and ``config_files``;
 ``optimization``, ``run_state``, ``outputs`` and ``training`` on these, in that order; ``finetune`` (the command line)
 and ``sweep`` on ``training``, the sweep never on ``finetune``; ``compare`` on ``sweep`` (tests/architecture/test_architecture.py

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import hf_neural_attn
-from recipes import qlora
+from recipes import qlora, quiet
 from recipes.errors import RecipeError
 from recipes.patch_flags import BASELINE, FLAG_FOR_OPTION, example_scorers, runtime_options, scorer_options
 from recipes.tasks import Task, get_task
@@ -199,6 +199,7 @@ def check_patch(args: argparse.Namespace) -> None:
     without it, an out-of-range layer), found before anything trains: the model's skeleton is built from its config
     on the meta device (no weights, no memory) and patched there. A sweep checks every run this way before the first
     one starts."""
+    quiet.import_quietly()  # building the skeleton imports transformers' model code
     task = get_task(args.task)
     config = load_config(args, task)
     if args.scorer == BASELINE:

@@ -35,8 +35,11 @@ def main() -> None:
 
     torch.manual_seed(0)
     tokenizer = ByT5Tokenizer()
-    config = GPT2Config(vocab_size=len(tokenizer), n_layer=2, n_head=4, n_embd=64, n_positions=64)
-    config.update({"bos_token_id": 1, "eos_token_id": 1, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0})
+    # The ids of the special tokens are given when the config is built: GPT-2's defaults lie outside this vocabulary.
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_layer=2, n_head=4, n_embd=64, n_positions=64, bos_token_id=1, eos_token_id=1
+    )
+    config.update({"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0})
     model = hf_neural_attn.patch_model(GPT2LMHeadModel(config), QanaConfig(h=4))
 
     text = "\n\n".join(topics[name] for name in sorted(topics))

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 import hf_neural_attn
+from recipes import quiet
 from recipes.errors import RecipeError
 
 INSTALL = "pip install 'hf-neural-attn[quantization]'"
@@ -349,7 +350,10 @@ def wrap_with_lora(model, args: argparse.Namespace, new_modules: set[str]):
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise RecipeError("--lora_r needs peft: pip install 'hf-neural-attn[peft]'") from None
-    to_save = hf_neural_attn.peft_modules_to_save(model) if hf_neural_attn.is_patched(model) else []
+    to_save = []
+    if hf_neural_attn.is_patched(model):
+        with quiet.filtered((quiet.UNPATCHED_BASE_MESSAGE,)):  # the card loads the adapter as the warning asks
+            to_save = hf_neural_attn.peft_modules_to_save(model)
     to_save += sorted(new_modules - set(to_save))
     targets = args.lora_target_modules
     config = LoraConfig(
@@ -360,7 +364,8 @@ def wrap_with_lora(model, args: argparse.Namespace, new_modules: set[str]):
         modules_to_save=to_save or None,
     )
     try:
-        return get_peft_model(model, config)
+        with quiet.filtered(quiet.PEFT_MESSAGES):
+            return get_peft_model(model, config)
     except ValueError as error:  # no module matched the targets, say
         raise RecipeError(f"LoRA cannot wrap {type(model).__name__}: {error}") from error
 

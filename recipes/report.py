@@ -40,6 +40,13 @@ METRIC_LABELS = {
     "spearmanr": "Spearman",
     "combined_score": "combined score",
 }
+# The y axes of the plots (readable_y_axis): a perplexity axis is logarithmic where the curves span this factor or more
+# (a run from scratch starts near the vocabulary size's perplexity), else linear. A logarithmic axis ends and is
+# labelled at round values m x 10^k, m from LOG_LABEL_MANTISSAS, placed in this order (1, 2 and 5 first) where they
+# keep LABEL_GAP label heights from the labels placed before them.
+LOG_AXIS_FROM = 10.0
+LOG_LABEL_MANTISSAS = (1, 2, 5, 3, 1.5, 4, 7, 1.2, 2.5, 6, 8, 9)
+LABEL_GAP = 1.8
 # The run settings the model card's training table shows (where they are set).
 CARD_TRAINING_SETTINGS = (
     "learning_rate",
@@ -82,31 +89,88 @@ def plot_training(history: dict[str, Any], metric: str, path: str | os.PathLike,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (loss_axis, metric_axis) = plt.subplots(1, 2, figsize=(10, 4))
+    figure, (loss_axis, metric_axis) = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
     losses = history.get("train_loss", [])
     if losses:
         loss_axis.plot([s for s, _ in losses], [v for _, v in losses], color="tab:blue", linewidth=1.2)
     loss_axis.set(title="training loss", xlabel="step", ylabel="loss")
+    readable_y_axis(loss_axis, [v for _, v in losses], log=False)
     points = [(e["step"], e[metric]) for e in history.get("evaluations", []) if metric in e]
+    heading = f"evaluation {METRIC_LABELS.get(metric, metric)}"
     if points:
         metric_axis.plot(*zip(*points), marker="o", color="tab:orange")
-    metric_axis.set(title=f"evaluation {METRIC_LABELS.get(metric, metric)}", xlabel="step", ylabel=metric)
-    if metric == "perplexity":  # spans orders of magnitude early in training
-        _log_scale(metric_axis)
+        heading += f" ({last_value(points)})"
+    metric_axis.set(title=heading, xlabel="step", ylabel=metric)
+    # Perplexity spans orders of magnitude early in training.
+    readable_y_axis(metric_axis, [v for _, v in points], log=metric == "perplexity")
     for axis in (loss_axis, metric_axis):
         axis.grid(alpha=0.3)
     figure.suptitle(title)
-    figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
 
 
-def _log_scale(axis) -> None:
-    from matplotlib.ticker import FormatStrFormatter
+def last_value(points: list[tuple[int, float]]) -> str:
+    """The last point of a curve in words, for a legend or title: ``14.07 at step 240``."""
+    step, value = points[-1]
+    return f"{value:.4g} at step {step}"
 
-    axis.set_yscale("log")
-    axis.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-    axis.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+
+def readable_y_axis(axis, values: list[float], log: bool) -> None:
+    """Fit ``axis``'s y range to ``values`` (every value drawn on it) and label it so that the labels span them.
+
+    The axis ends at round values just beyond the lowest and the highest value, both labelled, so the curves' whole
+    range, their last values included, lies between labels. ``log``: logarithmic where the values span
+    ``LOG_AXIS_FROM`` times or more (else linear, which reads better over a narrow range). Labels stay ``LABEL_GAP``
+    label heights apart."""
+    import matplotlib
+    from matplotlib.font_manager import FontProperties
+    from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullFormatter
+
+    finite = [float(v) for v in values if math.isfinite(v) and (v > 0 or not log)]
+    if not finite:
+        return
+    low, high = min(finite), max(finite)
+    label_points = FontProperties(size=matplotlib.rcParams["ytick.labelsize"]).get_size_in_points()
+    labels_that_fit = axis.get_window_extent().height / (LABEL_GAP * label_points * axis.figure.dpi / 72)
+    if log and high >= LOG_AXIS_FROM * low:
+        axis.set_yscale("log")
+        ticks = _log_ticks(low, high, labels_that_fit)
+        axis.yaxis.set_minor_formatter(NullFormatter())  # the minor ticks are the grid's
+    else:
+        pad = 0.03 * (high - low) or 0.05 * abs(high) or 0.5
+        locator = MaxNLocator(nbins=max(2, min(8, int(labels_that_fit) - 1)), steps=[1, 2, 2.5, 5, 10])
+        ticks = sorted(locator.tick_values(low - pad, high + pad))  # from at or below low - pad to at or above high
+    axis.set_ylim(ticks[0], ticks[-1])
+    axis.yaxis.set_major_locator(FixedLocator(ticks))
+    axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:.10g}"))
+
+
+def _log_ticks(low: float, high: float, labels_that_fit: float) -> list[float]:
+    """The labelled values of a logarithmic axis over ``low``..``high``: its ends, round values just beyond them,
+    then the values m x 10^k in ``LOG_LABEL_MANTISSAS``'s order where they keep a label's room from those placed."""
+    margin = 10 ** (0.02 * math.log10(high / low))
+    bottom, top = _round_value(low / margin, up=False), _round_value(high * margin, up=True)
+    room = math.log10(top / bottom) / labels_that_fit  # a label's room, in decades
+    ticks = [bottom, top]
+    for mantissa in LOG_LABEL_MANTISSAS:
+        for exponent in range(math.floor(math.log10(bottom)), math.ceil(math.log10(top)) + 1):
+            value = float(f"{mantissa}e{exponent}")
+            if bottom < value < top and all(abs(math.log10(value / tick)) >= room for tick in ticks):
+                ticks.append(value)
+    return sorted(ticks)
+
+
+def _round_value(value: float, up: bool) -> float:
+    """The nearest m x 10^k (m in ``LOG_LABEL_MANTISSAS``, or 10) at or above (``up``) or at or below ``value`` > 0."""
+    exponent = math.floor(math.log10(value))
+    scaled = value / 10**exponent
+    mantissas = [*LOG_LABEL_MANTISSAS, 10]
+    if up:
+        chosen = min(m for m in mantissas if m >= scaled * (1 - 1e-9))
+    else:
+        chosen = max(m for m in mantissas if m <= scaled * (1 + 1e-9))
+    return float(f"{chosen}e{exponent}")
 
 
 def plot_evaluation_curves(
@@ -114,36 +178,36 @@ def plot_evaluation_curves(
 ) -> None:
     """The evaluation curves of several runs in one plot: run label -> its training histories, one per seed (None
     for a seed not finished). A run of several seeds is drawn as the mean over them with a band from the lowest to
-    the highest seed, at the steps every seed evaluated."""
+    the highest seed, at the steps every seed evaluated. The legend gives each curve's last value."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    banded = False
+    figure, axis = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    banded, drawn = False, []
     for label, runs in histories.items():
         curves = [{e["step"]: e[metric] for e in h["evaluations"] if metric in e} for h in runs if h is not None]
         steps = sorted(set.intersection(*(set(curve) for curve in curves))) if curves else []
         if not steps:
             continue
         values = [[curve[step] for curve in curves] for step in steps]
+        means = [sum(v) / len(v) for v in values]
         legend = label if len(curves) == 1 else f"{label} (mean of {len(curves)} seeds)"
-        (line,) = axis.plot(steps, [sum(v) / len(v) for v in values], marker="o", label=legend)
+        (line,) = axis.plot(steps, means, marker="o", label=f"{legend}: {last_value(list(zip(steps, means)))}")
+        drawn += means
         if len(curves) > 1:
             lowest, highest = [min(v) for v in values], [max(v) for v in values]
             axis.fill_between(steps, lowest, highest, color=line.get_color(), alpha=0.2)
-            banded = True
+            banded, drawn = True, drawn + lowest + highest
     axis.set(
         title=title + (" (band: min–max over seeds)" if banded else ""),
         xlabel="step",
         ylabel=METRIC_LABELS.get(metric, metric),
     )
-    if metric == "perplexity":  # spans orders of magnitude early in training
-        _log_scale(axis)
+    readable_y_axis(axis, drawn, log=metric == "perplexity")  # perplexity spans orders of magnitude early on
     axis.grid(alpha=0.3, which="both")
     axis.legend()
-    figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
 

@@ -121,10 +121,21 @@ def format_mean_std(values: Sequence[float], digits: int = 4) -> str:
 
 
 def format_difference(difference: PairedDifference, digits: int = 4) -> str:
-    """``"-0.1234 [-0.2000, -0.0468] (-0.88 %)"``: mean difference, confidence interval, relative change."""
+    """``"-0.1234 [-0.2000, -0.0468] (-0.88 %)"``: mean difference, confidence interval, relative change. A mean too
+    small for ``digits`` decimals (or the relative change for 2) gets as many more as show two significant digits of
+    it, interval included: ``"-0.000048 [-0.000099, +0.000004] (-0.0026 %)"``, not ``"-0.0000 [-0.0001, +0.0000]"``."""
+    digits = decimals_for(difference.mean, digits)
     text = f"{difference.mean:+.{digits}f}"
     if difference.ci_low is not None:
         text += f" [{difference.ci_low:+.{digits}f}, {difference.ci_high:+.{digits}f}]"
     if difference.relative is not None:
-        text += f" ({difference.relative:+.2f} %)"
+        text += f" ({difference.relative:+.{decimals_for(difference.relative, 2)}f} %)"
     return text
+
+
+def decimals_for(value: float, digits: int, significant: int = 2, most: int = 8) -> int:
+    """``digits``, or more (at most ``most``) where ``value`` would show fewer than ``significant`` significant
+    digits with ``digits`` decimals; 0 keeps ``digits``."""
+    if value == 0 or not math.isfinite(value):
+        return digits
+    return min(max(digits, significant - 1 - math.floor(math.log10(abs(value)))), most)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recipes import checkpointing, harness, hub, modeling, qlora, report, scorer_plots
+from recipes import checkpointing, harness, hub, modeling, qlora, quiet, report, scorer_plots
 from recipes.args import public_settings
 from recipes.checks import harness_tasks
 from recipes.errors import RecipeError
@@ -466,4 +466,5 @@ def train(state: TrainingRun) -> TrainingRun:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """One fine-tuning run, end to end: setup, train, write the outputs."""
+    quiet.import_quietly()
     return write_outputs(train(setup(args)))

@@ -122,7 +122,7 @@ def markdown_table(plan: SweepPlan, summary: Summary) -> str:
     header += [f"{label} (mean ± std)" if several else label]
     if plan.baseline:
         header += [f"Δ {label} vs baseline" + (", paired (95 % CI)" if several else ""), "verdict"]
-    header += ["seeds", "train time (s)", "peak memory (MiB)"]
+    header += ["seeds", "train time (s)", "peak memory (MiB, mean over seeds)" if several else "peak memory (MiB)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in summary.rows:
         values = [row.values[s] for s in plan.seeds if s in row.values]

@@ -101,6 +101,14 @@ class CausalLMTask(TextTask):
             return shakespeare.character_tokenizer()
         return load_tokenizer(args, needs_pad_token=self.pads_with_tokenizer)
 
+    def adapt_model(self, model, tokenizer) -> set[str]:
+        """As TextTask's; and a model whose class name tells transformers no loss (GPT-2's ``GPT2LMHeadModel``) is
+        given the causal-LM loss by name: the loss transformers falls back to, without its warning at the first
+        step that it fell back."""
+        if getattr(model, "loss_type", "") is None:
+            model.loss_type = "ForCausalLM"
+        return super().adapt_model(model, tokenizer)
+
     def hub_data(self, args):
         """The embedded corpus needs no Hub; nor does a run without data or model flags (it trains on that corpus)."""
         no_flags = not (args.dataset_name or args.train_file) and uses_embedded_model(args)

@@ -129,6 +129,40 @@ def test_decoder_maps_are_the_patched_and_the_eager_models_attentions(family, tm
     np.testing.assert_allclose(padded.unpatched, eager_attentions(family, inputs)[0][1, :, :3, :3], atol=1e-6)
 
 
+@pytest.mark.parametrize("dpi", [100, 60])
+def test_token_labels_are_readable_at_the_saved_dpi_and_no_text_overlaps(dpi, tmp_path, monkeypatch):
+    """48 word tokens (up to 5 letters, written along the keys' axis): every label of the saved image is at least
+    7 points and 10 pixels high at the dpi it is saved at, labels the token at its position (every k-th one), and no
+    text overlaps another or leaves the image."""
+    from helpers.figures import capture_saved_figures, drawn_tick_labels, font_pixels, overlapping_texts
+    from recipes_helpers import WORDS, word_tokenizer
+
+    tokenizer = word_tokenizer(pad=False)
+    words = [WORDS[(7 * index) % len(WORDS)] for index in range(48)]
+    inputs = {"input_ids": tokenizer([" ".join(words)], return_tensors="pt")["input_ids"]}
+    assert inputs["input_ids"].shape == (1, 48)
+    model = hf_neural_attn.patch_model(tiny_gpt2(), "qana", h=4)
+    saved = capture_saved_figures(monkeypatch)
+    maps = plotting.plot_attention_maps(
+        model, inputs, tmp_path / "maps.png", tokenizer=tokenizer, title="a title", dpi=dpi
+    )
+    assert maps.tokens == words and png_size(maps.path) == maps.size_px == expected_map_size(HEADS, 3, dpi=dpi)
+    [(figure, saved_dpi)] = saved
+    assert saved_dpi == dpi
+    overlaps = overlapping_texts(figure)
+    assert overlaps == [], overlaps[:10]
+    map_axes = [axis for axis in figure.axes if axis.images and axis.get_label() != "<colorbar>"]
+    labelled = {"x": 0, "y": 0}
+    for axis in figure.axes:  # the maps' and the colour bars' labels
+        for which in ("x", "y"):
+            for position, label in drawn_tick_labels(axis, which):
+                assert label.get_fontsize() >= 7 and font_pixels(label, dpi) >= 10, (label.get_text(), dpi)
+                if axis in map_axes:
+                    assert label.get_text() == words[round(position)]
+                    labelled[which] += 1
+    assert labelled["x"] >= 4 * 8 and labelled["y"] >= 3 * 8  # every map column and row: a label at least every 6
+
+
 def test_vit_maps_with_chosen_heads_and_no_difference_row(tmp_path):
     inputs = model_inputs("vit", batch=2)
     model = hf_neural_attn.patch_model(tiny_vit(), "neural", h=4)

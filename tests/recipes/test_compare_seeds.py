@@ -66,6 +66,12 @@ def test_mean_std_and_paired_difference_by_hand():
         f"-0.4000 [{-0.4 - half:+.4f}, {-0.4 + half:+.4f}] ({-0.4 / 11 * 100:+.2f} %)"
     )
 
+    # A difference too small for 4 decimals shows two significant digits, its interval as many decimals: differences
+    # -0.00005, -0.00007, -0.00006 -> mean -0.00006, std 0.00001, half-width 4.303 * 0.00001 / sqrt 3 = 0.0000248;
+    # relative to the baseline's mean 1.8406567: -0.0033 %.
+    tiny = stats.paired_difference([1.84029, 1.84201, 1.83949], [1.84034, 1.84208, 1.83955])
+    assert stats.format_difference(tiny) == "-0.000060 [-0.000085, -0.000035] (-0.0033 %)"
+
     # Differences +0.2 and -0.4: mean -0.1, std 0.4243, half-width 12.706 * 0.3 = 3.81: within the noise.
     noisy = stats.paired_difference([10.2, 10.6], [10.0, 11.0])
     assert noisy.ci_low == pytest.approx(-0.1 - 12.706 * 0.3, abs=1e-6)

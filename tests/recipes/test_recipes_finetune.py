@@ -374,3 +374,33 @@ def test_a_training_state_checkpoint_is_named_as_such_and_exports_to_the_model(f
     assert len(AutoTokenizer.from_pretrained(tmp_path / "model")) == len(AutoTokenizer.from_pretrained(out))
     # Not into a folder holding something already.
     assert export([str(out / "step_1"), str(tmp_path / "model")]) == 2
+
+
+# What every run printed, and a LoRA run on a plain checkpoint besides, that it does not act on (recipes/quiet.py and
+# the causal-LM task's loss name deal with them): other libraries' start-up messages, and warnings about what PEFT or
+# the recipe settles itself.
+NOT_ACTED_ON = (
+    "_C_mxfp8",  # torchao: "Failed to load .../torchao/_C_mxfp8...so"
+    "_C_cutlass_90a",  # the same for its Hopper kernels
+    "is an Enum subclass and is now natively supported by torch.compile",  # torch's pytree, on torchao's import
+    "Failed to load CPU gemm_4bit_forward",  # bitsandbytes, on its import
+    "Setting accelerator to CPU",  # DeepSpeed, on its import (Accelerate's unwrap_model imports it)
+    "`loss_type=None` was set in the config",  # transformers: GPT2LMHeadModel's name names no loss
+    "Adapters saved from this model will name",  # the library: the card loads the adapter onto the patched base
+    "fan_in_fan_out is set to False",  # PEFT, on GPT-2's Conv1D layers
+    "`is_gradient_checkpointing` is deprecated",  # transformers, called by PEFT
+)
+
+
+@pytest.mark.spawns
+def test_a_run_prints_nothing_it_does_not_act_on_and_still_shows_a_real_warning(assets, tmp_path):
+    flags = clm_flags(assets, "--scorer", "qana", "--scorer_init", "zero", "--lora_r", "2")
+    flags[flags.index("--max_train_steps") + 1] = "1"
+    finished = run_recipe(
+        [*flags, "--attention_map_layer", "none", "--output_dir", str(tmp_path / "run")], offline_env()
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    printed = (finished.stdout + finished.stderr).replace("\r", "\n")
+    assert [line for line in printed.splitlines() if any(noise in line for noise in NOT_ACTED_ON)] == []
+    # A warning that no filter names still shows: the library's, on --scorer_init zero.
+    assert "UserWarning: init='zero' is the papers' literal init" in finished.stderr

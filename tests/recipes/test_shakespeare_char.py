@@ -7,6 +7,7 @@ the recipe on a slice of the evaluation data check that the run builds nanoGPT's
 
 from __future__ import annotations
 
+import csv
 import math
 
 import pytest
@@ -19,7 +20,7 @@ from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fix
     read_history,
 )
 
-from recipes import training
+from recipes import stats, training
 from recipes.args import parse_values
 from recipes.errors import RecipeError
 from recipes.sweep import plan as sweep_plan
@@ -27,6 +28,9 @@ from recipes.tasks import shakespeare
 
 CONFIG = helpers.ROOT / "recipes" / "configs" / "shakespeare_char.yaml"
 SWEEP = helpers.ROOT / "recipes" / "sweeps" / "shakespeare_char.yaml"
+# The evidence run's committed results, and the text that reports them.
+EXPERIMENTS = helpers.ROOT / "docs" / "experiments.md"
+RESULTS = helpers.ROOT / "docs" / "sweeps" / "shakespeare_char"
 # nanoGPT's data/shakespeare_char/prepare.py prints these: its vocabulary and the sizes of its split.
 NANOGPT_VOCABULARY = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 NANOGPT_TRAIN_TOKENS, NANOGPT_VALIDATION_TOKENS = 1_003_854, 111_540
@@ -160,3 +164,36 @@ def test_the_cosine_floor_needs_its_scheduler():
     values = {**config_values(), "min_learning_rate": None}
     with pytest.raises(RecipeError, match="cosine_with_min_lr needs --min_learning_rate"):
         parse_values(values, source="test")
+
+
+def committed(sweep: str, name: str) -> list[dict[str, str]]:
+    with open(RESULTS / sweep / name, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_the_docs_figures_are_the_committed_sweep_files():
+    """docs/experiments.md's fine-tuning differences (as the sweep report prints them), peak memory (per-configuration
+    means, and the single runs' range) and step-0 losses come from the committed sweep.csv and sweep_summary.csv."""
+    text = " ".join(EXPERIMENTS.read_text().replace("\u2212", "-").split())  # one line, ASCII minus signs
+    runs = {sweep: committed(sweep, "sweep.csv") for sweep in ("scratch", "finetune")}
+    losses: dict[str, dict[str, float]] = {}
+    for run in runs["finetune"]:
+        losses.setdefault(run["configuration"], {})[run["seed"]] = float(run["eval_loss"])
+    control = losses.pop("baseline")
+    for configuration, by_seed in losses.items():
+        difference = stats.paired_difference(list(by_seed.values()), [control[seed] for seed in by_seed])
+        assert f"| {stats.format_difference(difference).split(' (')[0]} |" in text, configuration
+
+    peaks = [float(run["peak_rss_mib"]) for sweep in runs.values() for run in sweep]
+    assert f"every run peaked at {min(peaks):.0f}-{max(peaks):.0f} MiB" in text
+    fine_tune = {row["configuration"]: row for row in committed("finetune", "sweep_summary.csv")}
+    means = [float(row["peak_rss_mib_mean"]) for row in fine_tune.values()]
+    highest = max(float(run["peak_rss_mib"]) for run in runs["finetune"])
+    assert f"was {min(means):.0f}-{max(means):.0f} MiB; the highest single run peaked at {highest:.0f} MiB" in text
+    for row in committed("scratch", "sweep_summary.csv"):  # the from-scratch table's "mean of 3 seeds" column
+        assert f"| {float(row['peak_rss_mib_mean']):.0f} MiB |" in text, row["configuration"]
+
+    start = float(fine_tune["baseline"]["at_start_mean"])
+    for configuration in ("scorer=qana_h4", "scorer=neural_first_layer"):
+        above = float(fine_tune[configuration]["at_start_mean"]) - start
+        assert f"{above:.1e} nats".replace("e-0", "e-") in text, configuration

@@ -433,7 +433,7 @@ def test_a_sweep_of_parts_fine_tunes_an_earlier_parts_run_and_reports_its_metric
     # starts where its unpatched control does.
     table = (out / "finetune" / "sweep.md").read_text()
     assert "primary metric eval loss (lower is better)" in table and "| eval loss at step 0 |" in table
-    assert "peak memory (MiB)" in table and "![curves](sweep_curves.png)" in table
+    assert "| peak memory (MiB, mean over seeds) |" in table and "![curves](sweep_curves.png)" in table
     assert helpers_png(out / "finetune" / "sweep_curves.png")
     with open(out / "finetune" / "sweep_summary.csv") as handle:
         summary = {r["configuration"]: r for r in csv.DictReader(handle)}
