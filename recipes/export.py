@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from recipes import qlora, report
+from recipes import qlora, quiet, report
 from recipes.checkpointing import MODEL_FILES, STATE_FILE, read_progress
 from recipes.errors import RecipeError, refuse
 from recipes.modeling import model_class_for, patch_record_of
@@ -242,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         f"<checkpoint>/{MODEL_FILES})",
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    quiet.import_quietly()  # loading the checkpoint imports transformers' model code, and with it torchao
     try:
         target = export_checkpoint(args.checkpoint, args.target, args.model_files)
     except RecipeError as error:
