@@ -148,7 +148,8 @@ def test_merging_lora_into_a_4_bit_base_requantizes_it_and_keeps_the_trained_sco
     inputs = model_inputs("llama")
     # Its logits in train mode (the tiny Llama has no dropout), and the merged model's after it is saved: on a CPU with
     # AVX512-BF16, bitsandbytes 0.50 repacks a 4-bit weight at its first eval-mode forward, and neither PEFT's merge
-    # nor saving reads the repacked weight right (docs/qlora.md, "Known problems").
+    # nor saving reads the repacked weight right (docs/qlora.md, "Known problems"). The patch turns that kernel off;
+    # the order keeps the test from depending on it.
     with torch.no_grad():
         unmerged = trained.train()(**inputs).logits
     trained_scorers = {
