@@ -37,6 +37,7 @@ from .model_cards import checkpoint_tags
 from .ops.dispatch import check_impl
 from .patch_plan import add_query_extras, adopt_private_configs, apply_patch, configs_read_by, plan_patch
 from .patched_config import make_unpatched
+from .placement.quantized import restore_cpu_kernel
 from .placement.zero3 import unregister_scorer_parameters
 from .record import FALLBACK_ATTR, SCORER_ATTR, PatchRecord, inner_transformers_model, is_patched, patch_record
 from .scorers import Scorer, ScorerConfig
@@ -111,6 +112,7 @@ def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
     forget_scorer_plan(model, SCORER_ATTR)
     for config_object in configs_read_by(model, config_readers):
         make_unpatched(config_object)
+    restore_cpu_kernel(model)  # the base's own bitsandbytes CPU kernel, which the patch turned off
     return model
 
 

@@ -231,6 +231,7 @@ def build_model(
         bundle.base_model = None if os.path.isdir(path) else path
         bundle.model, bundle.new_parameters = _load_pretrained(model_class, path, config, args)
         qlora.check_quantized(bundle.model, args)
+        qlora.keep_4bit_trainable(bundle.model, args)
 
     model = bundle.model
     bundle.new_parameters |= task.adapt_model(model, preprocessor)

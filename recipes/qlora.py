@@ -249,6 +249,17 @@ def check_quantized(model, args: argparse.Namespace) -> None:
         )
 
 
+def keep_4bit_trainable(model, args: argparse.Namespace) -> None:
+    """Turn bitsandbytes' CPU kernel off on a 4-bit base, right after it loads (``hf_neural_attn.keep_4bit_trainable``).
+
+    On a CPU with AVX512-BF16 it would repack the 4-bit layers at the run's first evaluation (the scorer statistics
+    at the start, --eval_steps): no gradient would pass them from then on, and a checkpoint after it would change the
+    base (docs/qlora.md, "Known problems"). Off for every 4-bit run, patched or not; before the patch, which would do
+    it too and say so."""
+    if args.load_in_4bit:
+        hf_neural_attn.keep_4bit_trainable(model)
+
+
 def _has_quantized_weight(module) -> bool:
     weight = getattr(module, "weight", None)
     return isinstance(weight, torch.Tensor) and (
@@ -263,24 +274,7 @@ def prepare_quantized(model, args: argparse.Namespace):
         return model
     from peft import prepare_model_for_kbit_training
 
-    keep_the_loaded_4_bit_layout(model)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-
-
-def keep_the_loaded_4_bit_layout(model) -> None:
-    """Turn off bitsandbytes' repacking of 4-bit weights for its CPU kernel, on every layer of ``model``.
-
-    On a CPU with AVX512-BF16, bitsandbytes (0.50) rewrites a 4-bit layer's weight in that kernel's layout at the
-    layer's first eval-mode forward without gradients, and rewrites it back whenever the model's state dict is taken,
-    wrongly: the block scales of a weight without double quantization come back transposed, those with it
-    re-quantized. A run evaluates (the scorer statistics at the start, --eval_steps) and saves checkpoints, so its first
-    checkpoint after an evaluation would change the base it goes on training, and a resumed run would not end where
-    the uninterrupted one does. The loaded layout is what bitsandbytes runs everywhere else (on a GPU, in training
-    mode); the CPU kernel's speed is what is given up. Layers without the flag (8-bit, torchao, older bitsandbytes)
-    are left alone."""
-    for module in model.modules():
-        if getattr(module, "support_avx512bf16_for_cpu", False):
-            module.support_avx512bf16_for_cpu = False
 
 
 def resume_load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -409,6 +403,16 @@ def quantization_snippet(settings: dict[str, Any]) -> tuple[list[str], list[str]
         )
         return ["import torch"], ["BitsAndBytesConfig"], f"BitsAndBytesConfig({arguments})"
     return [], [], None
+
+
+def kernel_snippet(settings: dict[str, Any], variable: str) -> list[str]:
+    """The card's line that runs a 4-bit base, the model in ``variable``, on the kernel the run ran it on
+    (:func:`keep_4bit_trainable`); none for another run. On a CPU with AVX512-BF16 the loaded model would otherwise
+    repack its layers for bitsandbytes' CPU kernel at its first evaluation: other outputs than the run's, and a model
+    that no longer trains."""
+    if not settings.get("load_in_4bit"):
+        return []
+    return [f"hf_neural_attn.keep_4bit_trainable({variable})  # bitsandbytes' CPU kernel off, as in the run"]
 
 
 def _code(value: Any) -> str:

@@ -51,7 +51,7 @@ STARTUP_MESSAGES = (
         "bitsandbytes.backends.cpu.ops",
         r"Failed to load CPU gemm_4bit_forward from kernels-community",
         "the optional kernel of bitsandbytes' repacked 4-bit CPU path, which the recipes turn off "
-        "(qlora.keep_the_loaded_4_bit_layout)",
+        "(hf_neural_attn.keep_4bit_trainable)",
     ),
 )
 # Only where torch sees no accelerator either: on a machine with one, DeepSpeed not finding it is news.

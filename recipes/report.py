@@ -416,6 +416,7 @@ def _adapter_loading_snippet(
         lines.append(f'base = hf_neural_attn.from_pretrained("{base}"{keywords})')
     else:
         lines.append(f'base = {model_class}.from_pretrained("{base}"{keywords})')
+        lines += qlora.kernel_snippet(settings, "base")
         if patch:
             options = "".join(f", {key}={value!r}" for key, value in patch.options.items())
             lines.append(f'hf_neural_attn.patch_model(base, "{patch.scorer}", layers={list(patch.layers)}{options})')

@@ -109,3 +109,39 @@ def quantizable_sizes(family: str) -> dict[str, int]:
 def save_quantizable_base(folder: Path, family: str) -> Path:
     """helpers.checkpoints.save_base with :func:`quantizable_sizes`: the float model a quantized test loads."""
     return save_base(folder, family, **quantizable_sizes(family))
+
+
+# bitsandbytes' Linear4bit (0.50 on) sets this where the CPU has AVX512-BF16: the layer then repacks its weight for its
+# CPU kernel at its first eval-mode forward without gradients, and that kernel passes no gradient.
+CPU_KERNEL_SWITCH = "support_avx512bf16_for_cpu"
+KERNEL_WARNING = "turned off bitsandbytes' CPU kernel"
+
+
+def cpu_kernel_layers(model: nn.Module) -> list[nn.Module]:
+    """The 4-bit layers of ``model`` that would repack for bitsandbytes' CPU kernel: all of them on a CPU with
+    AVX512-BF16 (unless turned off), none elsewhere."""
+    return [module for module in model.modules() if getattr(module, CPU_KERNEL_SWITCH, False)]
+
+
+def repacked_layers(model: nn.Module) -> list[str]:
+    """The names of the 4-bit layers of ``model`` that bitsandbytes repacked for its CPU kernel."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if getattr(getattr(getattr(module, "weight", None), "quant_state", None), "packing_format_for_cpu", False)
+    ]
+
+
+def gradients_after_an_evaluation(model: nn.Module, inputs: dict, trained: dict[str, torch.Tensor]) -> dict:
+    """name -> gradient (None where none came) of the ``trained`` parameters of ``model`` at a training step taken after
+    one eval-mode forward without gradients, what an evaluation runs (``inputs`` a causal LM's, their ids the labels).
+    Every other parameter is frozen, as QLoRA freezes the base."""
+    with torch.no_grad():
+        model.eval()(**inputs)
+    model.train()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    for parameter in trained.values():
+        parameter.requires_grad_(True)
+    model(**inputs, labels=inputs["input_ids"]).loss.backward()
+    return {name: parameter.grad for name, parameter in trained.items()}

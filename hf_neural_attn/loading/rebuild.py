@@ -183,11 +183,13 @@ def load_patched_model(
     narrow_keys.refuse_offloading(width, getattr(model, "hf_device_map", None), None)
     attention = searches[0] if searches else find_attention(model)
     check_base_fits(attention, record, misfit)
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        # The fresh init is overwritten below: keep the caller's RNG stream and skip init warnings.
-        warnings.simplefilter("ignore", UserWarning)
-        # The model was built from ``config``, the loader's own copy: the patch goes into it.
-        plan = plan_patch(model, scorer, layers=list(record.layers), attention=attention, config_is_private=True)
+    with torch.random.fork_rng(devices=[]):
+        # The fresh init is overwritten below: keep the caller's RNG stream and skip init warnings (the plan's; what
+        # applying it says, bitsandbytes' CPU kernel turned off, is said).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            # The model was built from ``config``, the loader's own copy: the patch goes into it.
+            plan = plan_patch(model, scorer, layers=list(record.layers), attention=attention, config_is_private=True)
         apply_patch(plan)
     disk_names = names_on_disk(model, scorer_parameters(model))
     all_names = {name for names in disk_names.values() for name in names}

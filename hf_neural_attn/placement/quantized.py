@@ -18,7 +18,9 @@ int8 dynamic, ...)                    and refuses most ops (``std`` among them)
 ===================================  ==============================================  =================================
 
 A 4-bit weight bitsandbytes repacked for its CPU kernel (on a CPU with AVX512-BF16, after the layer's first
-eval-mode forward) is read from that layout (:func:`dequantize_cpu_packed_4bit`).
+eval-mode forward) is read from that layout (:func:`dequantize_cpu_packed_4bit`). That kernel passes no gradient, so
+the patch turns it off on the 4-bit layers it has not yet repacked (:func:`keep_4bit_trainable`), saying so once, and
+``unpatch_model`` turns it on again (:func:`turn_off_cpu_kernel_for_patch`, :func:`restore_cpu_kernel`).
 
 Everything here reads a dequantized *copy*: the base's quantized weights are never changed (they stay quantized and
 bit-identical through patching and training; the scorers are new float modules beside them). A weight of another
@@ -36,10 +38,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._warnings import warn_user
+
 # The library that quantized a weight, by the top-level package of its tensor class.
 BITSANDBYTES = "bitsandbytes"
 TORCHAO = "torchao"
 KNOWN_QUANTIZERS = (BITSANDBYTES, TORCHAO)
+
+# bitsandbytes' Linear4bit (0.50 on) sets this attribute at construction where the CPU has AVX512-BF16, and then repacks
+# its weight for its CPU kernel at the layer's first forward on the CPU in eval mode without gradients.
+CPU_KERNEL_SWITCH = "support_avx512bf16_for_cpu"
+# Set on a 4-bit layer whose CPU kernel a patch turned off, so that unpatch_model turns it on again.
+KERNEL_TURNED_OFF_ATTR = "_hf_neural_attn_cpu_kernel_off"
 
 
 class UnreadableQuantizationError(ValueError):
@@ -97,7 +107,7 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
         import bitsandbytes.functional as bnb_functional  # only reached with a weight bitsandbytes made
 
         quant_state = getattr(weight, "quant_state", None)
-        if getattr(quant_state, "packing_format_for_cpu", False):
+        if is_repacked_for_cpu(layer):
             return dequantize_cpu_packed_4bit(weight.data, quant_state)
         if quant_state is not None:  # Params4bit (NF4 or FP4; a nested state under double quantization)
             return bnb_functional.dequantize_4bit(weight.data, quant_state)
@@ -140,6 +150,84 @@ def dequantize_cpu_packed_4bit(packed: torch.Tensor, quant_state) -> torch.Tenso
     values = quant_state.code.to(packed.device)[codes.long()]
     # The packing set the state's dtype to bfloat16 (its kernel's) and kept the weight's in original_dtype.
     return (values * scales).to(getattr(quant_state, "original_dtype", quant_state.dtype))
+
+
+def is_repacked_for_cpu(layer: nn.Module) -> bool:
+    """Whether bitsandbytes repacked the 4-bit weight of ``layer`` for its CPU kernel
+    (:func:`dequantize_cpu_packed_4bit` reads that layout)."""
+    quant_state = getattr(getattr(layer, "weight", None), "quant_state", None)
+    return bool(getattr(quant_state, "packing_format_for_cpu", False))
+
+
+def keep_4bit_trainable(model: nn.Module) -> nn.Module:
+    """Turn bitsandbytes' CPU kernel for 4-bit layers off on every layer of ``model`` (a PEFT model too), so that it
+    keeps training after an evaluation, and return ``model``.
+
+    On a CPU with AVX512-BF16, bitsandbytes (0.50 on) repacks a 4-bit layer's weight for its CPU kernel the first time
+    the layer runs in eval mode without gradients, and runs that kernel from then on, in training mode too. The kernel
+    passes no gradient, so from the first evaluation on nothing that needs one through a 4-bit layer trains (LoRA on
+    the layers before it; the scorers, whose gradients come back through ``o_proj``), and nothing says so. A model it
+    repacked also saves wrong weights (docs/qlora.md). With the kernel off, the layers keep the layout they loaded in
+    and compute as bitsandbytes does on a GPU or in training mode: the input is not rounded to bfloat16, and CPU
+    inference is slower. ``patch_model`` and the loaders of patched models do this themselves (and say so); call it
+    on an unpatched 4-bit model you train, before its first evaluation. Other layers (8-bit, torchao, float) and
+    bitsandbytes releases without the kernel are left alone; elsewhere (a GPU, another CPU) it changes nothing that
+    runs.
+
+    Raises:
+        ValueError: a 4-bit layer was repacked already (the model ran in eval mode without gradients on such a CPU):
+            the message names it and says to load the base again. The model is not changed then.
+    """
+    repacked = [name for name, module in model.named_modules() if is_repacked_for_cpu(module)]
+    if repacked:
+        raise ValueError(
+            f"keep_4bit_trainable: bitsandbytes already repacked {len(repacked)} 4-bit layers of this model for its "
+            f"CPU kernel ({repacked[0]}, ...), at their first eval-mode forward without gradients; no gradient passes "
+            "them, and the repacking cannot be undone exactly. Load the base again and call keep_4bit_trainable(model) "
+            "before its first evaluation. The model was not changed."
+        )
+    for module in model.modules():
+        if getattr(module, CPU_KERNEL_SWITCH, False):
+            setattr(module, CPU_KERNEL_SWITCH, False)
+    return model
+
+
+def turn_off_cpu_kernel_for_patch(model: nn.Module) -> None:
+    """What a patch does with bitsandbytes' CPU kernel (:func:`keep_4bit_trainable`): turn it off on every 4-bit layer
+    of ``model`` that has it on, mark those for :func:`restore_cpu_kernel`, and say so in one warning where they run on
+    the CPU. Layers the kernel repacked already stay as they are (a patch changes no quantized weight; they keep
+    computing what the base computed), and the warning says that they pass no gradient."""
+    layers = [module for module in model.modules() if getattr(module, CPU_KERNEL_SWITCH, False)]
+    for layer in layers:
+        setattr(layer, CPU_KERNEL_SWITCH, False)
+        setattr(layer, KERNEL_TURNED_OFF_ATTR, True)
+    if not any(layer.weight.device.type in ("cpu", "meta") for layer in layers):
+        return  # on a GPU the kernel never runs: nothing changed that the user would see
+    message = (
+        f"hf_neural_attn turned off bitsandbytes' CPU kernel on the {len(layers)} 4-bit layers of this model "
+        f"({CPU_KERNEL_SWITCH}=False, what hf_neural_attn.keep_4bit_trainable does): it repacks a layer's weight at "
+        "its first eval-mode forward without gradients into a layout no gradient passes, so LoRA and the scorers "
+        "would stop training after the first evaluation. The layers compute as in training mode (no bfloat16 "
+        "rounding of their input; slower inference on this CPU); unpatch_model turns the kernel on again "
+        "(docs/qlora.md)."
+    )
+    repacked = sum(is_repacked_for_cpu(layer) for layer in layers)
+    if repacked:
+        message += (
+            f" {repacked} of them had been repacked already (the model ran in eval mode before the patch) and stay so: "
+            "no gradient passes them. To train this model, load the base again and patch it before its first "
+            "evaluation."
+        )
+    warn_user(message)
+
+
+def restore_cpu_kernel(model: nn.Module) -> None:
+    """Turn bitsandbytes' CPU kernel on again on the 4-bit layers of ``model`` where a patch turned it off
+    (:func:`turn_off_cpu_kernel_for_patch`): the unpatched model runs as the base did."""
+    for module in model.modules():
+        if getattr(module, KERNEL_TURNED_OFF_ATTR, False):
+            setattr(module, CPU_KERNEL_SWITCH, True)
+            delattr(module, KERNEL_TURNED_OFF_ATTR)
 
 
 def activation_dtype(model: nn.Module) -> torch.dtype | None:

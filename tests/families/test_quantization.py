@@ -8,16 +8,22 @@ scheme's ``quantization_config``, as a user loads a real one; both libraries run
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from helpers.models import model_inputs, perturb_scorers, tiny_model
 from quantization_helpers import (
     BITSANDBYTES_SCHEMES,
+    KERNEL_WARNING,
     SCHEME,
     SCHEME_NAMES,
+    cpu_kernel_layers,
+    gradients_after_an_evaluation,
     load_quantized,
     quantizable_sizes,
     quantized_tensors,
+    repacked_layers,
     save_quantizable_base,
 )
 from transformers import AutoModelForCausalLM
@@ -166,6 +172,73 @@ def test_training_the_scorers_leaves_the_quantized_base_bit_identical(base_folde
     assert all(not torch.equal(before[name], parameter) for name, parameter in scorers.items() if name.endswith("gate"))
     for name, tensor in quantized_tensors(model).items():
         assert torch.equal(tensor, frozen[name]), name
+
+
+def patched_4_bit_llama(base_folders, tmp_path, entry: str):
+    """A tiny 4-bit NF4 Llama patched with QANA by ``entry`` (``patch_model`` on the quantized base, or
+    ``from_pretrained`` of a float patched checkpoint with a ``quantization_config``), its scorers perturbed off their
+    init; and the warnings the entry point gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if entry == "patch_model":
+            model = hf_neural_attn.patch_model(quantized_model(base_folders, "llama", "bnb-nf4"), "qana")
+        else:
+            float_model = hf_neural_attn.patch_model(tiny_model("llama", **quantizable_sizes("llama")), "qana")
+            float_model.save_pretrained(tmp_path)
+            model = hf_neural_attn.from_pretrained(tmp_path, quantization_config=SCHEME["bnb-nf4"].config())
+    perturb_scorers(model, std=0.05)
+    return model, [str(warning.message) for warning in caught if KERNEL_WARNING in str(warning.message)]
+
+
+@pytest.mark.parametrize("entry", ["patch_model", "from_pretrained"])
+def test_a_patched_4_bit_model_still_trains_its_scorers_after_an_evaluation(base_folders, tmp_path, entry):
+    """On a CPU with AVX512-BF16, bitsandbytes (0.50 on) repacks a 4-bit layer for its CPU kernel at the layer's first
+    eval-mode forward without gradients, and runs that kernel from then on, in training mode too: it passes no
+    gradient, and every scorer gradient comes back through o_proj. The library's entry points turn the kernel off and
+    say so, once. (Elsewhere the kernel never runs, nothing is said, and the gradients come as they always do.)"""
+    probe = quantized_model(base_folders, "llama", "bnb-nf4")
+    on_such_a_cpu = bool(cpu_kernel_layers(probe))
+    model, said = patched_4_bit_llama(base_folders, tmp_path, entry)
+    scorers = hf_neural_attn.scorer_parameters(model)
+    gradients = gradients_after_an_evaluation(model, model_inputs("llama"), scorers)
+    missing = [name for name, gradient in gradients.items() if gradient is None or not gradient.abs().sum() > 0]
+    assert scorers
+    assert missing == []
+    assert repacked_layers(model) == [] and cpu_kernel_layers(model) == []
+    assert len(said) == (1 if on_such_a_cpu else 0), said
+
+
+def test_unpatching_a_4_bit_model_turns_bitsandbytes_cpu_kernel_on_again(base_folders):
+    """What the patch turned off, unpatch_model turns on: the unpatched model runs as the base did (on a CPU with
+    AVX512-BF16, its eval-mode outputs are those of the kernel, its input rounded to bfloat16)."""
+    model = quantized_model(base_folders, "llama", "bnb-nf4")
+    kernel_layers = cpu_kernel_layers(model)
+    if not kernel_layers:
+        pytest.skip("bitsandbytes runs no CPU kernel for 4-bit layers here (it needs AVX512-BF16)")
+    inputs = model_inputs("llama")
+    with pytest.warns(UserWarning, match=KERNEL_WARNING):
+        hf_neural_attn.patch_model(model, "qana")
+    assert cpu_kernel_layers(model) == []
+    hf_neural_attn.unpatch_model(model)
+    assert cpu_kernel_layers(model) == kernel_layers
+    torch.testing.assert_close(
+        outputs(model, inputs), outputs(quantized_model(base_folders, "llama", "bnb-nf4"), inputs), rtol=0, atol=0
+    )
+
+
+def test_a_4_bit_model_evaluated_before_the_patch_is_said_to_train_no_more(base_folders):
+    """Layers the kernel repacked already stay so (the patch changes no quantized weight, and the outputs stay the
+    base's): the one warning says they pass no gradient and what to do, and ``keep_4bit_trainable`` refuses such a
+    model with the model unchanged."""
+    model = quantized_model(base_folders, "llama", "bnb-nf4")
+    if not cpu_kernel_layers(model):
+        pytest.skip("bitsandbytes runs no CPU kernel for 4-bit layers here (it needs AVX512-BF16)")
+    outputs(model, model_inputs("llama"))
+    with pytest.raises(ValueError, match="already repacked 14 4-bit layers.*Load the base again.*not changed"):
+        hf_neural_attn.keep_4bit_trainable(model)
+    assert len(cpu_kernel_layers(model)) == 14
+    with pytest.warns(UserWarning, match="14 of them had been repacked already.*patch it before its first evaluation"):
+        hf_neural_attn.patch_model(model, "qana")
 
 
 def test_a_quantizer_the_library_cannot_read_is_refused_by_name_and_the_model_is_unchanged():

@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.models import model_inputs, tiny_model
-from quantization_helpers import HAS_PEFT, load_quantized, quantized_tensors, save_quantizable_base
+from quantization_helpers import (
+    HAS_PEFT,
+    gradients_after_an_evaluation,
+    load_quantized,
+    quantized_tensors,
+    save_quantizable_base,
+)
 
 import hf_neural_attn
 
@@ -38,13 +44,15 @@ def patched_quantized_base(folder, family: str, scheme: str, gradient_checkpoint
 
 
 def lora(model, family: str):
+    """``model`` wrapped by PEFT: LoRA on ``TARGETS[family]``, and the scorers as ``modules_to_save`` where it is
+    patched."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
         r=4,
         lora_alpha=8,
         target_modules=TARGETS[family],
-        modules_to_save=hf_neural_attn.peft_modules_to_save(model),
+        modules_to_save=hf_neural_attn.peft_modules_to_save(model) if hf_neural_attn.is_patched(model) else None,
         init_lora_weights=True,
     )
     return get_peft_model(model, config)
@@ -107,6 +115,30 @@ def test_qlora_trains_lora_and_the_scorers_and_the_adapter_reloads_onto_a_fresh_
         torch.testing.assert_close(reloaded(**inputs).logits, expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
+def test_lora_on_a_4_bit_base_still_gets_its_gradients_after_an_evaluation(base_folders, patched):
+    """On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit layer for its CPU kernel at its first eval-mode forward
+    without gradients, and the kernel passes none: LoRA-B of q_proj and v_proj (zero at init) gets its gradient back
+    through o_proj's 4-bit weight. A patched base has the kernel off (the patch turns it off); an unpatched one, after
+    ``hf_neural_attn.keep_4bit_trainable``, as the recipes call it."""
+    from peft import prepare_model_for_kbit_training
+
+    if patched:
+        base = patched_quantized_base(base_folders["llama"], "llama", "bnb-nf4", gradient_checkpointing=False)
+    else:
+        base = load_quantized(type(tiny_model("llama")), base_folders["llama"], "bnb-nf4")
+        base = hf_neural_attn.keep_4bit_trainable(base)
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+    model = lora(base, "llama")
+    trained = {name: parameter for name, parameter in model.named_parameters() if parameter.requires_grad}
+    gradients = gradients_after_an_evaluation(model, model_inputs("llama"), trained)
+    # LoRA-A's gradient goes through LoRA-B, zero at init: it is zero on any machine.
+    needed = {name: gradient for name, gradient in gradients.items() if "lora_A" not in name}
+    assert len([name for name in needed if "lora_B" in name]) == 4  # q_proj and v_proj of each of the 2 layers
+    assert len(needed) > 4 if patched else len(needed) == 4  # the scorers' copies too
+    assert [name for name, gradient in needed.items() if gradient is None or not gradient.abs().sum() > 0] == []
+
+
 def test_merging_lora_into_a_4_bit_base_requantizes_it_and_keeps_the_trained_scorers(base_folders, tmp_path):
     """PEFT merges LoRA into a bitsandbytes 4-bit layer by dequantizing it, adding the update and quantizing again: the
     merged model stays quantized and patched, with the trained scorers, and its outputs move by the re-quantization's
@@ -116,7 +148,8 @@ def test_merging_lora_into_a_4_bit_base_requantizes_it_and_keeps_the_trained_sco
     inputs = model_inputs("llama")
     # Its logits in train mode (the tiny Llama has no dropout), and the merged model's after it is saved: on a CPU with
     # AVX512-BF16, bitsandbytes 0.50 repacks a 4-bit weight at its first eval-mode forward, and neither PEFT's merge
-    # nor saving reads the repacked weight right (docs/qlora.md, "Known problems").
+    # nor saving reads the repacked weight right (docs/qlora.md, "Known problems"). The patch turns that kernel off;
+    # the order keeps the test from depending on it.
     with torch.no_grad():
         unmerged = trained.train()(**inputs).logits
     trained_scorers = {

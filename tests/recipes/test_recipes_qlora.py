@@ -24,7 +24,6 @@ from recipes import qlora, report
 from recipes.args import parse_args
 from recipes.errors import RecipeError
 from recipes.outputs import write_outputs
-from recipes.qlora import keep_the_loaded_4_bit_layout
 from recipes.training import setup, train
 
 pytest.importorskip("bitsandbytes", reason=f"bitsandbytes is not installed: {INSTALL}")
@@ -107,12 +106,29 @@ def test_a_qlora_run_trains_lora_and_the_scorers_and_its_card_loads_the_adapter(
 
     # The card's code loads the run's model: the same outputs, computed on the same bitsandbytes kernel (the run kept
     # the loaded 4-bit layout, where the loaded model would run its CPU kernel in bfloat16 on some CPUs).
+    assert_card_code_loads(out, model)
+
+
+def assert_card_code_loads(output_dir, model) -> None:
+    """The card's "How to load" code, run as a user runs it, gives ``model``'s logits (evaluated: in eval mode, without
+    gradients, where bitsandbytes' CPU kernel, if on, would repack the 4-bit layers and round their input)."""
     namespace: dict = {}
-    exec(card_loading_code(out), namespace)
-    keep_the_loaded_4_bit_layout(namespace["model"])
+    exec(card_loading_code(output_dir), namespace)
     ids = token_ids(model)
     with torch.no_grad():
-        torch.testing.assert_close(namespace["model"](ids).logits, model(ids).logits, rtol=0, atol=1e-6)
+        torch.testing.assert_close(namespace["model"].eval()(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
+
+
+def test_the_card_of_a_4_bit_qlora_baseline_loads_it_on_the_kernel_the_run_ran(assets, tmp_path):
+    """An unpatched 4-bit base under LoRA: the run turned bitsandbytes' CPU kernel off
+    (hf_neural_attn.keep_4bit_trainable), and no patch does it for the card's code, which says it itself."""
+    out = tmp_path / "baseline-4bit"
+    flags = clm_flags(assets, "--scorer", "none", "--load_in_4bit", "--lora_r", "4", "--attention_map_layer", "none")
+    model, results = trained_run(out, [*flags, "--model_name_or_path", str(assets["llama"])])
+    assert results["patch"] is None
+    assert_card_code_loads(out, model)
+    code = card_loading_code(out)
+    assert "hf_neural_attn.keep_4bit_trainable(base)" in code and "hf_neural_attn.patch_model" not in code
 
 
 def test_a_torchao_run_trains_the_scorers_alone_and_saves_a_quantized_patched_checkpoint(assets, tmp_path):
@@ -253,10 +269,10 @@ def assert_same_tensors(file, other) -> None:
 
 
 def loaded_by_the_card(folder):
-    """The model the "How to load" code of ``folder``'s README.md loads, with the recipe's 4-bit layout kept."""
+    """The model the "How to load" code of ``folder``'s README.md loads (which keeps bitsandbytes' loaded 4-bit
+    layout itself: the patch, or its own ``keep_4bit_trainable`` call)."""
     namespace: dict = {}
     exec(card_loading_code(folder), namespace)
-    keep_the_loaded_4_bit_layout(namespace["model"])
     return namespace["model"].eval()
 
 
