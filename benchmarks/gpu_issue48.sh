@@ -164,7 +164,7 @@ run_step() {
         rc=${PIPESTATUS[0]}
         case $rc in
             0) status="ok" ;;
-            124 | 137) status="timed out after $limit s" ;;
+            124 | 137) status="timed out (its limit: $limit s)" ;;
             *) status="failed (exit status $rc)" ;;
         esac
         status="$status, $((SECONDS - started)) s"
