@@ -7,11 +7,15 @@
         --seq 1024 2048 4096 8192 --impls triton chunked auto     # GPU: GPT-2 small, 12 x 768 x 12 heads
     python benchmarks/train_step.py --compiled --preset gpt2-small --layers 2 --seq 512 1024 2048 \
         --impls auto chunked --dropouts config --interleave        # compiled step and compile time
+    python benchmarks/train_step.py --family llama --device cuda --dtype bf16 --seq 1024 --dropouts config \
+        --quick                                        # SmolLM-135M's shape: 30 x 576, 9 query heads on 3 kv heads
 
-One forward + backward of a model built from its family's default config (GPT-2's or BERT's, at the preset's
-size), random tokens, every layer patched as a user writes it, ``patch_model(model, scorer, h=4)`` with every
-other option at its default. Each model runs in train mode with its config's attention dropout (0.1 for both
-families) and again with attention dropout 0 (``--dropouts``): the first is what fine-tuning runs, the second the
+One forward + backward of a model built from its family's default config (GPT-2's, BERT's or Llama's, at the
+preset's size; ``--vocab`` random tokens: 1000 by default for GPT-2 and BERT, GPT-2's real vocabulary is 50257,
+and Llama's default is SmolLM-135M's 49152), every layer patched as a user writes it,
+``patch_model(model, scorer, h=4)`` with every other option at its default. Each model runs in train mode with its
+config's attention dropout (0.1 for GPT-2 and BERT; Llama's config has 0, so for Llama ``config`` and ``zero`` are
+the same) and again with attention dropout 0 (``--dropouts``): the first is what fine-tuning runs, the second the
 linear-memory class that FlashAttention keeps on a GPU whatever the dropout. Each configuration runs in its own
 process so peak memory (resident set size on CPU, the allocator's peak on CUDA) belongs to it alone. Reports the
 median step time, peak memory, and both as ratios to the unpatched model (transformers' SDPA, or ``--base eager``)
@@ -23,7 +27,10 @@ slows them all alike; peak memory still comes from the separate processes. ``--p
 first from the middle of the sequence (an encoder batch of unequal lengths; ``--padding_side left``: a decoder batch
 padded for generation, whose leading pad rows see no key). ``--dtype bf16``/``fp16`` runs the step
 under autocast (fp32 weights, half-precision matmuls), as mixed-precision training does. ``default``/``auto`` rows
-also say which path the rule chose. ``--dry_run`` prints the child commands without running them.
+also say which path the rule chose for the model's attention calls (recorded from an eager forward of the model;
+compiled: the rule's choice for the same calls while ``torch.compile`` traces them). ``--dry_run`` prints the child
+commands without running them. A configuration that fails in the interleaved process (a kernel that does not
+compile, memory) is reported as an error row; the others are still timed.
 
 ``--compiled`` runs every model, the unpatched one included, as ``torch.compile(model, fullgraph=True)`` (inductor,
 with its caches off so that every configuration compiles from scratch) and adds the compile time: the first step's
@@ -37,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -45,31 +51,43 @@ import sys
 import time
 from pathlib import Path
 
-VOCAB = 1000
+from common import SMOLLM_135M, describe_machine, paths_taken, recording_paths
+
+VOCAB = 1000  # GPT-2's and BERT's default --vocab; Llama's is SmolLM-135M's
 # Attention dropout settings: "config" keeps the family's config default, "zero" sets attention dropout to 0
-# (residual and embedding dropout keep their defaults in both).
+# (residual and embedding dropout keep their defaults in both). Llama's config default is 0: the two are the same.
 DROPOUTS = ("config", "zero")
-ATTENTION_DROPOUT_FIELD = {"gpt2": "attn_pdrop", "bert": "attention_probs_dropout_prob"}
+ATTENTION_DROPOUT_FIELD = {"gpt2": "attn_pdrop", "bert": "attention_probs_dropout_prob", "llama": "attention_dropout"}
 
 
 def build_model(args, dropout: str):
     """The family's model at the preset's size, from its default config, with attention dropout as ``dropout`` says;
     and the batch a step trains on."""
     import torch
-    from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
 
     device = torch.device(args.device)
     torch.manual_seed(0)
-    ids = torch.randint(0, VOCAB, (args.batch, args.seq), device=device)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     if args.family == "gpt2":
         config = GPT2Config(
-            vocab_size=VOCAB, n_embd=args.width, n_layer=args.layers, n_head=args.heads, n_positions=args.seq
+            vocab_size=args.vocab, n_embd=args.width, n_layer=args.layers, n_head=args.heads, n_positions=args.seq
         )
         model_class, batch = GPT2LMHeadModel, {"input_ids": ids, "labels": ids}
+    elif args.family == "llama":
+        config = LlamaConfig(**llama_shape(args), max_position_embeddings=args.seq)
+        model_class, batch = LlamaForCausalLM, {"input_ids": ids, "labels": ids}
     else:
         config = BertConfig(
-            vocab_size=VOCAB, hidden_size=args.width, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-            intermediate_size=4 * args.width, max_position_embeddings=args.seq,
+            vocab_size=args.vocab, hidden_size=args.width, num_hidden_layers=args.layers,
+            num_attention_heads=args.heads, intermediate_size=4 * args.width, max_position_embeddings=args.seq,
         )  # fmt: skip
         labels = torch.zeros(args.batch, dtype=torch.long, device=device)
         model_class, batch = BertForSequenceClassification, {"input_ids": ids, "labels": labels}
@@ -84,6 +102,16 @@ def build_model(args, dropout: str):
         mask[1:, pads] = 0
         batch["attention_mask"] = mask
     return model_class(config).to(device), batch
+
+
+def llama_shape(args) -> dict:
+    """SmolLM-135M's LlamaConfig fields with the run's layers, width, heads, kv heads and vocabulary; the MLP
+    keeps SmolLM's ratio to the width (1536 / 576)."""
+    return {
+        **SMOLLM_135M, "vocab_size": args.vocab, "hidden_size": args.width, "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
+        "intermediate_size": SMOLLM_135M["intermediate_size"] * args.width // SMOLLM_135M["hidden_size"],
+    }  # fmt: skip
 
 
 def build(args, dropout: str, scorer_name: str, impl: str):
@@ -104,14 +132,7 @@ def build(args, dropout: str, scorer_name: str, impl: str):
     dtype = getattr(torch, AUTOCAST_DTYPES[args.dtype]) if AUTOCAST_DTYPES[args.dtype] else None
     resolved = impl
     if scorer_name != "none" and impl in ("auto", "default"):
-        from hf_neural_attn.ops.dispatch import resolve_impl
-        from hf_neural_attn.scorers import Scorer
-
-        scorer = next(module for module in model.modules() if isinstance(module, Scorer))
-        resolved = resolve_impl(
-            "auto", scorer, device=device, dtype=dtype or torch.float32, q_len=args.seq, kv_len=args.seq,
-            head_dim=args.width // args.heads, is_causal=args.family == "gpt2", batch=args.batch, heads=args.heads,
-        )  # fmt: skip
+        resolved = chosen_paths(model, batch, device, dtype, compiling=args.compiled)
 
     forward = model
     if args.compiled:
@@ -129,6 +150,17 @@ def build(args, dropout: str, scorer_name: str, impl: str):
             torch.cuda.synchronize()
 
     return step, resolved
+
+
+def chosen_paths(model, batch: dict, device, dtype, compiling: bool) -> str:
+    """The path(s) the ``auto`` rule picks for ``model``'s attention calls, from one eager forward in train mode
+    under the step's autocast (compiling: the rule's pick for the same calls while ``torch.compile`` traces, what
+    the compiled model runs; see common.recording_paths for why the compiled forward is not recorded itself)."""
+    import torch
+
+    with recording_paths() as calls, torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        model(**batch)
+    return paths_taken(calls, compiling=compiling)
 
 
 def measure(args) -> dict:
@@ -153,11 +185,22 @@ def measure(args) -> dict:
 def measure_interleaved(args, runs: list[tuple[str, str]]) -> dict[str, dict]:
     """Run in a child process: every configuration's model, one step each in turn for ``--steps`` rounds, so
     that the machine's drifts in speed hit all of them alike; per configuration the median step time
-    (``time_s``), the path the rule chose (``resolved_impl``) and, compiled, the compile time (``compile_s``)."""
-    built = {f"{scorer}/{impl}": build(args, args.dropout, scorer, impl) for scorer, impl in runs}
+    (``time_s``), the path the rule chose (``resolved_impl``) and, compiled, the compile time (``compile_s``), or
+    ``error`` for a configuration that failed to build or to run its first step (the others are timed still)."""
     warm_up_compiler(args)
-    # The warm-up steps, one configuration after another (compiled: each compile, from scratch: caches are off).
-    first_steps = {name: timed(step) for name, (step, _) in built.items()}
+    built, failed, first_steps = {}, {}, {}
+    for scorer, impl in runs:
+        name = f"{scorer}/{impl}"
+        try:
+            built[name] = build(args, args.dropout, scorer, impl)
+            # The warm-up step (compiled: the compile, from scratch: caches are off).
+            first_steps[name] = timed(built[name][0])
+        except Exception as error:  # one failing configuration must not take the others' numbers with it
+            built.pop(name, None)
+            failed[name] = {"error": f"{type(error).__name__}: {error}".splitlines()[0][:300]}
+            print(f"{name}: {failed[name]['error']}", file=sys.stderr)
+        if name in failed:  # out of the except block, whose exception still holds the model's frames
+            free_device_memory(args)
     times = {name: [] for name in built}
     for _ in range(args.steps):
         for name, (step, _) in built.items():
@@ -168,7 +211,18 @@ def measure_interleaved(args, runs: list[tuple[str, str]]) -> dict[str, dict]:
         results[name] = {"time_s": median, "resolved_impl": resolved}
         if args.compiled:
             results[name]["compile_s"] = first_steps[name] - median
-    return results
+    return results | failed
+
+
+def free_device_memory(args) -> None:
+    """After a failed configuration: give its CUDA memory back, so the next one is not short of it."""
+    if args.device.startswith("cuda"):
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def warm_up_compiler(args) -> None:
@@ -193,14 +247,26 @@ def timed(step) -> float:
 AUTOCAST_DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 # "default" names no impl (what a user gets from patch_model(model, scorer)); "auto" names the same rule.
 IMPLS = ("default", "reference", "chunked", "triton", "auto")
-# Model shapes: (layers, width, heads). cpu-small is the shape of the issue's CPU targets, gpt2-small the
-# GPU targets' GPT-2 small.
-PRESETS = {"cpu-small": (4, 256, 4), "gpt2-small": (12, 768, 12)}
+# Model shapes: (layers, width, heads, kv heads). cpu-small is the shape of the issue's CPU targets, gpt2-small the
+# GPU targets' GPT-2 small, smollm-135m SmolLM-135M's (Llama only: grouped-query attention).
+PRESETS = {
+    "cpu-small": (4, 256, 4, 4),
+    "gpt2-small": (12, 768, 12, 12),
+    "smollm-135m": tuple(
+        SMOLLM_135M[field]
+        for field in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads")
+    ),
+}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=sorted(ATTENTION_DROPOUT_FIELD), default="gpt2")
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that say which models a step trains: family, shape, batch, attention, scorers and paths."""
+    parser.add_argument(
+        "--family",
+        choices=sorted(ATTENTION_DROPOUT_FIELD),
+        default="gpt2",
+        help="llama: LlamaForCausalLM (SmolLM-135M's config fields; its attention dropout is 0)",
+    )
     parser.add_argument(
         "--seq", type=int, nargs="+", default=None, help="default: 256 ... 2048 on CPU, 1024 ... 8192 on CUDA"
     )
@@ -210,7 +276,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--base", choices=["sdpa", "eager"], default="sdpa", help="the model's attn_implementation (the patch's base)"
     )
-    parser.add_argument("--dropouts", nargs="+", choices=DROPOUTS, default=list(DROPOUTS))
+    parser.add_argument(
+        "--dropouts",
+        nargs="+",
+        choices=DROPOUTS,
+        default=list(DROPOUTS),
+        help="config: the config's attention dropout (0.1 for gpt2 and bert, 0 for llama); zero: attention dropout 0",
+    )
     parser.add_argument("--scorers", nargs="+", default=["qana", "neural"], choices=["qana", "neural"])
     parser.add_argument(
         "--impls",
@@ -223,13 +295,27 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--preset",
         choices=sorted(PRESETS),
         default=None,
-        help="model shape; default cpu-small on CPU, gpt2-small on CUDA",
+        help="model shape; default smollm-135m for llama, else cpu-small on CPU and gpt2-small on CUDA",
     )
     parser.add_argument("--layers", type=int, default=None, help="overrides the preset")
     parser.add_argument("--width", type=int, default=None, help="overrides the preset")
     parser.add_argument("--heads", type=int, default=None, help="overrides the preset")
+    parser.add_argument(
+        "--kv_heads", type=int, default=None, help="key/value heads, llama only (default: the preset's, or --heads)"
+    )
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        help=f"vocabulary size (default {VOCAB}; llama: SmolLM-135M's 49152); GPT-2's real vocabulary is 50257",
+    )
     parser.add_argument("--h", type=int, default=4)
     parser.add_argument("--proj_dim", type=int, default=None, help="Neural Attention's proj_dim (default: none)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=None, help="timed steps; default 3 on CPU, 10 on CUDA")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument(
@@ -268,12 +354,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     cuda = args.device.startswith("cuda")
     if not (cuda or args.device == "cpu"):
         parser.error(f"--device {args.device!r}: use cpu, cuda or cuda:N")
-    layers, width, heads = PRESETS[args.preset or ("gpt2-small" if cuda else "cpu-small")]
-    args.layers = args.layers or layers
-    args.width = args.width or width
-    args.heads = args.heads or heads
-    if args.width % args.heads:
-        parser.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
+    resolve_shape(parser, args, cuda)
     if args.padded and args.batch < 2:
         parser.error("--padded pads every row but the first: give --batch 2 or more")
     args.seq = args.seq or ([1024, 2048, 4096, 8192] if cuda else [256, 512, 1024, 2048])
@@ -285,6 +366,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def resolve_shape(parser: argparse.ArgumentParser, args: argparse.Namespace, cuda: bool) -> None:
+    """Fill layers, width, heads, kv heads and vocabulary from the preset where not given, and check they fit."""
+    default_preset = "smollm-135m" if args.family == "llama" else "gpt2-small" if cuda else "cpu-small"
+    args.preset = args.preset or default_preset
+    layers, width, heads, kv_heads = PRESETS[args.preset]
+    args.layers = args.layers or layers
+    args.width = args.width or width
+    args.heads = args.heads or heads
+    # A preset's kv heads hold for its own head count; with --heads overridden the default is plain multi-head.
+    args.kv_heads = args.kv_heads or (kv_heads if args.heads == heads else args.heads)
+    args.vocab = args.vocab or (SMOLLM_135M["vocab_size"] if args.family == "llama" else VOCAB)
+    if args.width % args.heads:
+        parser.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
+    if args.family != "llama" and args.kv_heads != args.heads:
+        parser.error(
+            f"--family {args.family} has no grouped-query attention: {args.kv_heads} kv heads for {args.heads} "
+            f"heads (--preset {args.preset}); use --family llama, or a preset or --kv_heads with kv heads = heads"
+        )
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads} is not a multiple of --kv_heads {args.kv_heads}")
+
+
 def interleave(args, seq: int, dropout: str, runs, shared: list[str], results: list[dict]) -> None:
     """Replace the step times (and compile times) of length ``seq`` and ``dropout`` in ``results`` by those of one
     interleaved child; with ``--quick`` there are no rows yet, and the child's make them."""
@@ -294,17 +397,27 @@ def interleave(args, seq: int, dropout: str, runs, shared: list[str], results: l
         print(" ".join(command))
         return
     finished = subprocess.run(command, check=False, capture_output=True, text=True, env=child_env(args))
-    if finished.returncode != 0:
-        sys.exit(f"n={seq}: the interleaved timing failed: {finished.stderr.strip()[-2000:]}")
-    measured = json.loads(finished.stdout.strip().splitlines()[-1])
+    if finished.returncode == 0:
+        measured = json.loads(finished.stdout.strip().splitlines()[-1])
+    else:  # the whole process failed (killed, out of memory): every configuration of this length says so
+        lines = finished.stderr.strip().splitlines() or [f"exit status {finished.returncode}"]
+        print(f"n={seq} {dropout}: the interleaved timing failed: {finished.stderr.strip()[-2000:]}", file=sys.stderr)
+        measured = {f"{scorer}/{impl}": {"error": f"interleaved process: {lines[-1]}"} for scorer, impl in runs}
     if args.quick:
         for scorer, impl in runs:
             results.append({"seq": seq, "dropout": dropout, "scorer": scorer, "impl": impl})
     for result in results:
         if result["seq"] == seq and result["dropout"] == dropout and "error" not in result:
-            result.update(measured[f"{result['scorer']}/{result['impl']}"], timed="interleaved")
-    times = ", ".join(f"{name} {row['time_s'] * 1e3:.1f} ms" for name, row in measured.items())
-    print(f"n={seq:5d} {dropout} interleaved times: {times}")
+            entry = measured[f"{result['scorer']}/{result['impl']}"]
+            if "error" in entry and not args.quick:  # its time stays the one its own process measured
+                result["interleaved_error"] = entry["error"]
+            else:
+                result.update(entry, **({} if "error" in entry else {"timed": "interleaved"}))
+    times = ", ".join(
+        f"{name} {row['time_s'] * 1e3:.1f} ms" if "time_s" in row else f"{name} {row['error']}"
+        for name, row in measured.items()
+    )
+    print(f"n={seq:5d} {dropout} interleaved times: {times}", flush=True)
 
 
 def child_env(args) -> dict[str, str]:
@@ -330,7 +443,7 @@ def main() -> None:
             sys.exit(f"--device {args.device}, but torch.cuda.is_available() is False (torch {torch.__version__}).")
 
     runs = [("none", args.base)] + [(scorer, impl) for scorer in args.scorers for impl in args.impls]
-    keys = ("family", "batch", "layers", "width", "heads", "h", "steps", "device", "dtype")
+    keys = ("family", "batch", "layers", "width", "heads", "kv_heads", "vocab", "h", "steps", "device", "dtype")
     shared = [f"--{k}={getattr(args, k)}" for k in keys] + (["--compiled"] if args.compiled else [])
     shared += [f"--proj_dim={args.proj_dim}"] if args.proj_dim else []
     shared += ["--padded", f"--padding_side={args.padding_side}"] if args.padded else []
@@ -401,14 +514,16 @@ def report(results, args) -> str:
         if args.compiled
         else ""
     )
-    shape = "GPT-2" if args.family == "gpt2" else "BERT (sequence classification)"
+    shape = {"gpt2": "GPT-2", "bert": "BERT (sequence classification)", "llama": "Llama (causal LM)"}[args.family]
+    heads = f"{args.heads} heads" + (f" on {args.kv_heads} kv heads" if args.kv_heads != args.heads else "")
     padding = f", rows 2 and on padded from the middle on the {args.padding_side}" if args.padded else ""
     neural = f"neural proj_dim={args.proj_dim}" if args.proj_dim else "neural with its default options"
+    config_dropout = " (0: Llama's config has none, so config = zero)" if args.family == "llama" else " (0.1)"
     setup = (
-        f"{shape} from its default config, {args.layers} layers x {args.width} wide x {args.heads} heads, batch "
-        f"{args.batch}{padding}, train mode, all layers patched with h={args.h}, {neural}, {precision}; dropout: "
-        f"config = the config's attention dropout, zero = attention dropout 0; median of {args.steps} steps"
-        f"{timing}{compiled}; machine: {machine}."
+        f"{shape} from its default config, {args.layers} layers x {args.width} wide x {heads}, vocabulary "
+        f"{args.vocab}, batch {args.batch}{padding}, train mode, all layers patched with h={args.h}, {neural}, "
+        f"{precision}; dropout: config = the config's attention dropout{config_dropout}, zero = attention dropout 0; "
+        f"median of {args.steps} steps{timing}{compiled}; machine: {machine}."
     )
     header = ["n", "dropout", "scorer", "impl", "step ms", "x unpatched"]
     header += ["compile s", "x unpatched"] if args.compiled else []
@@ -417,7 +532,8 @@ def report(results, args) -> str:
     for r in results:
         cells = [str(r["seq"]), r["dropout"], r["scorer"], label(r)]
         if "error" in r:
-            lines.append("| " + " | ".join(cells + [r["error"]] + [""] * (len(header) - 5)) + " |")
+            error = r["error"].replace("|", "/")  # a | would split the table's cell
+            lines.append("| " + " | ".join(cells + [error] + [""] * (len(header) - 5)) + " |")
             continue
         base = baseline.get((r["seq"], r["dropout"]))
         cells += [f"{r['time_s'] * 1e3:.1f}", ratio(r, base, "time_s")]
@@ -427,26 +543,18 @@ def report(results, args) -> str:
             base_zero = baseline.get((r["seq"], "zero"))
             cells += [f"{r['peak_bytes'] / 2**20:.0f}", ratio(r, base, "peak_bytes"), ratio(r, base_zero, "peak_bytes")]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        f"\nn={r['seq']} {r['dropout']} {r['scorer']}/{r['impl']}: the interleaved timing failed "
+        f"({r['interleaved_error']}); its step time comes from its own process."
+        for r in results
+        if "interleaved_error" in r
+    ]
     return "\n".join(lines) + "\n"
 
 
 def ratio(result: dict, base: dict | None, key: str) -> str:
     """``result[key]`` over the unpatched row's, or n/a without one."""
     return f"{result[key] / base[key]:.2f}" if base else "n/a"
-
-
-def describe_machine(device: str) -> str:
-    import torch
-
-    if device.startswith("cuda"):
-        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as handle:
-            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} (CPU)"
 
 
 def plot(results, path: Path) -> None:

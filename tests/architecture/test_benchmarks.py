@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -63,8 +65,10 @@ def test_inference_benchmark_reports_prefill_and_decode_eager_and_compiled(tmp_p
     assert set(results) == {"none", "qana", "none compiled", "qana compiled"}
     # Every row timed its 2 decode steps themselves: the compiled ones through generate's per-token stamps (3 tokens,
     # the first ending the prefill), not as a difference of two generate calls. No timing is a pass condition.
-    for times in results.values():
-        assert set(times) == {"prefill_s", "decode_s", "decode_steps"} and times["decode_steps"] == 2, times
+    for name, times in results.items():
+        recorded = {"paths"} if name == "qana" else set()  # the path is recorded for the patched eager row
+        assert set(times) == {"prefill_s", "decode_s", "decode_steps"} | recorded, times
+        assert times["decode_steps"] == 2, times
         assert isinstance(times["prefill_s"], float) and isinstance(times["decode_s"], float)
     table = (tmp_path / "inference.md").read_text()
     assert "| 16 | none |" in table and "| 16 | qana |" in table and "µs |" in table
@@ -73,15 +77,20 @@ def test_inference_benchmark_reports_prefill_and_decode_eager_and_compiled(tmp_p
     assert table.count("| 1.00 |") >= 4
 
 
-def test_inference_benchmark_at_smollm_135m_shape(tmp_path):
+def test_inference_benchmark_at_smollm_135m_shape_in_bf16(tmp_path):
+    """The model's weights in bf16 (--dtype), Neural Attention with proj_dim 2: the files' names carry device and
+    dtype, and the patched row says which path the rule picked for the prefill and for a decode step."""
     flags = ["--preset", "smollm-135m", "--layers", "1", "--prompt", "8", "--decode_steps", "1", "--rounds", "1"]
+    flags += ["--dtype", "bf16", "--proj_dim", "2", "--device", "cpu"]
     run_benchmark("inference.py", *flags, "--scorers", "neural", tmp_path=tmp_path)
-    results = json.loads((tmp_path / "inference_smollm-135m.json").read_text())
+    results = json.loads((tmp_path / "inference_smollm-135m_cpu_bf16.json").read_text())
     assert results["setup"]["preset"] == "smollm-135m" and set(results["results"]["8"]) == {"none", "neural"}
-    assert (
-        "SmolLM-135M's shape: Llama 1 layers x 576 wide, 9 query heads on 3"
-        in (tmp_path / "inference_smollm-135m.md").read_text()
-    )
+    # 9 heads x 8 x 8 scores x h=4 is far under the threshold: the rule materialises them, prefill and decode.
+    assert results["results"]["8"]["neural"]["paths"] == {"prefill": "reference", "decode": "reference"}
+    table = (tmp_path / "inference_smollm-135m_cpu_bf16.md").read_text()
+    assert "SmolLM-135M's shape: Llama 1 layers x 576 wide, 9 query heads on 3" in table
+    assert "(Neural Attention with proj_dim=2), weights in bf16" in table
+    assert "| reference / reference |" in table
 
 
 def test_train_step_benchmark_on_a_left_padded_decoder_batch_over_an_eager_base(tmp_path):
@@ -109,3 +118,39 @@ def test_train_step_benchmark_compiled_quick(tmp_path):
     assert "torch.compile(model, fullgraph=True)" in table
     assert "| n | dropout | scorer | impl | step ms | x unpatched | compile s | x unpatched |" in table
     assert "| 24 | config | none | sdpa |" in table and "| 24 | config | qana | chunked |" in table
+
+
+def test_train_step_dry_run_of_the_llama_shape_and_gpt2s_real_vocabulary(tmp_path):
+    """--family llama takes SmolLM-135M's shape (grouped heads, its vocabulary) unless told otherwise; --vocab reaches
+    every child; a GPT-2 given a grouped-head preset is refused, naming the flags."""
+    flags = ["--dry_run", "--device", "cuda", "--dtype", "bf16", "--seq", "1024", "--dropouts", "config", "--quick"]
+    flags += ["--impls", "auto"]
+    llama = run_benchmark("train_step.py", "--family", "llama", *flags, tmp_path=tmp_path).stdout
+    shape = "--family=llama --batch=1 --layers=30 --width=576 --heads=9 --kv_heads=3 --vocab=49152"
+    assert shape in llama and "--runs=none/sdpa,qana/auto,neural/auto" in llama
+    gpt2 = run_benchmark("train_step.py", "--vocab", "50257", "--proj_dim", "2", *flags, tmp_path=tmp_path).stdout
+    assert "--layers=12 --width=768 --heads=12 --kv_heads=12 --vocab=50257" in gpt2 and "--proj_dim=2" in gpt2
+    command = [sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--preset", "smollm-135m", *flags]
+    refused = subprocess.run(command, capture_output=True, text=True, check=False, timeout=60)
+    assert refused.returncode == 2 and "--family gpt2 has no grouped-query attention" in refused.stderr
+
+
+def test_gpu_script_at_cpu_sizes_records_every_step(tmp_path):
+    """benchmarks/gpu_issue48.sh with GPU_CHECK_DEVICE=cpu (tiny sizes), two of its steps: the Llama training step
+    (grouped heads, bf16 autocast) runs; the targets check fails, since step b1's results are missing. summary.md
+    has the versions and each step's status and tables, the run exits 1 for the failure, and $OUT gets the log and
+    the results' archive."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_STEPS": "d targets", "PYTHON": sys.executable}
+    env |= {"OUT": str(out), "GPU_CHECK_WORK": str(work)}
+    command = ["bash", str(ROOT / "benchmarks" / "gpu_issue48.sh")]
+    finished = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600, env=env)
+    summary = (out / "summary.md").read_text()
+    assert finished.returncode == 1, summary
+    assert "GPU_CHECK_DEVICE=cpu" in summary and "transformers 5." in summary
+    assert "- d: ok" in summary and "- targets: failed (exit status 1)" in summary
+    assert "Llama (causal LM) from its default config, 1 layers x 64 wide x 2 heads on 1 kv heads" in summary
+    assert "| 64 | config | qana | auto -> reference |" in summary
+    assert sorted(path.name for path in out.iterdir()) == ["gpu_issue48.log", "results.tar.gz", "summary.md"]
+    with tarfile.open(out / "results.tar.gz") as archive:
+        assert f"{work.name}/d_llama_64.json" in archive.getnames()

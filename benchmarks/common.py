@@ -1,0 +1,83 @@
+"""What the benchmark scripts share: SmolLM-135M's shape, the machine's description, and which attention path the
+library's dispatch rule picked for a model's calls.
+
+The scripts run as ``python benchmarks/<script>.py``, which puts this folder first on ``sys.path``: they import
+this module as ``common``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+from unittest import mock
+
+# HuggingFaceTB/SmolLM-135M's config (LlamaConfig fields): 30 layers x 576, 9 query heads on 3 kv heads of 64, vocab
+# 49152. Its weights are not needed for timing, and the Hub is not reachable here.
+SMOLLM_135M = {
+    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True, "rope_theta": 10000.0,
+}  # fmt: skip
+
+
+def describe_machine(device: str) -> str:
+    """The processor or GPU the run used, with the versions that decide what it measures."""
+    import torch
+    import transformers
+
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    if device.startswith("cuda"):
+        try:
+            import triton
+
+            versions += f", triton {triton.__version__}"
+        except ImportError:
+            versions += ", no triton"
+        return f"{torch.cuda.get_device_name(torch.device(device))}, {versions}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {versions} (CPU)"
+
+
+@contextlib.contextmanager
+def recording_paths():
+    """Record each call of the library's dispatch rule (``hf_neural_attn.ops.dispatch.resolve_impl``, which turns
+    a scorer's ``impl`` and a call's shapes into a path) made inside the block; yields the list of
+    ``(args, kwargs, path)`` it fills.
+
+    Eager calls only: under ``torch.compile`` the rule runs while Dynamo traces, and a recording there is a side
+    effect the compiled model replays and guards on, so it would recompile at every step (seen on CPU). For a
+    compiled model, record an eager forward and ask :func:`paths_taken` with ``compiling=True``.
+    """
+    from hf_neural_attn.ops import dispatch
+
+    original, calls = dispatch.resolve_impl, []
+
+    def recorded(*args, **kwargs):
+        path = original(*args, **kwargs)
+        calls.append((args, kwargs, path))
+        return path
+
+    dispatch.resolve_impl = recorded
+    try:
+        yield calls
+    finally:
+        dispatch.resolve_impl = original
+
+
+def paths_taken(calls: list, compiling: bool = False) -> str:
+    """The distinct paths of the calls :func:`recording_paths` recorded, joined by ``+`` (``unknown`` if no call
+    reached the rule). ``compiling``: the paths the rule picks for the same calls while ``torch.compile`` traces
+    them (it asks ``torch.compiler.is_compiling()``, answered True here), which is what a compiled model runs."""
+    if not calls:
+        return "unknown"
+    if not compiling:
+        return "+".join(sorted({path for _, _, path in calls}))
+    from hf_neural_attn.ops import dispatch
+
+    with mock.patch("torch.compiler.is_compiling", return_value=True):
+        return "+".join(sorted({dispatch.resolve_impl(*args, **kwargs) for args, kwargs, _ in calls}))
