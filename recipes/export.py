@@ -12,14 +12,17 @@ to load it:
   ``hf_neural_attn.from_pretrained`` loads patched (a patched run's) and transformers loads as any model (a
   baseline's);
 * of a run on a quantized base that trained the scorers alone (``--train_only_new_params``), a full checkpoint whose
-  base stays quantized: the config with its ``quantization_config`` and the checkpoint's weights as they are (the
-  quantized ones in the layout ``save_pretrained`` writes), checked by loading the model from them;
+  base stays quantized: the config with its ``quantization_config`` and the checkpoint's weights in the layout
+  ``save_pretrained`` writes (bitsandbytes': as they are, checked by loading the model from them; torchao's: its
+  quantized weights and the rest in one file again, in torchao's safetensors layout, checked against the model's
+  skeleton);
 * of a LoRA run (``--lora_r``), PEFT's adapter: the model's skeleton (meta device) wrapped by PEFT as the run wrapped
   it, from the ``--lora_*`` settings in ``trainer_state.json``, and the adapter's weights taken from the checkpoint.
 
 The weights, by backend: ``model.safetensors`` (one process, or DDP, whose wrapper prefixes ``module.``), DeepSpeed's
 partitioned files (gathered by DeepSpeed's own ``zero_to_fp32`` functions, as its ``zero_to_fp32.py`` script beside
-them does) and FSDP's full state dict (``pytorch_model_fsdp.bin``). FSDP's sharded state dict is merged first with
+them does) and FSDP's full state dict (``pytorch_model_fsdp.bin``); over a torchao base, ``pytorch_model.bin`` and
+the torchao weights set aside in ``torchao_weights.safetensors``. FSDP's sharded state dict is merged first with
 ``accelerate merge-weights``. Weights the checkpoint stores once for two names (GPT-2's LM head, tied to the input
 embeddings) are tied again.
 """
@@ -48,6 +51,7 @@ PEFT_MODEL_CLASS = "PeftModel"  # what LoRA checkpoints' config.json named befor
 PEFT_PREFIX = "base_model.model."  # PEFT's wrapper's prefix of the transformers model's names
 MODULES_TO_SAVE = ".modules_to_save."  # PEFT's name of the trained copy of a module in modules_to_save
 LORA_FLAGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+TORCHAO_METHOD = "torchao"  # a torchao base's quant_method in its config's quantization_config
 
 
 def export_checkpoint(checkpoint: str | os.PathLike, target: str | os.PathLike, model_files=None) -> Path:
@@ -82,10 +86,12 @@ def export_checkpoint(checkpoint: str | os.PathLike, target: str | os.PathLike, 
     state = read_weights(checkpoint)
     config = AutoConfig.from_pretrained(files)
     model_class = _model_class(config, task, files)
+    quantization = getattr(config, "quantization_config", None)
     if settings.get("lora_r") is not None:
         write = _write_adapter
-    elif getattr(config, "quantization_config", None) is not None:
-        write = _write_quantized
+    elif quantization is not None:
+        # config.json's dict, as AutoConfig reads it
+        write = _write_torchao if quantization.get("quant_method") == TORCHAO_METHOD else _write_quantized
     else:
         write = _write_full
     staging = target.parent / f".{target.name}.partial"  # renamed into place once complete
@@ -126,16 +132,7 @@ def _write_full(folder: Path, model_class, config, settings, state: dict[str, An
 
     with torch.random.fork_rng(devices=[]):
         model = model_class(config)  # a patched config builds the patched model (fresh scorers, loaded next)
-    expected = model.state_dict()
-    tied = getattr(model, "all_tied_weights_keys", None) or {}
-    _check_fit(
-        misfit,
-        missing=[name for name in expected if name not in state and name not in tied],
-        unexpected=[name for name in state if name not in expected],
-        other_shapes=[
-            name for name, tensor in state.items() if name in expected and tensor.shape != expected[name].shape
-        ],
-    )
+    _check_model_fit(misfit, model, state)
     model.load_state_dict(state, strict=False)
     model.save_pretrained(folder)
 
@@ -146,19 +143,71 @@ def _write_quantized(folder: Path, model_class, config, settings, state: dict[st
     ``save_pretrained`` writes (bitsandbytes': each 4-bit weight packed, its quantization state beside it). The model
     is loaded from them first, which checks that they fit; transformers cannot save a model loaded pre-quantized
     itself (its bitsandbytes loading step has no reverse)."""
+    import torch
     from safetensors.torch import save_file
 
     try:
-        _, info = model_class.from_pretrained(None, config=config, state_dict=dict(state), output_loading_info=True)
+        model, info = model_class.from_pretrained(None, config=config, state_dict=dict(state), output_loading_info=True)
     except RuntimeError as error:  # tensors of other shapes
         raise RecipeError(f"{misfit}: {str(error).splitlines()[0]}") from None
-    _check_fit(misfit, sorted(info["missing_keys"]), sorted(info["unexpected_keys"]), [])
+    with torch.device("meta"):  # no weights, no memory
+        expected = dict(model_class(config).named_parameters())
+    # bitsandbytes' loader takes a 4-bit weight of another shape without a word (its packed storage has a shape of
+    # its own; the weight's is in its quant_state): compared here.
+    other_shapes = [
+        name
+        for name, parameter in model.named_parameters()
+        if name in expected and _weight_shape(parameter) != expected[name].shape
+    ]
+    _check_fit(misfit, sorted(info["missing_keys"]), sorted(info["unexpected_keys"]), other_shapes)
+    _save_configs(folder, model_class, config)
+    save_file(state, folder / WEIGHTS_FILES[0], metadata={"format": "pt"})
+
+
+def _write_torchao(folder: Path, model_class, config, settings, state: dict[str, Any], misfit: str) -> None:
+    """A full checkpoint of a torchao-quantized base, as ``save_pretrained`` of the run's model writes it: the config
+    (its ``quantization_config`` included) and ``model.safetensors`` in torchao's safetensors layout, which
+    transformers' torchao loader reads: ``state`` (its quantized weights the tensor subclasses of
+    ``qlora.read_torchao_weights``) flattened by torchao, each quantized weight as its plain tensors
+    (``<module>._weight_qdata``, ...) with what rebuilds it in the file's metadata, in the model's order.
+
+    The weights are checked against the model's skeleton (meta device), not by loading them: transformers' torchao
+    loader takes a quantized weight of another shape without a word. Not loaded and saved with ``save_pretrained``
+    either: transformers cannot save a model torchao loaded pre-quantized (a ``NotImplementedError`` from its weight
+    converter)."""
+    import torch
+    from safetensors.torch import save_file
+    from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+
+    with torch.device("meta"):  # no weights, no memory
+        skeleton = model_class(config)
+    _check_model_fit(misfit, skeleton, state)
+    # As save_pretrained writes it: the model's whole state dict flattened in its order, the weights tied to another
+    # (left out of the checkpoint) named in the metadata, their tensors left out of the file.
+    tied = getattr(skeleton, "all_tied_weights_keys", None) or {}
+    whole = {name: state.get(name, state.get(tied.get(name, ""))) for name in skeleton.state_dict()}
+    tensors, metadata = flatten_tensor_state_dict(
+        {name: tensor for name, tensor in whole.items() if tensor is not None}
+    )
+    tensors = {name: tensor for name, tensor in tensors.items() if name not in tied}
+    _save_configs(folder, model_class, config)
+    save_file(tensors, folder / WEIGHTS_FILES[0], metadata={**metadata, "format": "pt"})
+
+
+def _weight_shape(parameter) -> tuple[int, ...]:
+    """The shape of the weight ``parameter`` stands for: a bitsandbytes 4-bit weight's ``quant_state`` holds it (its
+    own shape is its packed storage's, ``(numel / 2, 1)``); any other parameter's own."""
+    quant_state = getattr(parameter, "quant_state", None)
+    return tuple(quant_state.shape) if quant_state is not None else tuple(parameter.shape)
+
+
+def _save_configs(folder: Path, model_class, config) -> None:
+    """The model's config and, for a model that generates, its generation config, as ``save_pretrained`` writes them."""
     config.save_pretrained(folder)
     if model_class.can_generate():
         from transformers import GenerationConfig
 
         GenerationConfig.from_model_config(config).save_pretrained(folder)
-    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
 
 
 def _write_adapter(folder: Path, model_class, config, settings, state: dict[str, Any], misfit: str) -> None:
@@ -185,6 +234,21 @@ def _write_adapter(folder: Path, model_class, config, settings, state: dict[str,
         other_shapes=[name for name in expected if name in found and found[name].shape != expected[name].shape],
     )
     model.save_pretrained(folder, state_dict=state)
+
+
+def _check_model_fit(misfit: str, model, state: dict[str, Any]) -> None:
+    """Refuse ``state`` unless it holds ``model``'s tensors by name and shape (those tied to another may be left out,
+    as the checkpoint leaves them out)."""
+    expected = model.state_dict()
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    _check_fit(
+        misfit,
+        missing=[name for name in expected if name not in state and name not in tied],
+        unexpected=[name for name in state if name not in expected],
+        other_shapes=[
+            name for name, tensor in state.items() if name in expected and tensor.shape != expected[name].shape
+        ],
+    )
 
 
 def _check_fit(misfit: str, missing: list[str], unexpected: list[str], other_shapes: list[str]) -> None:
@@ -222,6 +286,7 @@ def read_weights(checkpoint: Path) -> dict[str, Any]:
         state = load_file(weights)
     else:
         state = torch.load(weights, map_location="cpu", weights_only=True)
+    state.update(qlora.read_torchao_weights(checkpoint))  # set aside from the rest (qlora.set_aside_torchao_weights)
     if state and all(name.startswith("module.") for name in state):  # DDP's wrapper
         state = {name.removeprefix("module."): tensor for name, tensor in state.items()}
     return state

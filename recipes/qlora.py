@@ -315,6 +315,23 @@ def set_aside_torchao_weights(models: list, weights: list[dict[str, Any]], outpu
             save_file(tensors, os.path.join(output_dir, f"{TORCHAO_WEIGHTS_STEM}{suffix}.safetensors"), metadata)
 
 
+def read_torchao_weights(checkpoint: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The torchao-quantized weights :func:`set_aside_torchao_weights` wrote into ``checkpoint`` (its model's, by the
+    names of the model's state dict), rebuilt as the tensor subclasses they were; empty when it holds none. Anything
+    in the file that torchao's layout does not account for comes back as it is, under its own name, not dropped."""
+    path = os.path.join(checkpoint, TORCHAO_WEIGHTS)
+    if not os.path.isfile(path):
+        return {}
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+
+    with safe_open(path, "pt") as handle:
+        metadata = handle.metadata()
+    weights, left = unflatten_tensor_state_dict(load_file(path), metadata)
+    return {**left, **weights}
+
+
 def safetensors_checkpoints(args: argparse.Namespace) -> bool:
     """Whether a run's checkpoints hold the model's weights in ``model.safetensors`` (else ``pytorch_model.bin``): not
     over a torchao base. safetensors' loader, which ``accelerator.load_state`` reads that file with, looks for shared

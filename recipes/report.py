@@ -443,11 +443,11 @@ def checkpoint_card(
             f"# {model_class} at {step} of a recipes run\n\n`python -m recipes.export` wrote this folder from the run's "
             f"training-state checkpoint `{step}`: {what}.\n\n## How to load\n\n{loading}"
         )
-    quantized = (
-        ", with the quantization states of the base's weights beside them,"
-        if qlora.describe_quantization(settings)
-        else ""
-    )
+    quantized = ""
+    if settings.get("torchao"):  # qlora.set_aside_torchao_weights
+        quantized = f" (the base's torchao weights apart, in torchao's safetensors layout: `{qlora.TORCHAO_WEIGHTS}`)"
+    elif qlora.describe_quantization(settings):
+        quantized = ", with the quantization states of the base's weights beside them,"
     return f"""# Training state at {step} of a recipes run
 
 This folder is a **training-state checkpoint**, not a model checkpoint: Accelerate's `save_state` wrote the model's

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -253,19 +254,30 @@ def test_torchao_on_a_model_without_linear_projections_is_refused_not_trained_in
         setup(parse_args([*flags, "--output_dir", str(tmp_path)]))
 
 
-def checkpointed_run(assets, output_dir, *flags: str):
-    """A 4-step 4-bit run of the 64-wide Llama with a checkpoint every 2 steps: (the trained model, unwrapped, in eval
-    mode; its last checkpoint, step_4, taken after the last step)."""
-    run_flags = [*clm_flags(assets, "--load_in_4bit", "--checkpointing_steps", "2", "--attention_map_layer", "none")]
+# The quantized bases whose checkpoints export: bitsandbytes 4-bit (accelerate's model.safetensors, the quantization
+# states beside the weights) and torchao int8 weight-only (its weights in torchao_weights.safetensors, the rest in
+# pytorch_model.bin).
+EXPORTED_BASES = {"bnb 4-bit": ["--load_in_4bit"], "torchao int8 weight-only": ["--torchao", "int8_weight_only"]}
+
+
+def checkpointed_run(assets, output_dir, quantization: list[str], *flags: str):
+    """A 4-step run of the 64-wide Llama on the base ``quantization`` (flags) loads, with a checkpoint every 2 steps:
+    (the trained model, unwrapped, in eval mode; its last checkpoint, step_4, taken after the last step)."""
+    run_flags = [*clm_flags(assets, *quantization, "--checkpointing_steps", "2", "--attention_map_layer", "none")]
     model, _ = trained_run(output_dir, [*run_flags, *flags, "--model_name_or_path", str(assets["llama"])])
     return model, output_dir / "step_4"
 
 
 def assert_same_tensors(file, other) -> None:
+    """Two safetensors files hold the same tensors under the same names, and the same metadata (torchao's: what
+    rebuilds each quantized weight)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     tensors, others = load_file(file), load_file(other)
     assert tensors.keys() == others.keys() and all(torch.equal(tensors[name], others[name]) for name in tensors)
+    with safe_open(file, "pt") as handle, safe_open(other, "pt") as other_handle:
+        assert handle.metadata() == other_handle.metadata()
 
 
 def loaded_by_the_card(folder):
@@ -276,16 +288,17 @@ def loaded_by_the_card(folder):
     return namespace["model"].eval()
 
 
-def test_a_qlora_checkpoint_exports_to_the_adapter_the_run_saves(assets, tmp_path):
-    """The step_N of a 4-bit LoRA run says what it is (a training state, not a model) and how to export it;
-    ``python -m recipes.export`` of the last one writes what the run's final output is, PEFT's adapter, tensor for
+@pytest.mark.parametrize("quantization", EXPORTED_BASES.values(), ids=EXPORTED_BASES)
+def test_a_quantized_lora_checkpoint_exports_to_the_adapter_the_run_saves(assets, tmp_path, quantization):
+    """The step_N of a LoRA run on a quantized base says what it is (a training state, not a model) and how to export
+    it; ``python -m recipes.export`` of the last one writes what the run's final output is, PEFT's adapter, tensor for
     tensor, and the export's card loads it onto the quantized, patched base: the trained model's logits (within
     1e-6, as the run's own card). A checkpoint written before the recipe recorded the model's class (its config.json
     named PeftModel) exports the same."""
     from recipes.export import main as export
 
     out = tmp_path / "qlora"
-    model, step = checkpointed_run(assets, out, "--scorer", "qana", "--lora_r", "4")
+    model, step = checkpointed_run(assets, out, quantization, "--scorer", "qana", "--lora_r", "4")
     card = (step / report.CARD_FILE).read_text()
     assert "**training-state checkpoint**, not a model checkpoint" in card
     assert "python -m recipes.export path/to/step_4 path/to/the/export" in card and "PEFT's adapter" in card
@@ -315,26 +328,53 @@ def test_a_qlora_checkpoint_exports_to_the_adapter_the_run_saves(assets, tmp_pat
     assert_same_tensors(tmp_path / "older" / "adapter_model.safetensors", out / "adapter_model.safetensors")
 
 
-def test_a_4_bit_scorer_checkpoint_exports_to_the_quantized_checkpoint_the_run_saves(assets, tmp_path):
-    """``python -m recipes.export`` of the last step_N of a 4-bit run that trained the scorers alone writes what the
-    run's final output is: a full patched checkpoint whose base stays 4-bit, tensor for tensor; the export's card
-    loads it with the trained model's logits (within 1e-6). Weights that do not fit the model files are refused by
-    name, with no folder left behind."""
+@pytest.mark.parametrize("quantization", EXPORTED_BASES.values(), ids=EXPORTED_BASES)
+def test_a_quantized_scorer_checkpoint_exports_to_the_quantized_checkpoint_the_run_saves(
+    assets, tmp_path, capsys, quantization
+):
+    """``python -m recipes.export`` of the last step_N of a run on a quantized base that trained the scorers alone
+    writes what the run's final output is: a full patched checkpoint whose base stays quantized, tensor for tensor
+    (torchao's weights, kept apart in the checkpoint, in torchao's safetensors layout again, with the same metadata);
+    the export's card loads it with the trained model's logits (within 1e-6). Weights that do not fit the model files
+    (scorers the config does not have, projections of another size) are refused by name, with no folder left
+    behind."""
     from recipes.export import main as export
 
     out = tmp_path / "scorers"
-    model, step = checkpointed_run(assets, out, "--scorer", "neural", "--train_only_new_params")
-    assert "a full patched checkpoint whose base weights stay quantized" in (step / report.CARD_FILE).read_text()
+    model, step = checkpointed_run(assets, out, quantization, "--scorer", "neural", "--train_only_new_params")
+    card = (step / report.CARD_FILE).read_text()
+    assert "a full patched checkpoint whose base weights stay quantized" in card
+    assert (f"torchao weights apart, in torchao's safetensors layout: `{qlora.TORCHAO_WEIGHTS}`" in card) == (
+        "--torchao" in quantization
+    )
 
     assert export([str(step), str(tmp_path / "exported")]) == 0
     exported = tmp_path / "exported"
+    assert {path.name for path in exported.iterdir()} <= {path.name for path in out.iterdir()}
     assert_same_tensors(exported / "model.safetensors", out / "model.safetensors")
     config = json.loads((exported / "config.json").read_text())
-    assert config["quantization_config"]["load_in_4bit"] and config == json.loads((out / "config.json").read_text())
+    assert config == json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == (
+        "torchao" if "--torchao" in quantization else "bitsandbytes"
+    )
     ids = token_ids(model)
     with torch.no_grad():
         torch.testing.assert_close(loaded_by_the_card(exported)(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
 
+    unpatched = {
+        **json.loads((assets["llama"] / "config.json").read_text()),
+        "quantization_config": config["quantization_config"],
+    }
+    misfits = {
+        "unpatched": (unpatched, "unexpected ['model.layers.0.self_attn.attn_scorer."),
+        "narrower": ({**config, "intermediate_size": 64}, "of other shapes ['model.layers.0.mlp."),
+    }
+    for name, (other_config, _) in misfits.items():
+        shutil.copytree(step / "model_files", tmp_path / name)
+        (tmp_path / name / "config.json").write_text(json.dumps(other_config))
     before = sorted(path.name for path in tmp_path.iterdir())
-    assert export([str(step), str(tmp_path / "misfit"), "--model_files", str(assets["llama"])]) == 2
-    assert sorted(path.name for path in tmp_path.iterdir()) == before
+    for name, (_, found) in misfits.items():
+        capsys.readouterr()
+        assert export([str(step), str(tmp_path / "misfit"), "--model_files", str(tmp_path / name)]) == 2
+        assert found in capsys.readouterr().err
+        assert sorted(path.name for path in tmp_path.iterdir()) == before
