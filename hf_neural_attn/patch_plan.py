@@ -31,7 +31,7 @@ from .ops.dispatch import check_impl
 from .ops.dropout import check_probability
 from .patched_config import base_config_as_recorded, implementation_under_patch, make_patched, model_type_under_patch
 from .placement.offload import offloaded_weights_loaded
-from .placement.quantized import activation_dtype, turn_off_cpu_kernel_for_patch
+from .placement.quantized import activation_dtype, turn_off_cpu_kernel_for_patch, warn_if_activations_quantized
 from .placement.zero3 import partition_like, partitioned_weights_gathered, register_scorer_parameters
 from .record import (
     ADDED_MODULE_ATTR,
@@ -235,8 +235,9 @@ def apply_patch(plan: PatchPlan) -> PreTrainedModel:
     # transformers' own card writers (push_to_hub's, the Trainer's) add a model's model_tags to the cards they write.
     model.add_model_tags(checkpoint_tags(plan.record.scorer))
     # A patched model is one to train: bitsandbytes' CPU kernel for 4-bit layers would stop its gradients at the
-    # first evaluation. Last, as it warns.
+    # first evaluation, and torchao's activation quantization stops them at every call. Last, as they warn.
     turn_off_cpu_kernel_for_patch(model)
+    warn_if_activations_quantized(model)
     return model
 
 

@@ -221,6 +221,33 @@ def turn_off_cpu_kernel_for_patch(model: nn.Module) -> None:
     warn_user(message)
 
 
+def activation_quantized_layers(model: nn.Module) -> list[str]:
+    """The names of ``model``'s layers whose torchao weight also quantizes the layer's input at every call (int8
+    dynamic activation quantization: the weight's ``act_quant_kwargs``, or an older torchao's ``input_quant_func``).
+    That rounding passes no gradient back to the input, so nothing before such a layer trains through it."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if quantizer_of(weight := getattr(module, "weight", None)) == TORCHAO
+        and (getattr(weight, "act_quant_kwargs", None) is not None or getattr(weight, "input_quant_func", None))
+    ]
+
+
+def warn_if_activations_quantized(model: nn.Module) -> None:
+    """After a patch: say, once, when torchao quantizes the activations of some of ``model``'s layers, through which
+    the scorers' gradients would have to come back (:func:`activation_quantized_layers`). Not refused: such a model
+    serves and evaluates patched as well as its base."""
+    layers = activation_quantized_layers(model)
+    if layers:
+        warn_user(
+            f"hf_neural_attn: torchao quantizes the activations of {len(layers)} layers of this model ({layers[0]}, "
+            "...: int8 dynamic quantization), and that quantization passes no gradient to their input, so the scorers "
+            "(whose gradients come back through the output projection) and anything before those layers will not "
+            "train. The patched model evaluates and serves as its base; to train it, quantize the base weight-only "
+            "(torchao's Int8WeightOnlyConfig, or bitsandbytes' load_in_4bit) (docs/qlora.md)."
+        )
+
+
 def restore_cpu_kernel(model: nn.Module) -> None:
     """Turn bitsandbytes' CPU kernel on again on the 4-bit layers of ``model`` where a patch turned it off
     (:func:`turn_off_cpu_kernel_for_patch`): the unpatched model runs as the base did."""

@@ -174,6 +174,27 @@ def test_training_the_scorers_leaves_the_quantized_base_bit_identical(base_folde
         assert torch.equal(tensor, frozen[name]), name
 
 
+@pytest.mark.parametrize("scheme", ["torchao-int8-dynamic", "torchao-int8-weight-only"])
+def test_a_base_whose_activations_torchao_quantizes_is_said_to_train_no_scorer(base_folders, scheme):
+    """torchao's int8 dynamic quantization rounds each layer's input at every call, which passes no gradient: the
+    patch says so once (the scorers' gradients come back through o_proj), and a training step indeed gives them none.
+    Weight-only quantization passes gradients, and nothing is said."""
+    model = quantized_model(base_folders, "llama", scheme)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf_neural_attn.patch_model(model, "qana")
+    said = [str(warning.message) for warning in caught if "quantizes the activations" in str(warning.message)]
+    perturb_scorers(model, std=0.05)
+    inputs = model_inputs("llama")
+    model.train()(**inputs, labels=inputs["input_ids"]).loss.backward()
+    grads = [p.grad for p in hf_neural_attn.scorer_parameters(model).values()]
+    if scheme == "torchao-int8-dynamic":
+        assert len(said) == 1 and "will not train" in said[0]
+        assert all(grad is None or grad.abs().max() == 0 for grad in grads)
+    else:
+        assert said == [] and any(grad is not None and grad.abs().max() > 0 for grad in grads)
+
+
 def patched_4_bit_llama(base_folders, tmp_path, entry: str):
     """A tiny 4-bit NF4 Llama patched with QANA by ``entry`` (``patch_model`` on the quantized base, or
     ``from_pretrained`` of a float patched checkpoint with a ``quantization_config``), its scorers perturbed off their
