@@ -206,18 +206,9 @@ def _backward(ctx, grad_out, _grad_row_max, _grad_row_sum):
         grad_out, out, row_max, row_sum, query, key, value, attention_mask, term, dropout_seed, *ctx.static
     )
     # The replace form's scores do not read the queries. The mask gets no gradient: the dispatcher refuses a mask
-    # that requires one (.fused.inputs_unsupported_reason); neither do the seed and the static arguments.
-    return (
-        None if kind == KIND_PAIR_MLP_REPLACE else dq, dk, dv, None, dterm, None,
-        *(_no_gradient(argument) for argument in ctx.static),
-    )  # fmt: skip
-
-
-def _no_gradient(argument):
-    """The "no gradient" of a static argument in the structure torch.library expects back: it reads an empty list
-    as a list of tensors (so its gradient is an empty list) and any other value, a list of ints included, as one
-    value (None)."""
-    return [] if isinstance(argument, list) and not argument else None
+    # that requires one (.fused.inputs_unsupported_reason); neither do the seed and the static arguments (values, and
+    # a list of four ints, which torch.library reads as one value: None).
+    return (None if kind == KIND_PAIR_MLP_REPLACE else dq, dk, dv, None, dterm, None, *(None for _ in ctx.static))
 
 
 fused_attention_forward.register_autograd(_backward, setup_context=_save_for_backward)

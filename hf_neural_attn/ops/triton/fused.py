@@ -159,8 +159,8 @@ def operator_arguments(
     """The arguments of ``torch.ops.hf_neural_attn.fused_attention_forward`` (:mod:`.custom_ops`) for a call of
     :func:`fused_attention`: query, key, value, mask, the term's tensors as one list (read back by
     :func:`.launch.term_tensors`), the dropout seed (or None), then the kernels' ``KIND`` code, activation, scaling,
-    is_causal, hidden width, the dropout probability and the call's place in the whole it drops for. Keys, values and the term's tensors that multiply them are cast to the query's
-    dtype."""
+    is_causal, hidden width, the dropout probability and the call's place in the whole it drops for. Keys, values and
+    the term's tensors that multiply them are cast to the query's dtype."""
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads % kv_heads != 0 or value.shape[1] != kv_heads:
         raise ValueError(
