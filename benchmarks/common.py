@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-from unittest import mock
 
 # HuggingFaceTB/SmolLM-135M's config (LlamaConfig fields): 30 layers x 576, 9 query heads on 3 kv heads of 64, vocab
 # 49152. Its weights are not needed for timing, and the Hub is not reachable here.
@@ -45,39 +44,31 @@ def describe_machine(device: str) -> str:
 
 @contextlib.contextmanager
 def recording_paths():
-    """Record each call of the library's dispatch rule (``hf_neural_attn.ops.dispatch.resolve_impl``, which turns
-    a scorer's ``impl`` and a call's shapes into a path) made inside the block; yields the list of
-    ``(args, kwargs, path)`` it fills.
+    """Record the path of each call of the library's dispatch rule (``hf_neural_attn.ops.dispatch.resolve_impl``,
+    which turns a scorer's ``impl`` and a call's shapes into a path) made inside the block; yields the list of paths
+    it fills. The rule is put back when the block ends, raised or not.
 
     Eager calls only: under ``torch.compile`` the rule runs while Dynamo traces, and a recording there is a side
-    effect the compiled model replays and guards on, so it would recompile at every step (seen on CPU). For a
-    compiled model, record an eager forward and ask :func:`paths_taken` with ``compiling=True``.
+    effect the compiled model replays and guards on, so it would recompile at every step (seen on CPU). The rule reads
+    a call's shapes, dtype, device and mask, not whether ``torch.compile`` traces it, so an eager forward records the
+    paths the compiled model runs too.
     """
     from hf_neural_attn.ops import dispatch
 
-    original, calls = dispatch.resolve_impl, []
+    original, paths = dispatch.resolve_impl, []
 
     def recorded(*args, **kwargs):
-        path = original(*args, **kwargs)
-        calls.append((args, kwargs, path))
-        return path
+        paths.append(original(*args, **kwargs))
+        return paths[-1]
 
     dispatch.resolve_impl = recorded
     try:
-        yield calls
+        yield paths
     finally:
         dispatch.resolve_impl = original
 
 
-def paths_taken(calls: list, compiling: bool = False) -> str:
-    """The distinct paths of the calls :func:`recording_paths` recorded, joined by ``+`` (``unknown`` if no call
-    reached the rule). ``compiling``: the paths the rule picks for the same calls while ``torch.compile`` traces
-    them (it asks ``torch.compiler.is_compiling()``, answered True here), which is what a compiled model runs."""
-    if not calls:
-        return "unknown"
-    if not compiling:
-        return "+".join(sorted({path for _, _, path in calls}))
-    from hf_neural_attn.ops import dispatch
-
-    with mock.patch("torch.compiler.is_compiling", return_value=True):
-        return "+".join(sorted({dispatch.resolve_impl(*args, **kwargs) for args, kwargs, _ in calls}))
+def paths_taken(paths: list[str]) -> str:
+    """The distinct paths :func:`recording_paths` recorded, joined by ``+`` (``unknown`` if no call reached the
+    rule)."""
+    return "+".join(sorted(set(paths))) or "unknown"

@@ -21,8 +21,8 @@
 #   e   generation at SmolLM-135M's shape in bf16: prefill of a 1024-token prompt and per-token decode, eager
 #   targets  b1's ratios against issue 48's targets (QANA <= 1.8x time and <= 1.15x memory, Neural Attention with
 #       proj_dim=2 <= 1.4x and <= 1.1x)
-# Every patched row names the path impl=auto took ("auto -> triton" is the kernels; for a compiled model, the path the
-# rule picks for the same calls while torch.compile traces them).
+# Every patched row names the path impl=auto took ("auto -> triton" is the kernels), recorded from an eager forward
+# (a compiled model runs the same paths: the rule reads shapes, dtype, device and mask only).
 #
 # Output: every step's tables, JSON and log in a new folder, benchmarks/results/gpu_issue48_<UTC time>/ (or
 # GPU_CHECK_WORK, new or empty); summary.md (the versions, each step's status, time and tables) and gpu_issue48.log,

@@ -27,8 +27,8 @@ slows them all alike; peak memory still comes from the separate processes. ``--p
 first from the middle of the sequence (an encoder batch of unequal lengths; ``--padding_side left``: a decoder batch
 padded for generation, whose leading pad rows see no key). ``--dtype bf16``/``fp16`` runs the step
 under autocast (fp32 weights, half-precision matmuls), as mixed-precision training does. ``default``/``auto`` rows
-also say which path the rule chose for the model's attention calls (recorded from an eager forward of the model;
-compiled: the rule's choice for the same calls while ``torch.compile`` traces them). ``--dry_run`` prints the child
+also say which path the rule chose for the model's attention calls (recorded from an eager forward of the model,
+compiled or not: the rule picks the same paths while ``torch.compile`` traces). ``--dry_run`` prints the child
 commands without running them. A configuration that fails in the interleaved process (a kernel that does not
 compile, memory) is reported as an error row; the others are still timed.
 
@@ -132,7 +132,7 @@ def build(args, dropout: str, scorer_name: str, impl: str):
     dtype = getattr(torch, AUTOCAST_DTYPES[args.dtype]) if AUTOCAST_DTYPES[args.dtype] else None
     resolved = impl
     if scorer_name != "none" and impl in ("auto", "default"):
-        resolved = chosen_paths(model, batch, device, dtype, compiling=args.compiled)
+        resolved = chosen_paths(model, batch, device, dtype)
 
     forward = model
     if args.compiled:
@@ -152,15 +152,15 @@ def build(args, dropout: str, scorer_name: str, impl: str):
     return step, resolved
 
 
-def chosen_paths(model, batch: dict, device, dtype, compiling: bool) -> str:
+def chosen_paths(model, batch: dict, device, dtype) -> str:
     """The path(s) the ``auto`` rule picks for ``model``'s attention calls, from one eager forward in train mode
-    under the step's autocast (compiling: the rule's pick for the same calls while ``torch.compile`` traces, what
-    the compiled model runs; see common.recording_paths for why the compiled forward is not recorded itself)."""
+    under the step's autocast; a compiled model runs the same (see common.recording_paths for why its forward is
+    not recorded itself)."""
     import torch
 
     with recording_paths() as calls, torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
         model(**batch)
-    return paths_taken(calls, compiling=compiling)
+    return paths_taken(calls)
 
 
 def measure(args) -> dict:
