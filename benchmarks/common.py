@@ -1,5 +1,6 @@
-"""What the benchmark scripts share: SmolLM-135M's shape, the machine's description, and which attention path the
-library's dispatch rule picked for a model's calls.
+"""What the benchmark scripts share: SmolLM-135M's shape, the ``--device`` check, the scorers' options, the output
+files' names, the machine's description, and which attention path the library's dispatch rule picked for a model's
+calls.
 
 The scripts run as ``python benchmarks/<script>.py``, which puts this folder first on ``sys.path``: they import
 this module as ``common``.
@@ -7,9 +8,11 @@ this module as ``common``.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import platform
+import sys
 
 # HuggingFaceTB/SmolLM-135M's config (LlamaConfig fields): 30 layers x 576, 9 query heads on 3 kv heads of 64, vocab
 # 49152. Its weights are not needed for timing, and the Hub is not reachable here.
@@ -17,6 +20,28 @@ SMOLLM_135M = {
     "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
     "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True, "rope_theta": 10000.0,
 }  # fmt: skip
+
+
+def check_device(parser: argparse.ArgumentParser, device: str, *, present: bool = True) -> None:
+    """Refuse a ``--device`` other than cpu, cuda or cuda:N; with ``present``, also a CUDA device torch does not
+    see (a run that would fail at its first model, or time nothing)."""
+    if not (device == "cpu" or device.startswith("cuda")):
+        parser.error(f"--device {device!r}: use cpu, cuda or cuda:N")
+    if present and device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit(f"--device {device}, but torch.cuda.is_available() is False (torch {torch.__version__}).")
+
+
+def scorer_options(scorer: str, proj_dim: int | None) -> dict:
+    """``patch_model``'s options besides ``h``: ``--proj_dim`` for Neural Attention, else each at its default."""
+    return {"proj_dim": proj_dim} if scorer == "neural" and proj_dim else {}
+
+
+def device_suffix(device: str, dtype: str) -> str:
+    """What the output files' names add on CUDA or in another dtype than fp32 (``_cuda_bf16``); nothing else."""
+    return "" if device == "cpu" and dtype == "fp32" else f"_{device.split(':')[0]}_{dtype}"
 
 
 def describe_machine(device: str) -> str:

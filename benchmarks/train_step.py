@@ -51,7 +51,15 @@ import sys
 import time
 from pathlib import Path
 
-from common import SMOLLM_135M, describe_machine, paths_taken, recording_paths
+from common import (
+    SMOLLM_135M,
+    check_device,
+    describe_machine,
+    device_suffix,
+    paths_taken,
+    recording_paths,
+    scorer_options,
+)
 
 VOCAB = 1000  # GPT-2's and BERT's default --vocab; Llama's is SmolLM-135M's
 # Attention dropout settings: "config" keeps the family's config default, "zero" sets attention dropout to 0
@@ -124,7 +132,7 @@ def build(args, dropout: str, scorer_name: str, impl: str):
     device = torch.device(args.device)
     model, batch = build_model(args, dropout)
     if scorer_name != "none":
-        options = {"proj_dim": args.proj_dim} if scorer_name == "neural" and args.proj_dim else {}
+        options = scorer_options(scorer_name, args.proj_dim)
         if impl != "default":  # "default": what patch_model(model, scorer, h=4) gives, no impl named
             options["impl"] = impl
         hf_neural_attn.patch_model(model, scorer_name, h=args.h, **options)
@@ -351,9 +359,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--runs", default=None, help=argparse.SUPPRESS)  # interleaved child: scorer/impl,...
     args = parser.parse_args(argv)
 
+    # The parent checks that torch sees the GPU (its children, started only then, need not; a dry run needs none).
+    check_device(parser, args.device, present=not (args.child or args.dry_run))
     cuda = args.device.startswith("cuda")
-    if not (cuda or args.device == "cpu"):
-        parser.error(f"--device {args.device!r}: use cpu, cuda or cuda:N")
     resolve_shape(parser, args, cuda)
     if args.padded and args.batch < 2:
         parser.error("--padded pads every row but the first: give --batch 2 or more")
@@ -436,12 +444,6 @@ def main() -> None:
         else:
             print(json.dumps(measure(args)))
         return
-    if args.device.startswith("cuda") and not args.dry_run:
-        import torch
-
-        if not torch.cuda.is_available():
-            sys.exit(f"--device {args.device}, but torch.cuda.is_available() is False (torch {torch.__version__}).")
-
     runs = [("none", args.base)] + [(scorer, impl) for scorer in args.scorers for impl in args.impls]
     keys = ("family", "batch", "layers", "width", "heads", "kv_heads", "vocab", "h", "steps", "device", "dtype")
     shared = [f"--{k}={getattr(args, k)}" for k in keys] + (["--compiled"] if args.compiled else [])
@@ -481,11 +483,7 @@ def main() -> None:
     table = report(results, args)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = args.name or (
-        f"train_step_{args.family}"
-        if args.device == "cpu" and args.dtype == "fp32"
-        else f"train_step_{args.family}_{args.device.split(':')[0]}_{args.dtype}"
-    )
+    stem = args.name or f"train_step_{args.family}{device_suffix(args.device, args.dtype)}"
     (out / f"{stem}.json").write_text(json.dumps({"setup": vars(args), "results": results}, indent=2, default=str))
     (out / f"{stem}.md").write_text(table)
     plot(results, out / f"{stem}.png")
