@@ -6,9 +6,10 @@
 #                                                           # check, whose times mean nothing
 #   GPU_CHECK_STEPS="b1 e" bash benchmarks/gpu_issue48.sh   # a rerun of some steps only
 #
-# Steps, in this order, each under `timeout`, all within GPU_CHECK_BUDGET_S seconds (default 540 on CUDA): each step
-# has a share of the budget (LIMIT below) and may also use what the steps before it left unused. A step that fails,
-# times out or finds no time left is recorded as such and the next one runs:
+# Steps, in this order, each under `timeout`, all within GPU_CHECK_BUDGET_S seconds of the script's start (default 540
+# on CUDA; the wheel's install and the version probes count): each step has a share of the budget (LIMIT below) and
+# may also use what the steps before it left unused. A step that fails, times out or finds no time left is recorded
+# as such and the next one runs:
 #   a   pytest tests/ops/test_cuda.py: the kernels' correctness on the GPU
 #   b1  GPT-2 small from its default config (attention dropout 0.1), vocabulary 50257, batch 4, bf16 autocast, 1024
 #       tokens: QANA (h=4) and Neural Attention (h=4, proj_dim=2) on impl=auto against the unpatched SDPA model with
@@ -31,11 +32,11 @@
 # step failed, timed out or was skipped; 2 when nothing could run (no library, no CUDA).
 #
 # The library needs transformers >= 5.18; the GPU image had 5.17. Before the run, here (where pip reaches PyPI):
-#   echo /.whl/ >> .git/info/exclude   # .gitignore has it already
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl transformers==5.24.0
 # and carry .whl: the script installs .whl/*.whl into a temporary folder first when there are any.
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
+START=$SECONDS  # the budget counts from here: the wheel's install and the version probes take from it too
 ROOT=$(pwd)
 PYTHON=${PYTHON:-python3}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
@@ -127,7 +128,6 @@ if [ "$DEVICE" != cpu ] && ! "$PYTHON" -c "import torch, sys; sys.exit(not torch
     exit 2
 fi
 
-START=$SECONDS
 FAILED=0
 STATUSES=()
 
