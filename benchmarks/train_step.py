@@ -163,10 +163,15 @@ def build(args, dropout: str, scorer_name: str, impl: str):
 def chosen_paths(model, batch: dict, device, dtype) -> str:
     """The path(s) the ``auto`` rule picks for ``model``'s attention calls, from one eager forward in train mode
     under the step's autocast; a compiled model runs the same (see common.recording_paths for why its forward is
-    not recorded itself)."""
+    not recorded itself). Without grad, which the rule does not read: the activations a forward keeps for backward
+    would count in a CPU run's peak memory (the process's resident set keeps its maximum)."""
     import torch
 
-    with recording_paths() as calls, torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+    with (
+        recording_paths() as calls,
+        torch.no_grad(),
+        torch.autocast(device.type, dtype=dtype, enabled=dtype is not None),
+    ):
         model(**batch)
     return paths_taken(calls)
 
