@@ -36,11 +36,18 @@ import argparse
 import inspect
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-from common import SMOLLM_135M, describe_machine, paths_taken, recording_paths
+from common import (
+    SMOLLM_135M,
+    check_device,
+    describe_machine,
+    device_suffix,
+    paths_taken,
+    recording_paths,
+    scorer_options,
+)
 
 # Model shapes (LlamaConfig fields). "llama-4x256": the shape the eager targets were first set on; "smollm-135m":
 # HuggingFaceTB/SmolLM-135M's config (common.SMOLLM_135M).
@@ -71,8 +78,7 @@ def build(args, scorer: str):
     config = LlamaConfig(**shape, max_position_embeddings=max(args.prompt) + args.decode_steps + 8)
     model = LlamaForCausalLM(config).eval()
     if scorer != "none":
-        options = {"proj_dim": args.proj_dim} if scorer == "neural" and args.proj_dim else {}
-        hf_neural_attn.patch_model(model, scorer, h=args.h, **options)
+        hf_neural_attn.patch_model(model, scorer, h=args.h, **scorer_options(scorer, args.proj_dim))
     # Patched first, so that the scorers' weights move and convert with the model's.
     return model.to(device=args.device, dtype=getattr(torch, DTYPES[args.dtype]))
 
@@ -246,15 +252,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="the model's weights' dtype")
     parser.add_argument("--output_dir", default="benchmarks/results")
     args = parser.parse_args()
-    if not (args.device == "cpu" or args.device.startswith("cuda")):
-        parser.error(f"--device {args.device!r}: use cpu, cuda or cuda:N")
+    check_device(parser, args.device)
     args.prompt = args.prompt or PRESETS[args.preset]["prompt"]
     args.layers = args.layers or PRESETS[args.preset]["config"]["num_hidden_layers"]
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            sys.exit(f"--device {args.device}, but torch.cuda.is_available() is False (torch {torch.__version__}).")
     results = {}
     for prompt in args.prompt:
         results[prompt] = measure(args, prompt)
@@ -263,8 +263,7 @@ def main() -> None:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "inference" if args.preset == "llama-4x256" else f"inference_{args.preset}"
-    # On CUDA or in another dtype the names carry both, as train_step.py's do.
-    stem += "" if args.device == "cpu" and args.dtype == "fp32" else f"_{args.device.split(':')[0]}_{args.dtype}"
+    stem += device_suffix(args.device, args.dtype)  # on CUDA or in bf16 the names carry both, as train_step.py's do
     (out / f"{stem}.json").write_text(json.dumps({"setup": vars(args), "results": results}, indent=2))
     (out / f"{stem}.md").write_text(table)
     print("\n" + table)

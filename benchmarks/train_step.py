@@ -27,8 +27,8 @@ slows them all alike; peak memory still comes from the separate processes. ``--p
 first from the middle of the sequence (an encoder batch of unequal lengths; ``--padding_side left``: a decoder batch
 padded for generation, whose leading pad rows see no key). ``--dtype bf16``/``fp16`` runs the step
 under autocast (fp32 weights, half-precision matmuls), as mixed-precision training does. ``default``/``auto`` rows
-also say which path the rule chose for the model's attention calls (recorded from an eager forward of the model;
-compiled: the rule's choice for the same calls while ``torch.compile`` traces them). ``--dry_run`` prints the child
+also say which path the rule chose for the model's attention calls (recorded from an eager forward of the model,
+compiled or not: the rule picks the same paths while ``torch.compile`` traces). ``--dry_run`` prints the child
 commands without running them. A configuration that fails in the interleaved process (a kernel that does not
 compile, memory) is reported as an error row; the others are still timed.
 
@@ -51,7 +51,15 @@ import sys
 import time
 from pathlib import Path
 
-from common import SMOLLM_135M, describe_machine, paths_taken, recording_paths
+from common import (
+    SMOLLM_135M,
+    check_device,
+    describe_machine,
+    device_suffix,
+    paths_taken,
+    recording_paths,
+    scorer_options,
+)
 
 VOCAB = 1000  # GPT-2's and BERT's default --vocab; Llama's is SmolLM-135M's
 # Attention dropout settings: "config" keeps the family's config default, "zero" sets attention dropout to 0
@@ -124,7 +132,7 @@ def build(args, dropout: str, scorer_name: str, impl: str):
     device = torch.device(args.device)
     model, batch = build_model(args, dropout)
     if scorer_name != "none":
-        options = {"proj_dim": args.proj_dim} if scorer_name == "neural" and args.proj_dim else {}
+        options = scorer_options(scorer_name, args.proj_dim)
         if impl != "default":  # "default": what patch_model(model, scorer, h=4) gives, no impl named
             options["impl"] = impl
         hf_neural_attn.patch_model(model, scorer_name, h=args.h, **options)
@@ -132,7 +140,7 @@ def build(args, dropout: str, scorer_name: str, impl: str):
     dtype = getattr(torch, AUTOCAST_DTYPES[args.dtype]) if AUTOCAST_DTYPES[args.dtype] else None
     resolved = impl
     if scorer_name != "none" and impl in ("auto", "default"):
-        resolved = chosen_paths(model, batch, device, dtype, compiling=args.compiled)
+        resolved = chosen_paths(model, batch, device, dtype)
 
     forward = model
     if args.compiled:
@@ -152,15 +160,20 @@ def build(args, dropout: str, scorer_name: str, impl: str):
     return step, resolved
 
 
-def chosen_paths(model, batch: dict, device, dtype, compiling: bool) -> str:
+def chosen_paths(model, batch: dict, device, dtype) -> str:
     """The path(s) the ``auto`` rule picks for ``model``'s attention calls, from one eager forward in train mode
-    under the step's autocast (compiling: the rule's pick for the same calls while ``torch.compile`` traces, what
-    the compiled model runs; see common.recording_paths for why the compiled forward is not recorded itself)."""
+    under the step's autocast; a compiled model runs the same (see common.recording_paths for why its forward is
+    not recorded itself). Without grad, which the rule does not read: the activations a forward keeps for backward
+    would count in a CPU run's peak memory (the process's resident set keeps its maximum)."""
     import torch
 
-    with recording_paths() as calls, torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+    with (
+        recording_paths() as calls,
+        torch.no_grad(),
+        torch.autocast(device.type, dtype=dtype, enabled=dtype is not None),
+    ):
         model(**batch)
-    return paths_taken(calls, compiling=compiling)
+    return paths_taken(calls)
 
 
 def measure(args) -> dict:
@@ -351,9 +364,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--runs", default=None, help=argparse.SUPPRESS)  # interleaved child: scorer/impl,...
     args = parser.parse_args(argv)
 
+    # The parent checks that torch sees the GPU (its children, started only then, need not; a dry run needs none).
+    check_device(parser, args.device, present=not (args.child or args.dry_run))
     cuda = args.device.startswith("cuda")
-    if not (cuda or args.device == "cpu"):
-        parser.error(f"--device {args.device!r}: use cpu, cuda or cuda:N")
     resolve_shape(parser, args, cuda)
     if args.padded and args.batch < 2:
         parser.error("--padded pads every row but the first: give --batch 2 or more")
@@ -436,12 +449,6 @@ def main() -> None:
         else:
             print(json.dumps(measure(args)))
         return
-    if args.device.startswith("cuda") and not args.dry_run:
-        import torch
-
-        if not torch.cuda.is_available():
-            sys.exit(f"--device {args.device}, but torch.cuda.is_available() is False (torch {torch.__version__}).")
-
     runs = [("none", args.base)] + [(scorer, impl) for scorer in args.scorers for impl in args.impls]
     keys = ("family", "batch", "layers", "width", "heads", "kv_heads", "vocab", "h", "steps", "device", "dtype")
     shared = [f"--{k}={getattr(args, k)}" for k in keys] + (["--compiled"] if args.compiled else [])
@@ -481,11 +488,7 @@ def main() -> None:
     table = report(results, args)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = args.name or (
-        f"train_step_{args.family}"
-        if args.device == "cpu" and args.dtype == "fp32"
-        else f"train_step_{args.family}_{args.device.split(':')[0]}_{args.dtype}"
-    )
+    stem = args.name or f"train_step_{args.family}{device_suffix(args.device, args.dtype)}"
     (out / f"{stem}.json").write_text(json.dumps({"setup": vars(args), "results": results}, indent=2, default=str))
     (out / f"{stem}.md").write_text(table)
     plot(results, out / f"{stem}.png")

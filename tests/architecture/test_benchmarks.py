@@ -154,3 +154,18 @@ def test_gpu_script_at_cpu_sizes_records_every_step(tmp_path):
     assert sorted(path.name for path in out.iterdir()) == ["gpu_issue48.log", "results.tar.gz", "summary.md"]
     with tarfile.open(out / "results.tar.gz") as archive:
         assert f"{work.name}/d_llama_64.json" in archive.getnames()
+
+
+def test_train_step_interleaved_times_the_others_when_one_configuration_fails(tmp_path, monkeypatch):
+    """A configuration that fails in the interleaved process (impl="triton" on a CPU, as a kernel that does not compile
+    would on a GPU) becomes an error row that says why; the unpatched model and the other paths are timed still."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # with it the kernels would run on the CPU
+    flags = ["--quick", "--seq", "24", "--layers", "1", "--width", "32", "--heads", "2", "--steps", "1"]
+    flags += ["--scorers", "qana", "--impls", "triton", "chunked", "--dropouts", "config"]
+    run_benchmark("train_step.py", *flags, tmp_path=tmp_path)
+    rows = {row["impl"]: row for row in json.loads((tmp_path / "train_step_gpt2.json").read_text())["results"]}
+    assert set(rows) == {"sdpa", "triton", "chunked"}
+    assert "time_s" not in rows["triton"] and "triton" in rows["triton"]["error"], rows["triton"]
+    assert all(isinstance(rows[impl]["time_s"], float) for impl in ("sdpa", "chunked")), rows
+    table = (tmp_path / "train_step_gpt2.md").read_text()
+    assert "| 24 | config | qana | triton | ValueError:" in table and "| 24 | config | qana | chunked |" in table
