@@ -175,8 +175,6 @@ def test_a_torchao_run_checkpoints_its_quantized_base_and_resumes_to_the_uninter
     """torchao's weights are tensor subclasses without a storage, which Accelerate's safetensors writer cannot take:
     the checkpoint holds them in torchao's own safetensors layout beside the rest, and the resumed run reloads the
     frozen base and restores what trained."""
-    import shutil
-
     from quantization_helpers import SCHEME
     from recipes_helpers import finetune_in_process
     from safetensors import safe_open
