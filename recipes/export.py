@@ -145,12 +145,20 @@ def _write_quantized(folder: Path, model_class, config, settings, state: dict[st
     import torch
     from safetensors.torch import save_file
 
-    try:
-        model, info = model_class.from_pretrained(None, config=config, state_dict=dict(state), output_loading_info=True)
-    except RuntimeError as error:  # tensors of other shapes
-        raise RecipeError(f"{misfit}: {str(error).splitlines()[0]}") from None
     with torch.device("meta"):  # no weights, no memory
         expected = dict(model_class(config).named_parameters())
+    # transformers refuses a float tensor of another shape (an embedding, a norm) with a message that names none ("look
+    # at the above report", which it does not print): named here first. Quantized storage has shapes of its own.
+    float_shapes = [
+        name
+        for name, tensor in state.items()
+        if name in expected and tensor.is_floating_point() and tensor.shape != expected[name].shape
+    ]
+    _check_fit(misfit, missing=[], unexpected=[], other_shapes=float_shapes)
+    try:
+        model, info = model_class.from_pretrained(None, config=config, state_dict=dict(state), output_loading_info=True)
+    except RuntimeError as error:  # anything else transformers refuses
+        raise RecipeError(f"{misfit}: {str(error).splitlines()[0]}") from None
     # bitsandbytes' loader takes a 4-bit weight of another shape without a word (its packed storage has a shape of
     # its own; full_shape reads the weight's from its quant_state): compared here.
     other_shapes = [

@@ -368,8 +368,8 @@ def test_a_quantized_scorer_checkpoint_exports_to_the_quantized_checkpoint_the_r
     writes what the run's final output is: a full patched checkpoint whose base stays quantized, tensor for tensor
     (torchao's weights, kept apart in the checkpoint, in torchao's safetensors layout again, with the same metadata);
     the export's card loads it with the trained model's logits (within 1e-6). Weights that do not fit the model files
-    (scorers the config does not have, projections of another size) are refused by name, with no folder left
-    behind."""
+    (scorers the config does not have, projections of another size, an embedding of another size) are refused by
+    name, with no folder left behind."""
     from recipes.export import main as export
 
     out = tmp_path / "scorers"
@@ -400,6 +400,8 @@ def test_a_quantized_scorer_checkpoint_exports_to_the_quantized_checkpoint_the_r
     misfits = {
         "unpatched": (unpatched, "unexpected ['model.layers.0.self_attn.attn_scorer."),
         "narrower": ({**config, "intermediate_size": 64}, "of other shapes ['model.layers.0.mlp."),
+        # A float tensor of another shape: transformers' own refusal named none.
+        "larger vocabulary": ({**config, "vocab_size": config["vocab_size"] + 64}, "'model.embed_tokens.weight'"),
     }
     for name, (other_config, _) in misfits.items():
         shutil.copytree(step / "model_files", tmp_path / name)
