@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import hf_neural_attn
 from recipes import qlora, quiet, report
 from recipes.checkpointing import MODEL_FILES, STATE_FILE, read_progress
 from recipes.errors import RecipeError, refuse
@@ -63,8 +64,6 @@ def export_checkpoint(checkpoint: str | os.PathLike, target: str | os.PathLike, 
     ``target`` behind."""
     import transformers
     from transformers import AutoConfig
-
-    import hf_neural_attn  # noqa: F401 (AutoConfig reads a patched config.json once it is imported)
 
     checkpoint, target = Path(checkpoint), Path(target)
     if not (checkpoint / STATE_FILE).is_file():
@@ -146,18 +145,26 @@ def _write_quantized(folder: Path, model_class, config, settings, state: dict[st
     import torch
     from safetensors.torch import save_file
 
-    try:
-        model, info = model_class.from_pretrained(None, config=config, state_dict=dict(state), output_loading_info=True)
-    except RuntimeError as error:  # tensors of other shapes
-        raise RecipeError(f"{misfit}: {str(error).splitlines()[0]}") from None
     with torch.device("meta"):  # no weights, no memory
         expected = dict(model_class(config).named_parameters())
+    # transformers refuses a float tensor of another shape (an embedding, a norm) with a message that names none ("look
+    # at the above report", which it does not print): named here first. Quantized storage has shapes of its own.
+    float_shapes = [
+        name
+        for name, tensor in state.items()
+        if name in expected and tensor.is_floating_point() and tensor.shape != expected[name].shape
+    ]
+    _check_fit(misfit, missing=[], unexpected=[], other_shapes=float_shapes)
+    try:
+        model, info = model_class.from_pretrained(None, config=config, state_dict=dict(state), output_loading_info=True)
+    except RuntimeError as error:  # anything else transformers refuses
+        raise RecipeError(f"{misfit}: {str(error).splitlines()[0]}") from None
     # bitsandbytes' loader takes a 4-bit weight of another shape without a word (its packed storage has a shape of
-    # its own; the weight's is in its quant_state): compared here.
+    # its own; full_shape reads the weight's from its quant_state): compared here.
     other_shapes = [
         name
         for name, parameter in model.named_parameters()
-        if name in expected and _weight_shape(parameter) != expected[name].shape
+        if name in expected and hf_neural_attn.full_shape(parameter) != expected[name].shape
     ]
     _check_fit(misfit, sorted(info["missing_keys"]), sorted(info["unexpected_keys"]), other_shapes)
     _save_configs(folder, model_class, config)
@@ -194,13 +201,6 @@ def _write_torchao(folder: Path, model_class, config, settings, state: dict[str,
     save_file(tensors, folder / WEIGHTS_FILES[0], metadata={**metadata, "format": "pt"})
 
 
-def _weight_shape(parameter) -> tuple[int, ...]:
-    """The shape of the weight ``parameter`` stands for: a bitsandbytes 4-bit weight's ``quant_state`` holds it (its
-    own shape is its packed storage's, ``(numel / 2, 1)``); any other parameter's own."""
-    quant_state = getattr(parameter, "quant_state", None)
-    return tuple(quant_state.shape) if quant_state is not None else tuple(parameter.shape)
-
-
 def _save_configs(folder: Path, model_class, config) -> None:
     """The model's config and, for a model that generates, its generation config, as ``save_pretrained`` writes them."""
     config.save_pretrained(folder)
@@ -214,8 +214,6 @@ def _write_adapter(folder: Path, model_class, config, settings, state: dict[str,
     """PEFT's adapter of a LoRA run, as the run saves it: the model's skeleton (on the meta device: no weights, no
     memory) wrapped by PEFT as the run wrapped it (``recipes.qlora.add_lora``, from the run's ``--lora_*`` settings
     and the modules the checkpoint holds trained in full), saved by PEFT from ``state``."""
-    import argparse
-
     import torch
     from peft import get_peft_model_state_dict
 

@@ -134,7 +134,11 @@ HEAD_SHAPE_KEYS = ("hidden_size", "num_attention_heads")
 
 def _derived_head_dim(config) -> bool:
     """Whether ``config`` holds a ``head_dim`` that is its width over its head count, as the configs that derive it
-    at init store it (Llama's), rather than a width of its own (Gemma's 256 over 3072 / 16)."""
+    at init store it (Llama's), rather than a width of its own (Gemma's 256 over 3072 / 16). A ``head_dim`` that is
+    a property of the config class (Falcon's) is not stored: it follows the width and head count itself, and cannot
+    be set."""
+    if "head_dim" not in vars(config):
+        return False
     head_dim, width, heads = (getattr(config, key, None) for key in ("head_dim", *HEAD_SHAPE_KEYS))
     return (
         all(isinstance(value, int) for value in (head_dim, width, heads)) and heads > 0 and head_dim == width // heads

@@ -44,6 +44,7 @@ TORCHAO_SCHEMES: dict[str, tuple[str, dict[str, Any]]] = {
 # trains (check_args refuses them; the library loads, patches and serves them).
 INFERENCE_ONLY_SCHEMES = ("int8_dynamic",)
 DEFAULT_LORA_TARGETS = "all-linear"
+QUANTIZERS = ("bitsandbytes", "torchao")  # the packages whose tensor classes hold a quantized base's weights
 # A training-state checkpoint's torchao-quantized weights, beside accelerate's model.safetensors
 # (set_aside_torchao_weights).
 TORCHAO_WEIGHTS_STEM = "torchao_weights"
@@ -262,9 +263,14 @@ def keep_4bit_trainable(model, args: argparse.Namespace) -> None:
 
 def _has_quantized_weight(module) -> bool:
     weight = getattr(module, "weight", None)
-    return isinstance(weight, torch.Tensor) and (
-        type(weight).__module__.split(".", 1)[0] in ("bitsandbytes", "torchao") or not weight.is_floating_point()
-    )
+    return isinstance(weight, torch.Tensor) and (_quantizer(weight) is not None or not weight.is_floating_point())
+
+
+def _quantizer(tensor) -> str | None:
+    """``"bitsandbytes"`` or ``"torchao"`` for a tensor one of them quantized, by the package of its class (as the
+    library's own check, which is not public API, reads it); None for anything else."""
+    package = type(tensor).__module__.split(".", 1)[0] if isinstance(tensor, torch.Tensor) else None
+    return package if package in QUANTIZERS else None
 
 
 def prepare_quantized(model, args: argparse.Namespace):
@@ -301,7 +307,7 @@ def set_aside_torchao_weights(models: list, weights: list[dict[str, Any]], outpu
     from accelerate import PartialState
 
     for index, state in enumerate(weights):
-        quantized = {name: tensor for name, tensor in state.items() if _is_torchao_tensor(tensor)}
+        quantized = {name: tensor for name, tensor in state.items() if _quantizer(tensor) == "torchao"}
         if not quantized:
             continue
         for name in quantized:
@@ -338,10 +344,6 @@ def safetensors_checkpoints(args: argparse.Namespace) -> bool:
     storage among the model's own tensors, and a torchao weight has no storage to look at; torch's loader does not
     look. The torchao weights themselves go to :data:`TORCHAO_WEIGHTS` either way (:func:`set_aside_torchao_weights`)."""
     return not args.torchao
-
-
-def _is_torchao_tensor(tensor) -> bool:
-    return isinstance(tensor, torch.Tensor) and type(tensor).__module__.split(".", 1)[0] == "torchao"
 
 
 def add_lora(model, args: argparse.Namespace, new_parameters: set[str]):

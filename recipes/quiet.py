@@ -94,23 +94,31 @@ class _Drop(logging.Filter):
 @contextlib.contextmanager
 def filtered(messages: tuple[Message, ...]) -> Iterator[None]:
     """Within the block, ``messages`` are not shown: a logger's by a filter on that logger, a warning by a warnings
-    filter of its category and text. Other records of those loggers, and other warnings, pass."""
+    filter of its category and text. Other records of those loggers, and other warnings, pass. Afterwards those
+    filters are gone, and whatever filters the block installed stay."""
     by_logger: dict[str, list[str]] = {}
     for message in messages:
         if isinstance(message.source, str):
             by_logger.setdefault(message.source, []).append(message.pattern)
     drops = [(logging.getLogger(name), _Drop(patterns)) for name, patterns in by_logger.items()]
-    with warnings.catch_warnings():
-        for message in messages:
-            if not isinstance(message.source, str):
-                warnings.filterwarnings("ignore", message=message.pattern, category=message.source)
+    # Only these filters are taken away again, not the whole list put back as warnings.catch_warnings does: the
+    # libraries imported in the block install filters of their own (Accelerate's on torch's lr_scheduler warnings),
+    # which must outlive it. An "ignore" leaves no entry in the warnings registries, so none goes stale.
+    before = list(warnings.filters)
+    for message in messages:
+        if not isinstance(message.source, str):
+            warnings.filterwarnings("ignore", message=message.pattern, category=message.source)
+    added = [item for item in warnings.filters if item not in before]
+    for logger, drop in drops:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
         for logger, drop in drops:
-            logger.addFilter(drop)
-        try:
-            yield
-        finally:
-            for logger, drop in drops:
-                logger.removeFilter(drop)
+            logger.removeFilter(drop)
+        for item in added:
+            with contextlib.suppress(ValueError):  # the block may have reset the filters itself
+                warnings.filters.remove(item)
 
 
 def startup_messages() -> tuple[Message, ...]:

@@ -82,3 +82,16 @@ def test_deepspeeds_cpu_note_is_dropped_only_where_torch_sees_no_accelerator(mon
         monkeypatch.setattr(torch.accelerator, "is_available", lambda available=available: available)
         names = {message.source for message in quiet.startup_messages()}
         assert ("DeepSpeed" in names) is dropped
+
+
+def test_the_filters_a_library_installs_inside_the_block_outlive_it_and_the_blocks_own_do_not():
+    """A library imported inside the block may install warnings filters of its own (Accelerate's scheduler module
+    ignores torch's lr_scheduler UserWarnings at import): they stay after the block; the block's own filters go."""
+    with warnings.catch_warnings():  # this test's own changes undone
+        before = list(warnings.filters)
+        with quiet.filtered(quiet.PEFT_MESSAGES + (quiet.UNPATCHED_BASE_MESSAGE,)):
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"some\.library\.scheduler")
+        left = [item for item in warnings.filters if item not in before]
+        assert [(action, category, module.pattern) for action, _, category, module, _ in left] == [
+            ("ignore", UserWarning, r"some\.library\.scheduler")
+        ]

@@ -287,6 +287,8 @@ def test_a_minimum_rate_at_or_below_the_rate_is_taken():
         ("llama", "hidden_size=256,num_attention_heads=4,head_dim=16", 16),  # given: kept
         ("llama", "num_hidden_layers=1", 128),  # neither overridden: kept
         ("gemma", "hidden_size=256,num_attention_heads=4", 256),  # Gemma's own 256, not 3072 // 16: kept
+        # Falcon's head_dim is a property of its config, hidden_size // num_attention_heads: it follows by itself.
+        ("falcon", "hidden_size=256,num_attention_heads=4", 64),
     ],
 )
 def test_a_head_width_the_config_derived_follows_the_overridden_width_and_heads(model_type, overrides, head_dim):

@@ -175,8 +175,6 @@ def test_a_torchao_run_checkpoints_its_quantized_base_and_resumes_to_the_uninter
     """torchao's weights are tensor subclasses without a storage, which Accelerate's safetensors writer cannot take:
     the checkpoint holds them in torchao's own safetensors layout beside the rest, and the resumed run reloads the
     frozen base and restores what trained."""
-    import shutil
-
     from quantization_helpers import SCHEME
     from recipes_helpers import finetune_in_process
     from safetensors import safe_open
@@ -238,6 +236,40 @@ REFUSED = [
 def test_quantization_and_lora_flags_that_do_not_fit_are_refused_before_anything_loads(assets, extra, message):
     with pytest.raises(RecipeError, match=message):
         parse_args(clm_flags(assets, *extra))
+
+
+def test_the_refused_int8_dynamic_scheme_passes_no_gradient_back_through_its_layers(assets):
+    """Why --torchao int8_dynamic is refused (docs/qlora.md): patched by hand, the scorers trained alone fail at the
+    first backward, and under LoRA the backward runs with the scorers' gradient and q_proj's LoRA-B gradient exactly 0
+    (the gradient would come back through o_proj's quantized input), o_proj's alone getting one. A torchao that passed
+    a gradient would fail this test, and the refusal would be due for a look."""
+    from peft import LoraConfig, get_peft_model
+    from quantization_helpers import SCHEME
+    from transformers import LlamaForCausalLM
+
+    def patched_int8_dynamic():
+        config = SCHEME["torchao-int8-dynamic"].config()
+        model = LlamaForCausalLM.from_pretrained(assets["llama"], quantization_config=config)
+        return hf_neural_attn.patch_model(model, "neural")
+
+    model = patched_int8_dynamic()
+    ids = token_ids(model)
+    scorers = hf_neural_attn.scorer_parameters(model)
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name in scorers)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        model(ids, labels=ids).loss.backward()
+
+    base = patched_int8_dynamic()
+    to_save = hf_neural_attn.peft_modules_to_save(base)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", modules_to_save=to_save))
+    model(ids, labels=ids).loss.backward()
+    grads = {name: parameter.grad for name, parameter in model.named_parameters() if parameter.requires_grad}
+    scorer_grads = [grad for name, grad in grads.items() if ".modules_to_save." in name]
+    assert scorer_grads and all(grad is None or not grad.any() for grad in scorer_grads)
+    lora_b = {name: grad for name, grad in grads.items() if "lora_B" in name}
+    assert all(not lora_b[name].any() for name in lora_b if ".q_proj." in name)
+    assert all(lora_b[name].any() for name in lora_b if ".o_proj." in name)
 
 
 def test_quantizing_a_model_built_from_scratch_is_refused(assets):
@@ -336,8 +368,8 @@ def test_a_quantized_scorer_checkpoint_exports_to_the_quantized_checkpoint_the_r
     writes what the run's final output is: a full patched checkpoint whose base stays quantized, tensor for tensor
     (torchao's weights, kept apart in the checkpoint, in torchao's safetensors layout again, with the same metadata);
     the export's card loads it with the trained model's logits (within 1e-6). Weights that do not fit the model files
-    (scorers the config does not have, projections of another size) are refused by name, with no folder left
-    behind."""
+    (scorers the config does not have, projections of another size, an embedding of another size) are refused by
+    name, with no folder left behind."""
     from recipes.export import main as export
 
     out = tmp_path / "scorers"
@@ -368,6 +400,8 @@ def test_a_quantized_scorer_checkpoint_exports_to_the_quantized_checkpoint_the_r
     misfits = {
         "unpatched": (unpatched, "unexpected ['model.layers.0.self_attn.attn_scorer."),
         "narrower": ({**config, "intermediate_size": 64}, "of other shapes ['model.layers.0.mlp."),
+        # A float tensor of another shape: transformers' own refusal named none.
+        "larger vocabulary": ({**config, "vocab_size": config["vocab_size"] + 64}, "'model.embed_tokens.weight'"),
     }
     for name, (other_config, _) in misfits.items():
         shutil.copytree(step / "model_files", tmp_path / name)
