@@ -36,12 +36,11 @@ from .ops.dispatch import scored_attention
 from .ops.dropout import DropoutPlacement, draw_seed
 from .ops.masks import as_additive_mask, zero_rows_without_keys
 from .ops.packed import (
-    DECODE_GROUP_SCORES,
     PACKING_KWARGS,
-    decode_groups,
-    group_mask,
-    group_span,
+    decoding_batches,
+    key_padding_mask,
     packed_sequences,
+    padded_keys,
     sequence_mask,
 )
 from .patched_config import is_patched_config
@@ -108,22 +107,26 @@ def attention_with_keys(
     call_kwargs = {name: value for name, value in kwargs.items() if name not in PACKING_KWARGS}
     eager_base = getattr(module, SCORER_ATTR, None) is None and _unscored_implementation(module) == "eager"
     output = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
-    # Decoding requests (one query each) are scored a group at a time, each query against its own keys only (a
-    # block-diagonal mask): one call instead of one per request, whose fixed cost is most of a decode step's. Only
-    # where each query sees all its keys and nothing else depends on the split (eval, no maps, no window or mask).
-    groupable = (
+    # Decoding requests (one query each) are scored together, a padded batch with one request per row
+    # (:func:`decoding_attention`): one call instead of one per request, whose fixed cost is most of a decode step's.
+    # Only where each query sees all its keys and nothing else depends on the split (eval, no maps, no window or mask).
+    batched = (
         getattr(module, SCORER_ATTR, None) is not None and not module.training and attention_mask is None
         and not sliding_window and not wants_attention_weights(kwargs)
     )  # fmt: skip
-    for group in decode_groups(sequences, DECODE_GROUP_SCORES) if groupable else [[one] for one in sequences]:
-        if len(group) > 1:
-            span = group_span(group)
-            output[:, span.queries], _ = _attention(
-                module, span.query_of(query), span.keys_of(key), span.keys_of(value), group_mask(group, query.device),
-                scaling, dropout, span.extras_of(extras, query.shape[0]), False, call_kwargs,
-            )  # fmt: skip
+    counts = ([sequence.q_len for sequence in sequences], [sequence.kv_len for sequence in sequences])
+    for indices in decoding_batches(*counts) if batched else []:
+        batch = [sequences[index] for index in indices]
+        positions = torch.tensor([sequence.queries.start for sequence in batch], device=query.device)
+        lengths = torch.tensor([sequence.kv_len for sequence in batch], device=query.device)
+        keys = padded_keys(key, batch)
+        output[0, positions] = decoding_attention(
+            module, query_rows(query, positions), keys, padded_keys(value, batch),
+            key_padding_mask(lengths, keys.shape[-2]), scaling, dropout, extras_rows(extras, positions), call_kwargs,
+        )[:, 0]  # fmt: skip
+    for sequence in sequences:
+        if batched and sequence.q_len == 1:
             continue
-        sequence = group[0]
         sequence_query, sequence_key = sequence.query_of(query), sequence.keys_of(key)
         if attention_mask is not None:
             # A mask over the whole packed row (a packed training batch whose model built one, causal over the row):
@@ -138,6 +141,39 @@ def attention_with_keys(
             sequence.extras_of(extras, query.shape[0]), is_causal, call_kwargs,
         )  # fmt: skip
     return output, None
+
+
+def decoding_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float | None,
+    dropout: float,
+    extras,
+    kwargs: dict,
+) -> torch.Tensor:
+    """Decoding requests of a packed call scored as one padded batch, a request per row: each query against its own
+    keys only.
+
+    query: (rows, heads, 1, head_dim); keys, values: (rows, kv_heads, longest, head_dim), padded after each row's
+    own; mask: (rows, 1, 1, longest), True on a row's own keys (:func:`hf_neural_attn.ops.packed.key_padding_mask`);
+    extras: the scorer's per-query inputs for these rows (:func:`extras_rows`). Returns (rows, 1, heads, head_dim).
+    """
+    return _attention(module, query, keys, values, mask, scaling, dropout, extras, False, kwargs)[0]
+
+
+def query_rows(query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Queries ``positions`` of a packed call's (1, heads, total_q, head_dim), one per row: (rows, heads, 1,
+    head_dim)."""
+    return query[0][:, positions].transpose(0, 1)[:, :, None]
+
+
+def extras_rows(extras, positions: torch.Tensor):
+    """A scorer's per-query inputs of a packed call (batch 1) for queries ``positions``, one query per row, as
+    :func:`query_rows` lays out the queries; None stays None."""
+    return None if extras is None else extras.query_rows(positions)
 
 
 def _attention(

@@ -80,45 +80,51 @@ def packed_sequences(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> li
     return sequences
 
 
-# The most (queries x keys) scores one group of decoding requests may cost (:func:`decode_groups`): grouping G
-# requests scores each query against the group's keys, G times the work of scoring them apart, against one call's
-# fixed cost instead of G. Measured on this project's 2-core CPU (SmolLM-135M's attention shape, 8 decoding requests of
-# about 200 keys, one layer, median of 30): scoring apart took 5.5 ms (QANA) and 5.0 ms (Neural Attention); groups
-# within 2**12 (four requests) 4.0 and 3.4 ms; within 2**15 (all eight) 7.1 and 3.9 ms.
-DECODE_GROUP_SCORES = 2**12
+# Decoding requests (one query each) are scored together: a batch whose row r is request r's query against its own
+# keys, padded to the longest request's (:func:`decoding_batches`, :func:`padded_keys`). One call costs a decode step
+# a few dozen small operations however many requests it holds, where one call per request costs them per request,
+# and the padding costs scores: a batch takes requests, shortest first, while its padded keys stay within this many
+# times the keys its requests have.
+DECODE_PADDING = 2.0
 
 
-def decode_groups(sequences: list[SequenceSlice], max_scores: int) -> list[list[SequenceSlice]]:
-    """``sequences`` in order, runs of one-query sequences (decoding requests) gathered into groups whose queries x
-    keys stay within ``max_scores``; every other sequence is a group of its own."""
-    groups: list[list[SequenceSlice]] = []
-    for sequence in sequences:
-        last = groups[-1] if groups else None
-        if (
-            sequence.q_len == 1 and last is not None and last[-1].q_len == 1
-            and (len(last) + 1) * (sum(member.kv_len for member in last) + sequence.kv_len) <= max_scores
-        ):  # fmt: skip
-            last.append(sequence)
+def decoding_batches(
+    query_counts: list[int], key_counts: list[int], max_padding: float = DECODE_PADDING
+) -> list[list[int]]:
+    """The sequences of a packed call with one query (decoding requests), by index, in batches, shortest first: each
+    batch's rows times its longest key count stays within ``max_padding`` times its key counts' sum. Sequences with
+    another number of queries are left out (they are scored one at a time).
+
+    query_counts, key_counts: each sequence's number of queries and of keys."""
+    batches: list[list[int]] = []
+    keys = 0
+    decoding = sorted((index for index, count in enumerate(query_counts) if count == 1), key=key_counts.__getitem__)
+    for index in decoding:
+        length = key_counts[index]
+        if batches and (len(batches[-1]) + 1) * length <= max_padding * (keys + length):
+            batches[-1].append(index)
+            keys += length
         else:
-            groups.append([sequence])
-    return groups
+            batches.append([index])
+            keys = length
+    return batches
 
 
-def group_span(group: list[SequenceSlice]) -> SequenceSlice:
-    """The queries and the keys of a group of consecutive sequences, which lie end to end."""
-    return SequenceSlice(
-        slice(group[0].queries.start, group[-1].queries.stop), slice(group[0].keys.start, group[-1].keys.stop)
-    )
+def padded_keys(keys: torch.Tensor, batch: list[SequenceSlice]) -> torch.Tensor:
+    """The keys (or values) of each sequence of ``batch`` as a row of a padded batch: (rows, kv_heads, longest,
+    head_dim), contiguous, out of the packed (1, kv_heads, total_kv, head_dim); a row's padding repeats its last key
+    (the call's mask, :func:`key_padding_mask`, hides it)."""
+    starts = torch.tensor([s.keys.start for s in batch], device=keys.device)
+    lengths = torch.tensor([s.kv_len for s in batch], device=keys.device)
+    offsets = torch.arange(int(lengths.max()), device=keys.device)
+    index = starts[:, None] + torch.minimum(offsets[None, :], lengths[:, None] - 1)  # (rows, longest)
+    heads = torch.arange(keys.shape[1], device=keys.device)[:, None]
+    return keys[0][heads, index[:, None]]
 
 
-def group_mask(group: list[SequenceSlice], device) -> torch.Tensor:
-    """The boolean mask (1, 1, queries, keys), True = attend, of a group of one-query sequences: each query sees all
-    its own sequence's keys (a decoding step's causal mask) and no other's."""
-    span = group_span(group)
-    allowed = torch.zeros(span.q_len, span.kv_len, dtype=torch.bool, device=device)
-    for row, sequence in enumerate(group):
-        allowed[row, sequence.keys.start - span.keys.start : sequence.keys.stop - span.keys.start] = True
-    return allowed[None, None]
+def key_padding_mask(lengths: torch.Tensor, key_len: int) -> torch.Tensor:
+    """The boolean mask (rows, 1, 1, key_len), True = attend, of a padded batch whose row r has ``lengths[r]`` keys."""
+    return (torch.arange(key_len, device=lengths.device)[None, :] < lengths[:, None])[:, None, None]
 
 
 def _bounds(cumulative: torch.Tensor | list[int]) -> list[int]:

@@ -139,6 +139,16 @@ class QanaQueryParts(NamedTuple):
             basis,
         )
 
+    def query_rows(self, positions: torch.Tensor) -> QanaQueryParts:
+        """The slices of queries ``positions`` of a batch of one, one query per row of a new batch: row r holds
+        query ``positions[r]`` (a packed call's decoding requests scored as a padded batch)."""
+        U = self.U[0][:, :, positions].permute(2, 0, 1, 3)[:, :, :, None]  # (rows, heads, h, 1, width)
+        V, b, c = (part[0][:, positions].transpose(0, 1)[:, :, None] for part in (self.V, self.b, self.c))
+        basis = self.basis
+        if basis is not None and basis.shape[3] > 1:
+            basis = basis[0][:, :, positions].permute(2, 0, 1, 3)[:, :, :, None]
+        return QanaQueryParts(U, V, b, c, basis)
+
 
 class QanaScorer(Scorer):
     name = "qana"

@@ -277,13 +277,14 @@ def test_packed_calls_the_paths_cannot_split_are_refused():
 
 
 @pytest.mark.parametrize("scorer", ["qana", "neural"])
-def test_decoding_requests_scored_in_groups_equal_scored_apart(scorer, monkeypatch):
-    """A packed call of decoding requests (one query each, keys of different lengths) gives the same outputs whether
-    they are scored a group at a time (block-diagonal mask) or one at a time, within 1e-5 (fp32); the grouping is
-    checked to form groups of several requests, and to keep a prefill request (several queries) apart."""
+def test_decoding_requests_scored_as_one_batch_equal_scored_apart(scorer):
+    """A packed call of decoding requests (one query each, keys of different lengths) scored as a padded batch (one
+    request per row) gives each request what the ordinary call of its query and keys alone gives, within 1e-5
+    (fp32); a prefill request (several queries) among them keeps its own call, causal from the end of its keys."""
     from hf_neural_attn import attention
-    from hf_neural_attn.ops.packed import decode_groups
+    from hf_neural_attn.ops.packed import decoding_batches, sequence_mask
     from hf_neural_attn.ops.sequences import SequenceSlice
+    from hf_neural_attn.record import EXTRAS_KWARG
 
     model = tiny_llama().eval()
     hf_neural_attn.patch_model(model, scorer)
@@ -292,9 +293,23 @@ def test_decoding_requests_scored_in_groups_equal_scored_apart(scorer, monkeypat
     module, (query, key, value, kwargs) = packed_attention_call(model, query_lengths, key_lengths)
     cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
     sequences = [SequenceSlice(slice(q0, q1), slice(k0, k1)) for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
-    assert [len(group) for group in decode_groups(sequences, attention.DECODE_GROUP_SCORES)] == [2, 1, 2]
+    assert decoding_batches(query_lengths, key_lengths) == [[3, 0, 4, 1]]  # by length: 3, 7, 9, 12
+    extras = kwargs.get(EXTRAS_KWARG)
     with torch.no_grad():
-        grouped, _ = attention.attention_with_keys(module, query, key, value, None, **dict(kwargs))
-        monkeypatch.setattr(attention, "DECODE_GROUP_SCORES", 0)
-        apart, _ = attention.attention_with_keys(module, query, key, value, None, **dict(kwargs))
-    torch.testing.assert_close(grouped, apart, atol=1e-5, rtol=0)
+        batched, _ = attention.attention_with_keys(module, query, key, value, None, **dict(kwargs))
+        for sequence in sequences:
+            causal = sequence_mask(sequence, is_causal=True, sliding_window=None, device=query.device)
+            alone, _ = attention._attention(
+                module, sequence.query_of(query), sequence.keys_of(key), sequence.keys_of(value), causal, None, 0.0,
+                sequence.extras_of(extras, 1), True, {},
+            )  # fmt: skip
+            torch.testing.assert_close(batched[:, sequence.queries], alone, atol=1e-5, rtol=0)
+
+
+def test_decoding_batches_keep_padding_bounded():
+    """Requests go into a batch shortest first while its padded keys stay within twice its requests' keys: a request
+    far longer than the others gets a batch of its own; requests with several queries are not decoding."""
+    from hf_neural_attn.ops.packed import decoding_batches
+
+    assert decoding_batches([1, 1, 1, 1], [40, 2, 2, 6]) == [[1, 2, 3], [0]]
+    assert decoding_batches([3, 1], [5, 4]) == [[1]]
