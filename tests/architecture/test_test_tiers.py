@@ -22,7 +22,16 @@ TESTS = Path(__file__).resolve().parents[1]
 # it. Attribute names count as well as bare names (``subprocess.run``, ``torch.compile``); fixtures count by their
 # parameter name (``hub_server``, conftest.py's one server per module).
 TRIGGERS = {
-    "spawns": {"subprocess", "Popen", "multiprocessing", "start_processes", "spawn", "run_recipe", "launch_processes"},
+    "spawns": {
+        "subprocess",
+        "Popen",
+        "multiprocessing",
+        "start_processes",
+        "spawn",
+        "run_recipe",
+        "launch_processes",
+        "compile_kernels_for_gpu",
+    },
     "server": {"hub_server", "HubServer", "free_port", "ThreadingHTTPServer", "HTTPServer"},
     "compiles": {"compile"},
 }

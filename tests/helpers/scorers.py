@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 from hf_neural_attn.scorers import scorer_class
 
 from .models import CORE_FAMILIES, family_names, rows_where
-from .references import geometry
+from .references import geometry, randomise
 
 # --- The table of scorer cases -----------------------------------------------------------------------------------
 
@@ -83,3 +84,18 @@ def scorer_cases(with_family: bool = False, **where):
     if not with_family:
         return [pytest.param(case, id=case.id) for case in rows]
     return [pytest.param(case, family, id=f"{case.id}-{family}") for case in rows for family in case.families]
+
+
+def random_fused_scorer(
+    name: str, heads: int, kv_heads: int, *, hidden_size: int, head_dim: int, dtype=torch.float32, **options
+):
+    """A scorer with a fused form (QANA or one-layer Neural Attention, ``options`` its config) for attention of
+    ``heads`` query heads over ``kv_heads`` key heads, every parameter drawn at std 0.5 (far from init, where the
+    gates are 0 and the score term vanishes), in ``dtype``."""
+    geo = geometry(
+        hidden_size=hidden_size, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=torch.float32
+    )
+    scorer_type = scorer_class(name)
+    scorer = scorer_type(scorer_type.config_class.from_options(options), geo)
+    randomise(scorer, std=0.5)
+    return scorer.to(dtype)

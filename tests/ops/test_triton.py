@@ -27,8 +27,8 @@ import torch
 from helpers.installed import HAS_TRITON, needs_triton
 from helpers.models import model_inputs, packed_attention_call, perturb_scorers, tiny_gpt2, tiny_llama
 from helpers.paths import IMPLS, PORTABLE_IMPLS, always_blockwise
-from helpers.references import geometry, randomise
-from helpers.scorers import FUSED_SCORERS
+from helpers.processes import compile_kernels_for_gpu
+from helpers.scorers import FUSED_SCORERS, random_fused_scorer
 from torch.utils._pytree import tree_map_only
 
 import hf_neural_attn
@@ -37,20 +37,13 @@ from hf_neural_attn.ops import triton as ops_triton
 from hf_neural_attn.ops.dispatch import resolve_impl, scored_attention
 from hf_neural_attn.ops.dropout import DropoutPlacement
 from hf_neural_attn.ops.triton import fused
-from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer, QanaConfig, QanaScorer
 
 HIDDEN, D = 6, 6  # D = 6 is not a power of two: the kernels pad it to 8 and mask the padding
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
 
 def make_scorer(name, heads, kv_heads, dtype=torch.float32, **options):
-    geo = geometry(hidden_size=HIDDEN, num_heads=heads, num_kv_heads=kv_heads, head_dim=D, dtype=torch.float32)
-    if name == "qana":
-        scorer = QanaScorer(QanaConfig(**options), geo)
-    else:
-        scorer = NeuralAttentionScorer(NeuralAttentionConfig(**options), geo)
-    randomise(scorer, std=0.5)
-    return scorer.to(dtype)
+    return random_fused_scorer(name, heads, kv_heads, hidden_size=HIDDEN, head_dim=D, dtype=dtype, **options)
 
 
 def attention_case(heads, kv_heads, q_len, kv_len, mask_kind, dtype=torch.float32, seed=0):
@@ -668,45 +661,18 @@ for impl in ("auto", "reference", "triton"):
 
 
 COMPILE_SCRIPT = """
-import importlib, importlib.util, inspect, sys, types
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
-# The kernel folder and the fused-term contract it imports (ops/terms.py), not through hf_neural_attn (no
-# transformers): a bare parent package over the ops folder, whose own __init__ is not run.
-parent = types.ModuleType("standalone_ops")
-parent.__path__ = [sys.argv[1]]
-sys.modules["standalone_ops"] = parent
-kernels = importlib.import_module("standalone_ops.triton.common")
+common = kernels("common")
 assert not any(name.startswith("transformers") or name.startswith("hf_neural_attn") for name in sys.modules)
-INTS = {"H", "GROUPS", "M", "N", "D", "HID", "seed", "drop_stream_base", "drop_stream_stride", "drop_row_offset"}
-STRIDES = {"sq": 4, "sk": 4, "sv": 4, "sm": 4, "su": 5, "sx": 4, "sb": 4, "sc": 3, "sp": 4, "sr": 4}
-FP32 = {"ROW_MAX", "ROW_SUM", "DELTA", "DGATE_PARTIAL", "DWO_PARTIAL", "GATE", "WO", "QV", "QB", "QC", "MASK"}
 # (KIND, tiles, warps, dropout, kernels): each term's three kernels, with dropout for one (its code is the terms'
 # shared helpers), and a decoding step's 16-row forward tile.
-ALL = (kernels.forward_kernel, kernels.backward_query_kernel, kernels.backward_key_kernel)
+ALL = (common.forward_kernel, common.backward_query_kernel, common.backward_key_kernel)
 for kind, (block_m, block_n, warps), dropout, fns in (
     (0, (64, 32, 8), True, ALL), (1, (64, 32, 8), False, ALL), (0, (16, 64, 4), False, ALL[:1])
 ):
     for fn in fns:
         constexprs = dict(KIND=kind, ACT=0, HAS_MASK=True, IS_CAUSAL=True, BLOCK_M=block_m, BLOCK_N=block_n,
                           BLOCK_D=64, HID_PAD=4, PRECISION="tf32", HAS_DROPOUT=dropout)
-        signature = {}
-        for name in inspect.signature(fn.fn).parameters:
-            if name in constexprs:
-                signature[name] = "constexpr"
-            elif name in STRIDES:
-                signature[name] = ("i32",) * STRIDES[name]
-            elif name == "drop_threshold":
-                signature[name] = "u32"  # round(p * 2**32) is above 2**31 - 1 from p = 0.5 on
-            elif name in INTS or name.islower():
-                signature[name] = "fp32" if name in ("scaling", "drop_scale") else "i32"
-            else:
-                signature[name] = "*fp32" if name in FP32 else "*bf16"
-        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-        assert compiled.asm["cubin"], fn.__name__
+        compile_sm90(fn, constexprs, warps)
         print(kind, fn.__name__, "compiled")
 """
 
@@ -717,16 +683,5 @@ for kind, (block_m, block_n, warps), dropout, fns in (
 def test_kernels_compile_for_a_gpu_without_one(tmp_path):
     """The interpreter runs the kernels as Python; the GPU compiler is stricter (tile shapes, types,
     constexpr branches). Compiling for sm_90 needs no GPU: Triton ships the compiler and ptxas."""
-    ops_folder = Path(ops_triton.__file__).parent.parent
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path)}
-    env.pop("TRITON_INTERPRET", None)
-    finished = subprocess.run(
-        [sys.executable, "-c", COMPILE_SCRIPT, str(ops_folder)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    assert finished.stdout.count("compiled") == 7
+    output = compile_kernels_for_gpu(COMPILE_SCRIPT, Path(ops_triton.__file__).parent.parent, tmp_path)
+    assert output.count("compiled") == 7

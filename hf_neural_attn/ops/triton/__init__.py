@@ -14,6 +14,10 @@ This package imports without triton. Layout (after flash-linear-attention's ``fl
 * ``launch.py``: the kernels' launch arguments (tile sizes, pointers, strides, constexprs) from the operators'.
 * ``common.py``: the forward and the two backward kernels, and :func:`common.tile_scores`, the one place
   they compute a tile's scores.
+* ``paged.py``: the torch side of the paged kernel, for a serving step's requests over a paged KV cache: its limits
+  and :func:`paged_fused_attention`; ``paged_kernel.py``: that kernel (forward only), which walks each request's block
+  table itself and scores with :func:`common.tile_scores`. :func:`paged_kernel_unsupported_reason` says whether it
+  serves a call, the machine included.
 * ``query_network.py``, ``pair_mlp.py``: the score terms the kernels fuse, one file each, named as
   :data:`hf_neural_attn.ops.terms.TERMS` names them: their loads, gradients and stores. :data:`.fused.TERM_OPERANDS`
   turns a term's tensors into the kernels' operands.
@@ -39,6 +43,7 @@ from .fused import (
     inputs_unsupported_reason,
     mlp_unsupported_reason,
 )
+from .paged import paged_call_unsupported_reason, paged_fused_attention
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -49,6 +54,8 @@ __all__ = [
     "KernelDropout",
     "fused_attention",
     "kernel_unsupported_reason",
+    "paged_fused_attention",
+    "paged_kernel_unsupported_reason",
     "triton_attention",
     "triton_available",
     "triton_interpreting",
@@ -146,4 +153,23 @@ def triton_attention(
         )
     return fused_attention(
         inputs, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal, dropout=dropout
+    )
+
+
+def paged_kernel_unsupported_reason(
+    fused: FusedInputs,
+    query: torch.Tensor,
+    key_blocks: torch.Tensor,
+    value_blocks: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    key_side_blocks: torch.Tensor | None = None,
+) -> str | None:
+    """Why :func:`paged_fused_attention` cannot serve this call, or None if it can: the machine
+    (:func:`triton_unavailable_reason` for the query's device), then the term's hidden layer, the dtypes, shapes and
+    devices of the call (:func:`.paged.paged_call_unsupported_reason`). The arguments are
+    :func:`paged_fused_attention`'s, without ``scaling``; nothing is computed and the device is not synchronised."""
+    return triton_unavailable_reason(query.device) or paged_call_unsupported_reason(
+        fused, query, key_blocks, value_blocks, block_table, seq_lens, query_start_loc, key_side_blocks
     )

@@ -19,8 +19,9 @@ Three kernels per call, each a grid of (block index, batch * heads) programs:
   of its group (grouped-query attention without repeating keys) and over the query blocks that can see it,
   accumulating dk, dv and the pair-MLP term's dR.
 
-All three get a tile's scores from :func:`tile_scores`, s_ij in fp32 whatever the input dtype
-(tensor-core products accumulate in fp32), by the score term ``KIND``:
+All three, and the paged kernel of a serving step (:mod:`.paged_kernel`), get a tile's scores from
+:func:`tile_scores`, s_ij in fp32 whatever the input dtype (tensor-core products accumulate in fp32), by the score
+term ``KIND``:
 
 * ``KIND == 0`` (:mod:`.query_network`): ``scaling * q_i.k_j + gate * (sum_l V_il act(U_il.k_j + b_il) + c_i)``.
 * ``KIND == 1`` (:mod:`.pair_mlp`, residual): ``scaling * q_i.k_j + gate * sum_m w_m act(P_im + R_jm)``.
@@ -179,18 +180,31 @@ def query_block(
     KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HID_PAD: tl.constexpr,
 ):  # fmt: skip
     """The block of queries of a (query block, batch * head) program, for the forward and the query-block
-    backward kernels: its indices and masks, what :func:`load_query_side` loads, the head's gate and the
-    output weights w (fp32, zero-padded to HID_PAD)."""
+    backward kernels: its indices and masks, and what :func:`query_operands` loads for it."""
     pid_m, pid_bh, off_z, off_h, offs_m, offs_d, offs_l, row_ok, d_ok, l_ok = program_block(
         H, M, D, HID, BLOCK_M, BLOCK_D, HID_PAD
     )
+    qs, gate, wo = query_operands(
+        Q, U, QV, QB, QC, PQ, WO, GATE, off_z, off_h, offs_m, offs_d, offs_l, row_ok, d_ok, l_ok,
+        sq, su, sx, sb, sc, sp, KIND, BLOCK_M, BLOCK_D, HID_PAD,
+    )  # fmt: skip
+    return pid_m, pid_bh, off_z, off_h, offs_m, offs_d, offs_l, row_ok, d_ok, l_ok, qs, gate, wo
+
+
+@triton.jit
+def query_operands(
+    Q, U, QV, QB, QC, PQ, WO, GATE, off_z, off_h, offs_m, offs_d, offs_l, row_ok, d_ok, l_ok,
+    sq, su, sx, sb, sc, sp, KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HID_PAD: tl.constexpr,
+):  # fmt: skip
+    """What a block of queries (rows ``offs_m`` of batch ``off_z``, head ``off_h``) scores with: what
+    :func:`load_query_side` loads, the head's gate and the output weights w (fp32, zero-padded to HID_PAD)."""
     qs = load_query_side(
         Q, U, QV, QB, QC, PQ, off_z, off_h, offs_m, offs_d, offs_l, row_ok, d_ok, l_ok, sq, su, sx, sb, sc, sp,
         KIND, BLOCK_M, BLOCK_D, HID_PAD,
     )  # fmt: skip
     gate = load_gate(GATE, off_h, KIND)
     wo = tl.load(WO + offs_l, mask=l_ok, other=0.0).to(tl.float32)
-    return pid_m, pid_bh, off_z, off_h, offs_m, offs_d, offs_l, row_ok, d_ok, l_ok, qs, gate, wo
+    return qs, gate, wo
 
 
 @triton.jit
@@ -211,7 +225,7 @@ def tile_scores(
 ):  # fmt: skip
     """Masked fp32 scores s (BLOCK_M, BLOCK_N) of one tile, the score term ``mlp`` before its gate/scale,
     and the hidden activations ``act`` and derivatives ``dact``, each (BLOCK_M, HID_PAD, BLOCK_N). The one
-    place the forward and both backward kernels compute scores. ``qs``: what :func:`load_query_side`
+    place the forward, both backward and the paged kernel compute scores. ``qs``: what :func:`load_query_side`
     loaded; ``k``, ``rk``: what :func:`load_key_side` loaded."""
     q, u, qv, qb, qc, pq = qs
     if KIND == 0:
@@ -242,6 +256,24 @@ def key_tile_scores(
         KIND, ACT, HAS_MASK, IS_CAUSAL, BLOCK_M, BLOCK_N, HID_PAD, PRECISION,
     )  # fmt: skip
     return k, v, s, mlp, act, dact
+
+
+@triton.jit
+def online_softmax_step(s, v, m_i, l_i, acc, drop, PRECISION: tl.constexpr):
+    """One key tile of the forward's online softmax: the rows' running maximum m_i and normaliser l_i (BLOCK_M,)
+    and output accumulator acc (BLOCK_M, BLOCK_D), updated with the tile's scores s (BLOCK_M, BLOCK_N) and values v
+    (BLOCK_N, BLOCK_D). ``drop``: the tile's dropout factors (:func:`tile_dropout`), or 1.0."""
+    # Every visited tile has a finite score in each row (a real key, at worst at the fp32 minimum), so
+    # m_new is finite and the -inf entries give exp(-inf) = 0.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    # The normaliser sums the probabilities before dropout; the values see them after (dropout acts on the
+    # softmax's output, as the torch paths apply it).
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p * drop
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit(do_not_specialize=DROPOUT_VALUES)
@@ -277,17 +309,8 @@ def forward_kernel(
             start_n, K, V, RK, MASK, qs, wo, gate, off_z, off_h, off_hk, offs_m, offs_d, offs_l, row_ok, d_ok, l_ok,
             M, N, scaling, sk, sv, sr, sm, KIND, ACT, HAS_MASK, IS_CAUSAL, BLOCK_M, BLOCK_N, HID_PAD, PRECISION,
         )  # fmt: skip
-        # Every visited tile has a finite score in each row (a real key, at worst at the fp32 minimum), so
-        # m_new is finite and the -inf entries give exp(-inf) = 0.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        # The normaliser sums the probabilities before dropout; the values see them after (dropout acts on the
-        # softmax's output, as the torch paths apply it).
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = p * tile_dropout(drop_rows, start_n, drop_threshold, drop_scale, BLOCK_N, HAS_DROPOUT)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        drop = tile_dropout(drop_rows, start_n, drop_threshold, drop_scale, BLOCK_N, HAS_DROPOUT)
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, drop, PRECISION)
     out = acc / l_i[:, None]
     base = pid_bh.to(tl.int64) * M
     tl.store(

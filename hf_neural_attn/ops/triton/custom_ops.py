@@ -27,18 +27,11 @@ first call, so the package imports without triton. Under torch.compile that firs
 traced (Dynamo executes imports), so a compiled model defines the operators without a graph break.
 """
 
-import contextlib
-
 import torch
 import triton
 
 from .common import backward_key_kernel, backward_query_kernel, forward_kernel
-from .launch import KIND_PAIR_MLP_REPLACE, KIND_QUERY_NETWORK, dropout_values, launch_args, term_tensors
-
-
-def _on_device(tensor: torch.Tensor):
-    """The launches' device context: Triton launches on the current CUDA device, made the tensors' one here."""
-    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+from .launch import KIND_PAIR_MLP_REPLACE, KIND_QUERY_NETWORK, dropout_values, launch_args, on_device, term_tensors
 
 
 def _forward_outputs(query: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,7 +88,7 @@ def fused_attention_forward(
     out, row_max, row_sum = _forward_outputs(query, value)
     batch, heads, q_len, _ = query.shape
     grid = (triton.cdiv(q_len, constexprs["BLOCK_M"]), batch * heads)
-    with _on_device(query):
+    with on_device(query):
         forward_kernel[grid](
             *pointers, out, row_max, row_sum, *strides, *sizes, **constexprs, num_warps=num_warps, num_stages=2
         )
@@ -169,7 +162,7 @@ def fused_attention_backward(
         dU = dQV = dQB = dQC = query  # unused by the pair-MLP kernels
 
     launch = dict(**constexprs, num_warps=num_warps, num_stages=2)
-    with _on_device(query):
+    with on_device(query):
         backward_query_kernel[(query_blocks, batch * heads)](
             *pointers, *stats, dq, dU, dQV, dQB, dQC, dP, dgate_partial, dw_partial, *strides, *sizes, **launch
         )

@@ -6,6 +6,8 @@ This module imports without triton (the activation codes of :mod:`.utils` are re
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 # Tile sizes (BLOCK_M queries, BLOCK_N keys) of the forward kernel and of the two backward kernels; None
@@ -27,6 +29,11 @@ def term_tensors(kind: int, term: list[torch.Tensor]) -> tuple[torch.Tensor | No
         return U, V, b, c, None, None, None, gate
     P, R, w, *gate = term
     return None, None, None, None, P, R, w, (gate[0] if gate else None)
+
+
+def on_device(tensor: torch.Tensor):
+    """A launch's device context: Triton launches on the current CUDA device, made the tensor's one here."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
 
 
 def _next_power_of_2(n: int) -> int:
@@ -100,24 +107,42 @@ def launch_args(
     launch's number of warps."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
+    if mask is not None:
+        mask = mask.expand(batch, heads, q_len, kv_len)  # broadcast dimensions get stride 0, no copy
+    pointers, strides = pointers_and_strides(q, k, v, mask, term, kind)
+    sizes = (heads, heads // kv_heads, q_len, kv_len, head_dim, hidden, scaling)
+    sizes += dropout if dropout is not None else NO_DROPOUT
+    constexprs, num_warps = tile_constexprs(q, kind, activation, hidden, backward=backward, q_len=q_len)
+    constexprs.update(HAS_MASK=mask is not None, IS_CAUSAL=is_causal, HAS_DROPOUT=dropout is not None)
+    return pointers, strides, sizes, constexprs, num_warps
+
+
+def pointers_and_strides(q, k, v, mask, term, kind) -> tuple[list[torch.Tensor], tuple[int, ...]]:
+    """The kernels' twelve pointers (Q, K, V, MASK, U, QV, QB, QC, PQ, RK, WO, GATE; a dummy where the call has no
+    such tensor) and their 40 strides, flat, tensor by tensor: the kernels rebuild ``sq, sk, sv, sm, su, sx, sb, sc,
+    sp, sr`` (:func:`.common.stride_tuples`; inductor passes no tuples). ``k``, ``v`` and the term's R are indexed
+    (batch, kv head, row, dim): the paged kernel passes its cache as a batch of blocks (:mod:`.paged`)."""
     U, QV, QB, QC, P, R, w, gate = term_tensors(kind, term)
     if w is None:
         w = QV  # any tensor of at least h numbers: the kernels load w, and the query-network term never uses it
-    if mask is not None:
-        mask = mask.expand(batch, heads, q_len, kv_len)  # broadcast dimensions get stride 0, no copy
     dummy = q
     pointers = [q, k, v, mask, U, QV, QB, QC, P, R, w, gate]
     pointers = [dummy if t is None else t for t in pointers]
-    # Flat, tensor by tensor (the kernels rebuild sq, sk, sv, sm, su, sx, sb, sc, sp, sr): inductor passes no tuples.
     strides = (
         *_strides(q, 4), *_strides(k, 4), *_strides(v, 4), *_strides(mask, 4), *_strides(U, 5),
         *_strides(QV, 4), *_strides(QB, 4), *_strides(QC, 3), *_strides(P, 4), *_strides(R, 4),
     )  # fmt: skip
-    sizes = (heads, heads // kv_heads, q_len, kv_len, head_dim, hidden, scaling)
-    sizes += dropout if dropout is not None else NO_DROPOUT
+    return pointers, strides
+
+
+def tile_constexprs(q, kind, activation, hidden, *, backward: bool, q_len: int) -> tuple[dict, int]:
+    """The constexprs every kernel takes that follow from the term, the query's dtype and device and the tiles
+    (KIND, ACT, BLOCK_M, BLOCK_N, BLOCK_D, HID_PAD, PRECISION), for tiles of ``q_len`` queries, and the launch's
+    number of warps."""
     interpreting = q.device.type != "cuda"
     hid_pad = _next_power_of_2(hidden)
     block_m, block_n, num_warps = _block_sizes(hid_pad, q.device, backward, q_len)
+    head_dim = q.shape[-1]
     block_d = _next_power_of_2(head_dim) if interpreting else max(16, _next_power_of_2(head_dim))
     fp32_products = q.dtype == torch.float32 and (interpreting or not torch.backends.cuda.matmul.allow_tf32)
     from .utils import ACTIVATION_CODES
@@ -125,13 +150,10 @@ def launch_args(
     constexprs = {
         "KIND": kind,
         "ACT": ACTIVATION_CODES[activation],
-        "HAS_MASK": mask is not None,
-        "IS_CAUSAL": is_causal,
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
         "BLOCK_D": block_d,
         "HID_PAD": hid_pad,
         "PRECISION": "ieee" if fp32_products else "tf32",
-        "HAS_DROPOUT": dropout is not None,
     }
-    return pointers, strides, sizes, constexprs, num_warps
+    return constexprs, num_warps
