@@ -106,7 +106,7 @@ def resolve_impl(
     """
     if need_weights:
         if impl in ("chunked", "triton"):
-            _warn_once(
+            warn_once(
                 f"impl={impl!r} does not materialise the attention probabilities, so calls that return them "
                 "(output_attentions=True) run the reference path."
             )
@@ -135,7 +135,7 @@ def resolve_impl(
                 raise ImportError(reason)
             raise ValueError(f"impl='triton' cannot run this call: {reason}.")
         if reason == TRITON_INSTALL_HINT:
-            _warn_once("impl='auto' on CUDA found no triton and uses the torch paths instead: pip install triton")
+            warn_once("impl='auto' on CUDA found no triton and uses the torch paths instead: pip install triton")
     if impl == "auto":
         hidden = getattr(scorer.config, "h", None) or 1
         if batch * heads * q_len * kv_len * hidden <= scorer.reference_max_scores:
@@ -144,6 +144,27 @@ def resolve_impl(
         # A value set on the config after it was made: the option's own error, from the config's one check.
         dataclasses.replace(scorer.config, impl=impl)
     return "blockwise" if _fused_form_missing(scorer, blockwise=True) is None else "chunked"
+
+
+def resolve_paged_impl(impl: str, scorer, *, device: torch.device | str) -> str:
+    """The path of a serving step over a paged cache (:mod:`hf_neural_attn.paged_attention`) for ``scorer`` under
+    the ``impl`` choice: ``"triton"``, the paged kernel that walks the block table, or ``"torch"``, the keys gathered
+    back and scored on the torch paths (each call then resolved by :func:`resolve_impl`).
+
+    ``"triton"`` is the kernel, or the error :func:`resolve_impl` gives when it cannot run; ``"auto"`` takes it on
+    CUDA (with :data:`TRITON_IN_AUTO`) for a scorer with a fused form; ``"reference"`` and ``"chunked"`` name torch
+    paths. Whether the kernel serves the step's shapes is asked of the step (``paged_kernel_unsupported_reason``).
+    """
+    if impl == "triton" or (impl == "auto" and TRITON_IN_AUTO and torch.device(device).type == "cuda"):
+        reason = triton_unavailable_reason(device) or _fused_form_missing(scorer)
+        if reason is None:
+            return "triton"
+        if impl == "triton":
+            if reason == TRITON_INSTALL_HINT:
+                raise ImportError(reason)
+            raise ValueError(f"impl='triton' cannot serve a paged step: {reason}.")
+        warn_once(f"impl='auto' on CUDA serves paged steps on the torch paths: {reason}")
+    return "torch"
 
 
 def _fused_form_missing(scorer, blockwise: bool = False) -> str | None:
@@ -158,7 +179,7 @@ def _fused_form_missing(scorer, blockwise: bool = False) -> str | None:
 _WARNED: set[str] = set()
 
 
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
         warnings.warn(message, stacklevel=3)

@@ -68,7 +68,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("record", ("hf_neural_attn.record",)),
     ("config", ("hf_neural_attn.model_cards", "hf_neural_attn.patched_config")),
-    ("attention", ("hf_neural_attn.attention",)),
+    ("attention", ("hf_neural_attn.attention", "hf_neural_attn.paged_attention")),
     ("patch plan", ("hf_neural_attn.patch_plan",)),
     ("patching", ("hf_neural_attn.patching",)),
     ("loading", ("hf_neural_attn.loading", "hf_neural_attn.loading.*")),
