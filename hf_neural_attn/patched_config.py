@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator
 from functools import cache
 from typing import Any
@@ -52,6 +53,9 @@ from .record import (
 LOADER_MODULE = "hf_neural_attn_loader"  # the loader file written beside config.json (without ".py")
 LOADER_CONFIG_CLASS = "PatchedCheckpointConfig"
 _LOADER_REF = f"{LOADER_MODULE}.{LOADER_CONFIG_CLASS}"
+# The name of the library's entry point in vLLM's ``vllm.general_plugins`` group (pyproject.toml), which
+# ``VLLM_PLUGINS`` must list for vLLM to load the plugin (hf_neural_attn.integrations.vllm).
+VLLM_PLUGIN_NAME = "hf_neural_attn"
 
 # transformers runs this file only under trust_remote_code=True, and only when hf_neural_attn is not importable:
 # once it is imported, its registered config class takes precedence over remote code. Its one job is to make the
@@ -294,7 +298,30 @@ class PatchedCheckpointConfig(PretrainedConfig):
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
+        refuse_vllm_without_plugin()
         return config_from_saved_dict(config_dict, **kwargs)
+
+
+def refuse_vllm_without_plugin() -> None:
+    """Refuse to read a patched checkpoint's config in a vLLM process that loaded its plugins without the library's.
+
+    There vLLM would build its own implementation of the base architecture (nothing routes the patched config to the
+    plugin's model class) and fail on the scorers' weights (``attn_scorer``) without naming the library. This runs
+    where vLLM reads the config: through the checkpoint's loader file (``trust_remote_code=True``) or with the library
+    imported by the user's script. Nothing of vLLM is imported: a process without it passes."""
+    plugins, environment = sys.modules.get("vllm.plugins"), sys.modules.get("vllm.envs")
+    if plugins is None or environment is None or not getattr(plugins, "plugins_loaded", False):
+        return
+    allowed = environment.VLLM_PLUGINS
+    if allowed is None or VLLM_PLUGIN_NAME in allowed:
+        return
+    raise ValueError(
+        f"This checkpoint was patched by hf_neural_attn, and this vLLM process loaded its plugins without "
+        f"hf_neural_attn's (VLLM_PLUGINS={','.join(allowed)!r}), so vLLM would build the base model without the "
+        f"attention scorers. Add the plugin's name, {VLLM_PLUGIN_NAME}, to VLLM_PLUGINS (a comma-separated list of "
+        "plugin names) or unset it, with hf-neural-attn installed in vLLM's environment (pip install 'hf-neural-attn[vllm]'); "
+        "or serve it with transformers: python -m hf_neural_attn.serve PATH."
+    )
 
 
 class PatchedCheckpointBaseConfig(PatchedCheckpointConfig):

@@ -137,6 +137,12 @@ def gpt2_reordered_attention(module: Any) -> Callable:
     return module._upcast_and_reordered_attn
 
 
+def keys_ignored_on_load(model: Any) -> list[str]:
+    """The patterns of checkpoint keys ``model`` skips when it loads (``_keys_to_ignore_on_load_unexpected``), empty
+    when it has none. vLLM's Transformers backend drops every checkpoint weight one of them matches (``re.search``)."""
+    return list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+
+
 # ------------------------------------------------------------------------------------------------------- torch
 
 

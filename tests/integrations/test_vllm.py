@@ -35,6 +35,8 @@ from helpers.models import perturb_scorers
 from helpers.processes import free_port, healthy
 from transformers import (
     GenerationConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -118,11 +120,12 @@ def build(folder: Path, scorer: str | None, std: float = 0.3, **options) -> dict
     return {name: greedy(model, prompt, max_tokens) for name, (prompt, max_tokens) in PROMPTS.items()}
 
 
-def run_vllm(jobs: list[dict], tmp_path: Path) -> dict:
-    """Run ``jobs`` in a fresh Python that imports vLLM and not hf_neural_attn (tests/vllm_runner.py)."""
+def run_vllm(jobs: list[dict], tmp_path: Path, **variables: str) -> dict:
+    """Run ``jobs`` in a fresh Python that imports vLLM and not hf_neural_attn (tests/vllm_runner.py), with the
+    environment ``variables`` added."""
     jobs_file, out_file = tmp_path / "jobs.json", tmp_path / "out.json"
     jobs_file.write_text(json.dumps(jobs))
-    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **variables}
     done = subprocess.run(
         [sys.executable, str(RUNNER), str(jobs_file), str(out_file)], env=environment, capture_output=True,
         text=True, timeout=900, check=False,
@@ -140,7 +143,10 @@ def job(folder: Path, **engine) -> dict:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """The checkpoints, their transformers tokens, and what one vLLM process served for each."""
+    """The checkpoints, their transformers tokens, and what one vLLM process served for each.
+
+    The patched models come first; then the base model in vLLM's own Llama, and in its Transformers backend, which
+    marks transformers' LlamaModel for compiling process-wide; then QANA again, after that marking."""
     root = tmp_path_factory.mktemp("vllm")
     expected = {
         "qana": build(root / "qana", "qana"),
@@ -148,9 +154,15 @@ def served(tmp_path_factory):
         "neural_mixed": build(root / "neural_mixed", "neural", std=2.0, layers=[1]),
         "base": build(root / "base", None),
     }
-    jobs = [job(root / "qana"), job(root / "neural_mixed"), job(root / "base", enforce_eager=True)]
-    output = run_vllm(jobs, root)
-    return root, expected, dict(zip(expected, output["results"])), output["library_loaded"]
+    runs = {
+        "qana": job(root / "qana"),
+        "neural_mixed": job(root / "neural_mixed"),
+        "base": job(root / "base", enforce_eager=True),
+        "base_transformers": job(root / "base", model_impl="transformers"),
+        "qana_after_base_transformers": job(root / "qana"),
+    }
+    output = run_vllm(list(runs.values()), root)
+    return root, expected, dict(zip(runs, output["results"])), output["library_loaded"]
 
 
 @pytest.mark.parametrize("name", ["qana", "neural_mixed"])
@@ -189,6 +201,20 @@ def test_unpatched_models_serve_as_before(served):
             assert output["token_ids"] == expected["base"][request][0], request
 
 
+def test_patched_model_after_unpatched_in_the_transformers_backend(served):
+    """One process, both orders: the base model in vLLM's Transformers backend after the patched models (compiled,
+    as vLLM does) and QANA after it, which vLLM would otherwise serve from the compiled graph of transformers'
+    LlamaModel, whose scored layers never reach the library's attention: each gets transformers' tokens."""
+    _, expected, results, _ = served
+    for name, reference in (("base_transformers", "base"), ("qana_after_base_transformers", "qana")):
+        assert "error" not in results[name], results[name].get("error")
+        for batch, outputs in zip(BATCHES, results[name]["batches"]):
+            for request, output in zip(batch, outputs):
+                tokens, logprobs = expected[reference][request]
+                assert output["token_ids"] == tokens, (name, request)
+                assert output["logprobs"] == pytest.approx(logprobs, abs=LOGPROB_TOLERANCE), (name, request)
+
+
 @pytest.mark.filterwarnings("ignore:key_dim=16:UserWarning")
 def test_refusals_name_the_library(served, tmp_path):
     """What the plugin cannot serve fails at startup, with an error naming hf_neural_attn and what works."""
@@ -196,6 +222,7 @@ def test_refusals_name_the_library(served, tmp_path):
     build(root / "key_dim", "qana", key_dim=16)
     build(root / "head16", "qana", sizes={"head_dim": 16})
     build(root / "sliding", "qana", sizes={"sliding_window": 16}, classes=(MistralConfig, MistralForCausalLM))
+    build(root / "gpt2", "qana", classes=(GPT2Config, GPT2LMHeadModel))
     cases = {
         "vllm_impl": (job(root / "qana", model_impl="vllm"), "model_impl='transformers'"),
         "fp8_cache": (job(root / "qana", kv_cache_dtype="fp8"), "kv_cache_dtype at 'auto'"),
@@ -203,11 +230,30 @@ def test_refusals_name_the_library(served, tmp_path):
         "key_dim": (job(root / "key_dim"), "without key_dim"),
         "head_size": (job(root / "head16"), "takes head sizes 32, 64"),
         "sliding_window": (job(root / "sliding"), "python -m hf_neural_attn.serve"),
+        # vLLM's backend drops GPT-2's c_attn.bias at load (its ignored-key pattern "attn.bias" matches it).
+        "gpt2": (job(root / "gpt2"), "model type 'gpt2') in vLLM", f"python -m hf_neural_attn.serve {root / 'gpt2'}"),
     }
-    results = run_vllm([case for case, _ in cases.values()], tmp_path)["results"]
-    for (name, (_, advice)), result in zip(cases.items(), results):
+    results = run_vllm([case for case, *_ in cases.values()], tmp_path)["results"]
+    for (name, (_, *advice)), result in zip(cases.items(), results):
         assert "error" in result, f"{name} was served"
-        assert "hf_neural_attn" in result["error"] and advice in result["error"], (name, result["error"])
+        assert "hf_neural_attn" in result["error"], (name, result["error"])
+        assert all(words in result["error"] for words in advice), (name, result["error"])
+
+
+def test_plugin_not_allowed_names_the_library(served, tmp_path):
+    """The library installed but its plugin left out of ``VLLM_PLUGINS``: vLLM asks for trust_remote_code (transformers'
+    message: nothing of the library runs before it), and with it the checkpoint's loader file fails naming
+    hf_neural_attn, VLLM_PLUGINS and the plugin's entry-point name, instead of vLLM's own Llama failing on the scorers'
+    weights."""
+    root = served[0]
+    (plugin,) = [
+        entry.name for entry in importlib.metadata.entry_points(group="vllm.general_plugins")
+        if entry.value.startswith("hf_neural_attn.")
+    ]  # fmt: skip
+    output = run_vllm([job(root / "qana", trust_remote_code=True)], tmp_path, VLLM_PLUGINS="none")
+    error = output["results"][0].get("error", "served")
+    assert "hf_neural_attn" in error and "VLLM_PLUGINS" in error and f"name, {plugin}," in error, error
+    assert "attn_scorer" not in error, error
 
 
 def test_openai_server(served, tmp_path):

@@ -1,11 +1,16 @@
 """What the vLLM plugin cannot serve, refused before anything is built, with errors that name hf_neural_attn and say
 what works. :func:`check_parallelism` runs where vLLM checks its parallel config (the process the user started);
 :func:`check_servable` again where the model is built (each worker), :func:`check_head_size` once vLLM has chosen its
-attention backend."""
+attention backend, :func:`check_weights_loadable` once the transformers model is built (on the meta device)."""
 
 from __future__ import annotations
 
+import re
+
+from torch import nn
+
 from ...record import PatchRecord
+from ..internals import keys_ignored_on_load
 
 
 def check_parallelism(model: str, parallel_config) -> None:
@@ -54,4 +59,23 @@ def check_head_size(model: str, head_size: int, backend) -> None:
             f"hf_neural_attn cannot serve {model} in vLLM: its attention heads are {head_size} wide, and vLLM's "
             f"{backend.get_name()} attention backend takes head sizes {', '.join(map(str, supported))}. Serve it with "
             "transformers (python -m hf_neural_attn.serve PATH), or on a backend that takes its head size."
+        )
+
+
+def check_weights_loadable(model: str, module: nn.Module) -> None:
+    """Refuse a model whose own weights vLLM's Transformers backend would drop at load.
+
+    The backend skips every checkpoint key that one of the model's ignored-on-load patterns matches anywhere
+    (``re.search``); GPT-2's ``"attn.bias"`` (its old causal-mask buffer) also matches every ``c_attn.bias``, and vLLM
+    then fails at load with "Following weights were not initialized from checkpoint". ``module`` is the transformers
+    model (``TransformersForCausalLM.model``); its parameter names are the checkpoint's keys below the base prefix."""
+    patterns = [re.compile(pattern) for pattern in keys_ignored_on_load(module)]
+    dropped = [name for name, _ in module.named_parameters() if any(pattern.search(name) for pattern in patterns)]
+    if dropped:
+        model_type = getattr(module.config, "model_type", type(module).__name__)
+        raise ValueError(
+            f"hf_neural_attn cannot serve {model} (model type {model_type!r}) in vLLM: vLLM's Transformers modeling "
+            f"backend skips the checkpoint keys matching {model_type}'s ignored-on-load patterns, which are also its "
+            f"weights {', '.join(dropped[:3])}{', ...' if len(dropped) > 3 else ''}. Serve it with transformers: "
+            f"python -m hf_neural_attn.serve {model}."
         )

@@ -6,6 +6,7 @@ gives each attention module a vLLM ``Attention`` layer for the paged cache, and 
 differ for a patched model:
 
 * the patch is checked against what vLLM was asked for before anything is built (:mod:`.checks`);
+* the model runs eagerly, whatever vLLM compiled before it in the process (:func:`_compilation_skipped`);
 * while vLLM decides which modules dispatch to its attention, the config reads its base implementation (``"vllm"``,
   which the backend set), and the scorers are set aside, so that vLLM leaves their layers as the library built them
   (vLLM's linear layers return tuples, and the scorers read their own weights);
@@ -19,11 +20,12 @@ import contextlib
 from collections.abc import Iterator
 
 from torch import nn
+from vllm.compilation.decorators import IGNORE_COMPILE_KEY
 from vllm.model_executor.models.transformers import TransformersForCausalLM
 
 from ...patched_config import base_implementation_visible
 from ...record import SCORER_ATTR
-from .checks import check_head_size, check_servable
+from .checks import check_head_size, check_servable, check_weights_loadable
 from .paged import VLLM_LAYER_ATTR
 
 
@@ -39,7 +41,15 @@ class PatchedTransformersForCausalLM(TransformersForCausalLM):
         # step: a graph vLLM compiled once would hold the first step's. The model runs eagerly.
         pass
 
+    @contextlib.contextmanager
+    def _mark_model_components(self, vllm_config) -> Iterator[None]:
+        # The block in which vLLM's backend builds the transformers model: an earlier unpatched model of the same
+        # class served by the backend in this process marked the class for compiling (vLLM does it process-wide).
+        with super()._mark_model_components(vllm_config), _compilation_skipped(self._pre_trained_model_classes.decoder):
+            yield
+
     def recursive_replace(self) -> None:
+        check_weights_loadable(self.model_config.model, self.model)
         configs = {id(config): config for config in _configs_of(self.model)}
         with contextlib.ExitStack() as stack:
             for config in configs.values():
@@ -53,6 +63,22 @@ class PatchedTransformersForCausalLM(TransformersForCausalLM):
             layer = getattr(module, VLLM_LAYER_ATTR, None)
             if getattr(layer, "attn_backend", None) is not None:
                 check_head_size(self.model_config.model, layer.head_size, layer.attn_backend)
+
+
+@contextlib.contextmanager
+def _compilation_skipped(model_class: type) -> Iterator[None]:
+    """Within the block, an instance of ``model_class`` built with vLLM's ``support_torch_compile`` marking (which an
+    unpatched model's load applied to the class for the whole process) sets itself not to compile and runs its
+    ``forward`` eagerly; the class's own setting is back on leaving. A class without the marking is left as it was."""
+    had, before = IGNORE_COMPILE_KEY in vars(model_class), vars(model_class).get(IGNORE_COMPILE_KEY)
+    setattr(model_class, IGNORE_COMPILE_KEY, True)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(model_class, IGNORE_COMPILE_KEY, before)
+        else:
+            delattr(model_class, IGNORE_COMPILE_KEY)
 
 
 def _configs_of(model: nn.Module) -> Iterator:
