@@ -73,7 +73,7 @@ def _serve(module, scorer, sequences, schedule):
         starts = torch.tensor([0, *torch.tensor([b - a for _, a, b in spans]).cumsum(0).tolist()], dtype=torch.int32)
         paged = PagedStep.build(
             starts, torch.tensor([b for _, _, b in spans], dtype=torch.int32), table.to(torch.int32), slots,
-            block_size=BLOCK, kv_heads=kv_heads,
+            block_size=BLOCK,
         )  # fmt: skip
         extras = {EXTRAS_KWARG: scorer.query_extras(hidden, None)} if scorer.needs_hidden_states else {}
         with torch.no_grad():

@@ -61,30 +61,30 @@ def paged_attention(
         # backends. (The profile so leaves out the scorers' working memory, which is linear in the tokens.)
         return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1]), None
     key_blocks, value_blocks = block_views(kv_cache, layer)
-    step = _step_of(metadata, metadata.slot_mapping if slots is None else slots, *key_blocks.shape[1:3])
+    step = _step_of(metadata, metadata.slot_mapping if slots is None else slots, key_blocks.shape[1])
     output = paged_scored_attention(
         module, query, key, value, key_blocks, value_blocks, step, scaling, dropout, **kwargs
     )  # fmt: skip
     return output, None
 
 
-# The last step, built at its first scored layer and kept for the others: (metadata, (block size, kv heads), step).
-# vLLM builds a new metadata object each step; holding it here keeps its identity its own.
-_last_step: tuple[object, tuple[int, int], PagedStep] | None = None
+# The last step, built at its first scored layer and kept for the others: (metadata, block size, step). vLLM builds a
+# new metadata object each step; holding it here keeps its identity its own.
+_last_step: tuple[object, int, PagedStep] | None = None
 
 
-def _step_of(metadata, slots: torch.Tensor, block_size: int, kv_heads: int) -> PagedStep:
+def _step_of(metadata, slots: torch.Tensor, block_size: int) -> PagedStep:
     """The :class:`~hf_neural_attn.paged_attention.PagedStep` vLLM's attention ``metadata`` describes (once per
     step)."""
     global _last_step
-    if _last_step is not None and _last_step[0] is metadata and _last_step[1] == (block_size, kv_heads):
+    if _last_step is not None and _last_step[0] is metadata and _last_step[1] == block_size:
         return _last_step[2]
     requests = metadata.query_start_loc.shape[0] - 1
     step = PagedStep.build(
         metadata.query_start_loc, metadata.seq_lens[:requests], metadata.block_table,
-        slots[: metadata.num_actual_tokens], block_size=block_size, kv_heads=kv_heads,
+        slots[: metadata.num_actual_tokens], block_size=block_size,
     )  # fmt: skip
-    _last_step = (metadata, (block_size, kv_heads), step)
+    _last_step = (metadata, block_size, step)
     return step
 
 
