@@ -36,12 +36,16 @@ SMOLLM_135M = {
     "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
     "tie_word_embeddings": True, "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2,
 }  # fmt: skip
-# The functions whose cumulative time --profile reports, by what they do.
+# The functions whose cumulative time --profile reports, by what they do: (name, where). A name that several
+# functions of that file bear (the two ``read`` methods) adds their times; "model forward" takes the outermost.
 PROFILED = {
-    "cache write": "write_tokens",
-    "cache read": "read_requests",
-    "scoring (library's packed path)": "attention_with_keys",
-    "model forward": "forward",
+    "scored layers' attention (all of it)": ("paged_scored_attention", "hf_neural_attn/paged_attention.py"),
+    "cache write": ("write_tokens", "hf_neural_attn/paged_attention.py"),
+    "cache read (keys gathered back)": ("read", "hf_neural_attn/paged_attention.py"),
+    "decoding requests' scoring (one padded batch)": ("decoding_attention", "hf_neural_attn/attention.py"),
+    "prefill scoring (packed path)": ("attention_with_keys", "hf_neural_attn/attention.py"),
+    "query network (QANA's widened query)": ("query_extras", "hf_neural_attn/scorers/qana.py"),
+    "model forward": ("forward", "transformers/models/llama/modeling_llama.py"),
 }
 
 
@@ -123,14 +127,10 @@ def child(spec: dict) -> None:
         stats = pstats.Stats(profiler).stats
         total = sum(entry[2] for entry in stats.values())  # own time of every function: the profiled wall
         shares = {}
-        for label, function in spec["functions"].items():
-            cumulative = [
-                entry[3]
-                for (path, _, name), entry in stats.items()
-                if name == function
-                and ("hf_neural_attn" in path or function == "forward" and "transformers/models/llama" in path)
-            ]
-            shares[label] = (max(cumulative) if cumulative else 0.0) / total
+        for label, (function, where) in spec["functions"].items():
+            times = [entry[3] for (path, _, name), entry in stats.items() if name == function and path.endswith(where)]
+            seconds = (max(times) if function == "forward" else sum(times)) if times else 0.0
+            shares[label] = seconds / total
         result["shares"] = shares
     print(json.dumps(result))
 

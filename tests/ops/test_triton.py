@@ -303,8 +303,8 @@ def test_gpt2_trains_with_its_default_attention_dropout_on_the_kernels(interpret
 @pytest.mark.parametrize("scorer_name", FUSED_SCORERS)
 def test_packed_calls_and_decoding_steps_run_on_the_kernels(interpreter, triton_calls, scorer_name):
     """A packed call as continuous batching makes it (no mask; a prefilling request beside decoding ones, one query
-    against its cache each) runs every part on the kernels: the prefill alone, the decoding requests a group at a
-    time (one call, a block-diagonal mask), and gives the reference path's output within the tolerance."""
+    against its cache each) runs every part on the kernels: the decoding requests together (one call, a padded batch
+    with a request per row), the prefill alone, and gives the reference path's output within the tolerance."""
     from hf_neural_attn import attention
 
     model = tiny_llama().eval()
@@ -317,7 +317,8 @@ def test_packed_calls_and_decoding_steps_run_on_the_kernels(interpreter, triton_
         hf_neural_attn.set_impl(model, impl)
         with torch.no_grad():
             outputs[impl], _ = attention.attention_with_keys(module, query, key, value, None, **dict(kwargs))
-    assert [shape[-2] for shape in triton_calls] == [2, 3, 1]  # requests 0-1 as a group, the prefill, request 3
+    # (batch, queries) of each kernel call: requests 0, 1 and 3 as rows of one batch, then the prefill
+    assert [(shape[0], shape[-2]) for shape in triton_calls] == [(3, 1), (1, 3)]
     torch.testing.assert_close(outputs["triton"], outputs["reference"], **TOLERANCE)
 
 
