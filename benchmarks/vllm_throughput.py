@@ -11,13 +11,15 @@ it (``patch_model(model, scorer, h=4)``, scorers moved off their init). Each con
 child process of its own per round, in turn (interleaved: a machine whose speed drifts slows them all alike). A
 round sends ``--requests`` prompts of ``--prompt`` random tokens at once, each asking ``--new_tokens`` greedy tokens
 (``ignore_eos``), after a warm-up of the same shape; throughput is generated tokens over the wall time of the
-``generate`` call. The unpatched model runs as vLLM runs it by default (compiled, ``--unpatched_eager`` adds it
-eager; ``--unpatched_transformers`` adds it in vLLM's Transformers modeling backend, eager, which is the plugin's
-machinery without the scorers); the patched ones run eagerly, as the plugin runs them.
+``generate`` call. Every model runs as vLLM runs it by default, compiled (the patched ones too: their scored
+attention is one opaque operator in vLLM's graph); ``--unpatched_eager`` adds the unpatched model eager,
+``--unpatched_transformers`` adds it in vLLM's Transformers modeling backend, eager, which is the plugin's machinery
+without the scorers, and ``--patched_eager`` adds the patched ones eager (``enforce_eager=True``).
 
 Reports the median tokens/s of each configuration over ``--rounds`` and its ratio to the unpatched model's.
-``--profile`` runs one more patched round under cProfile and reports the share of the ``generate`` call spent in the
-plugin's cache writes and reads and in the library's scoring.
+``--profile`` runs one more patched round, eager (a compiled graph hides the Python functions), under cProfile and
+reports the share of the ``generate`` call spent in the scored layers' cache writes and reads, their scoring and
+QANA's query network.
 """
 
 from __future__ import annotations
@@ -149,6 +151,7 @@ def main() -> None:
         "--unpatched_transformers", action="store_true",
         help="also time the unpatched model in vLLM's Transformers backend, eager: the plugin's machinery without scorers",
     )  # fmt: skip
+    parser.add_argument("--patched_eager", action="store_true", help="also time the patched models eager")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vllm_throughput.json"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -162,13 +165,16 @@ def main() -> None:
             rows["unpatched, eager"] = (folders["none"], True, "auto")
         if args.unpatched_transformers:
             rows["unpatched, Transformers backend, eager"] = (folders["none"], True, "transformers")
-        rows.update({scorer: (folders[scorer], True, "auto") for scorer in args.scorers})
+        rows.update({scorer: (folders[scorer], False, "auto") for scorer in args.scorers})
+        if args.patched_eager:
+            rows.update({f"{scorer}, eager": (folders[scorer], True, "auto") for scorer in args.scorers})
         rates = {name: [] for name in rows}
         for round_index in range(args.rounds):
             for name, (folder, eager, implementation) in rows.items():
                 result = serve_once(folder, args, eager, implementation, profile=False)
                 rates[name].append(result["tokens"] / result["seconds"])
                 print(f"round {round_index + 1} {name}: {rates[name][-1]:.1f} tokens/s", flush=True)
+        # Profiled eager: cProfile sees the Python functions a compiled graph would hide.
         profiled = serve_once(folders[args.scorers[0]], args, True, "auto", profile=True) if args.profile else None
         shares = profiled["shares"] if profiled else None
     baseline = statistics.median(rates["unpatched"])

@@ -160,6 +160,7 @@ def served(tmp_path_factory):
         "base": job(root / "base", enforce_eager=True),
         "base_transformers": job(root / "base", model_impl="transformers"),
         "qana_after_base_transformers": job(root / "qana"),
+        "qana_eager": job(root / "qana", enforce_eager=True),
     }
     output = run_vllm(list(runs.values()), root)
     return root, expected, dict(zip(runs, output["results"])), output["library_loaded"]
@@ -199,6 +200,17 @@ def test_unpatched_models_serve_as_before(served):
     for batch, outputs in zip(BATCHES, results["base"]["batches"]):
         for request, output in zip(batch, outputs):
             assert output["token_ids"] == expected["base"][request][0], request
+
+
+def test_eager_serves_as_compiled(served):
+    """The patched models compile by default (their attention one opaque operator in vLLM's graph); with
+    ``enforce_eager=True`` QANA gives the same tokens and log-probabilities as compiled."""
+    _, _, results, _ = served
+    assert "error" not in results["qana_eager"], results["qana_eager"].get("error")
+    for eager, compiled in zip(results["qana_eager"]["batches"], results["qana"]["batches"]):
+        for eager_output, compiled_output in zip(eager, compiled):
+            assert eager_output["token_ids"] == compiled_output["token_ids"]
+            assert eager_output["logprobs"] == pytest.approx(compiled_output["logprobs"], abs=LOGPROB_TOLERANCE)
 
 
 def test_patched_model_after_unpatched_in_the_transformers_backend(served):

@@ -2,11 +2,12 @@
 
 vLLM's backend builds the transformers model from the checkpoint's config (patched: the library builds the scorers
 with it, :mod:`hf_neural_attn.patched_config`), replaces its layers by vLLM's (linear, embedding, norm, fused QKV),
-gives each attention module a vLLM ``Attention`` layer for the paged cache, and loads the weights. Three things
-differ for a patched model:
+gives each attention module a vLLM ``Attention`` layer for the paged cache, and loads the weights. What differs for
+a patched model:
 
 * the patch is checked against what vLLM was asked for before anything is built (:mod:`.checks`);
-* the model runs eagerly, whatever vLLM compiled before it in the process (:func:`_compilation_skipped`);
+* vLLM compiles it as it compiles unpatched models, the scored layers' attention an opaque operator in the graph
+  (:data:`.paged.SCORED_ATTENTION_OP`); the scorers' linear layers run on vLLM's CPU matrix product;
 * while vLLM decides which modules dispatch to its attention, the config reads its base implementation (``"vllm"``,
   which the backend set), and the scorers are set aside, so that vLLM leaves their layers as the library built them
   (vLLM's linear layers return tuples, and the scorers read their own weights);
@@ -22,7 +23,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from vllm.compilation.decorators import IGNORE_COMPILE_KEY
+from vllm.config import CUDAGraphMode
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 from vllm.model_executor.models.transformers import TransformersForCausalLM
 from vllm.platforms import current_platform
@@ -30,7 +31,7 @@ from vllm.platforms import current_platform
 from ...patched_config import base_implementation_visible
 from ...record import SCORER_ATTR
 from .checks import check_head_size, check_servable, check_weights_loadable
-from .paged import VLLM_LAYER_ATTR
+from .paged import SCORED_ATTENTION_OP, VLLM_LAYER_ATTR, register_scored_modules
 
 
 class PatchedTransformersForCausalLM(TransformersForCausalLM):
@@ -41,16 +42,16 @@ class PatchedTransformersForCausalLM(TransformersForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
 
     def _decorate_for_torch_compile(self) -> None:
-        # The library's attention reads each step's requests from the cache in Python, in shapes and groups of that
-        # step: a graph vLLM compiled once would hold the first step's. The model runs eagerly.
-        pass
-
-    @contextlib.contextmanager
-    def _mark_model_components(self, vllm_config) -> Iterator[None]:
-        # The block in which vLLM's backend builds the transformers model: an earlier unpatched model of the same
-        # class served by the backend in this process marked the class for compiling (vLLM does it process-wide).
-        with super()._mark_model_components(vllm_config), _compilation_skipped(self._pre_trained_model_classes.decoder):
-            yield
+        # Compiled as vLLM compiles an unpatched model: the scored layers' attention is one opaque operator in the
+        # graph (integrations/vllm/paged.py). Where vLLM compiles piecewise (its GPU default) the graph is split at
+        # it, as at vLLM's own attention, and no CUDA graph holds it: it reads the step's request counts on the host,
+        # which a graph captured once could not replay, so whole-model CUDA graphs become piecewise ones.
+        super()._decorate_for_torch_compile()
+        compilation = self.vllm_config.compilation_config
+        if compilation.splitting_ops and SCORED_ATTENTION_OP not in compilation.splitting_ops:
+            compilation.splitting_ops.append(SCORED_ATTENTION_OP)
+        if compilation.cudagraph_mode.has_full_cudagraphs():
+            compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
 
     def recursive_replace(self) -> None:
         check_weights_loadable(self.model_config.model, self.model)
@@ -72,6 +73,7 @@ class PatchedTransformersForCausalLM(TransformersForCausalLM):
 
     def _create_attention_instances(self, prefix: str = "") -> None:
         super()._create_attention_instances(prefix)
+        register_scored_modules(self.model)
         for module in self.model.modules():
             layer = getattr(module, VLLM_LAYER_ATTR, None)
             if getattr(layer, "attn_backend", None) is not None:
@@ -91,22 +93,6 @@ def _linears_on_vllm_gemm(scorer: nn.Module) -> None:
 
 def _vllm_gemm(linear: nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
     return linear.cpu_linear(inputs, linear.weight, linear.bias)
-
-
-@contextlib.contextmanager
-def _compilation_skipped(model_class: type) -> Iterator[None]:
-    """Within the block, an instance of ``model_class`` built with vLLM's ``support_torch_compile`` marking (which an
-    unpatched model's load applied to the class for the whole process) sets itself not to compile and runs its
-    ``forward`` eagerly; the class's own setting is back on leaving. A class without the marking is left as it was."""
-    had, before = IGNORE_COMPILE_KEY in vars(model_class), vars(model_class).get(IGNORE_COMPILE_KEY)
-    setattr(model_class, IGNORE_COMPILE_KEY, True)
-    try:
-        yield
-    finally:
-        if had:
-            setattr(model_class, IGNORE_COMPILE_KEY, before)
-        else:
-            delattr(model_class, IGNORE_COMPILE_KEY)
 
 
 def _configs_of(model: nn.Module) -> Iterator:

@@ -17,6 +17,8 @@ A module the patch does not score runs vLLM's own attention function, kernels an
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -24,7 +26,7 @@ from vllm.model_executor.layers.attention.attention import get_attention_context
 
 from ...attention import PAGED_BASES
 from ...paged_attention import PagedStep, paged_scored_attention
-from ...record import SCORER_ATTR
+from ...record import EXTRAS_KWARG, SCORER_ATTR
 
 VLLM_IMPLEMENTATION = "vllm"  # the attention implementation vLLM's Transformers modeling backend sets on the config
 VLLM_LAYER_ATTR = "attn"  # where that backend puts a module's vLLM Attention layer
@@ -49,23 +51,69 @@ def paged_attention(
 
     query: (1, heads, tokens, head_dim); key, value: (1, kv_heads, tokens, head_dim), the step's new tokens of every
     request end to end. Returns (1, tokens, heads, head_dim) and no probabilities.
+
+    A scored module's step runs as one opaque operator (:data:`SCORED_ATTENTION_OP`), as vLLM's own attention does:
+    what it does depends on the step's requests (their counts are read on the host), so a graph vLLM compiles calls
+    it rather than tracing into it, and vLLM's piecewise compilation splits its graphs there.
     """
     if getattr(module, SCORER_ATTR, None) is None:
         return ALL_ATTENTION_FUNCTIONS[VLLM_IMPLEMENTATION](
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
+    layer_name = getattr(module, VLLM_LAYER_ATTR).layer_name
+    extras = kwargs.get(EXTRAS_KWARG)
+    if extras is not None:
+        _EXTRAS_TYPES[layer_name] = type(extras)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    parts = [] if extras is None else list(extras)
+    output = torch.ops.hf_neural_attn.vllm_scored_attention(query, key, value, parts, float(scaling), layer_name)
+    return output, None
+
+
+# The scored modules by their vLLM attention layer's name (what the operator is given, as vLLM's own attention
+# operator is; :func:`register_scored_modules`), and the type of their scorer's per-query inputs, which the operator
+# gets as a list of tensors.
+_SCORED_MODULES: weakref.WeakValueDictionary[str, nn.Module] = weakref.WeakValueDictionary()
+_EXTRAS_TYPES: dict[str, type] = {}
+SCORED_ATTENTION_OP = "hf_neural_attn::vllm_scored_attention"
+
+
+def register_scored_modules(model: nn.Module) -> None:
+    """Make the scored attention modules of ``model`` (built by vLLM, each with its vLLM attention layer) known to
+    the operator by their layer's name (held weakly: a model vLLM lets go is not kept)."""
+    for module in model.modules():
+        layer = getattr(module, VLLM_LAYER_ATTR, None)
+        if getattr(module, SCORER_ATTR, None) is not None and hasattr(layer, "layer_name"):
+            _SCORED_MODULES[layer.layer_name] = module
+
+
+@torch.library.custom_op(SCORED_ATTENTION_OP, mutates_args=())
+def _scored_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    extras: list[torch.Tensor | None],
+    scaling: float,
+    layer_name: str,
+) -> torch.Tensor:
+    """The step of the scored module behind ``layer_name``: its new keys and values written to vLLM's cache, each
+    request scored against its own keys (:func:`hf_neural_attn.paged_attention.paged_scored_attention`)."""
+    module = _SCORED_MODULES[layer_name]
     layer = getattr(module, VLLM_LAYER_ATTR)
-    metadata, _, kv_cache, slots = get_attention_context(layer.layer_name)
+    metadata, _, kv_cache, slots = get_attention_context(layer_name)
     if metadata is None:
         # vLLM's warm-up and memory-profiling runs, which have no cache yet: nothing is attended, as in vLLM's own
         # backends. (The profile so leaves out the scorers' working memory, which is linear in the tokens.)
-        return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1]), None
+        return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1])
     key_blocks, value_blocks = block_views(kv_cache, layer)
     step = _step_of(metadata, metadata.slot_mapping if slots is None else slots, key_blocks.shape[1])
-    output = paged_scored_attention(
-        module, query, key, value, key_blocks, value_blocks, step, scaling, dropout, **kwargs
-    )  # fmt: skip
-    return output, None
+    kwargs = {EXTRAS_KWARG: _EXTRAS_TYPES[layer_name]._make(extras)} if extras else {}
+    return paged_scored_attention(module, query, key, value, key_blocks, value_blocks, step, scaling, **kwargs)
+
+
+@_scored_attention.register_fake
+def _scored_attention_fake(query, key, value, extras, scaling, layer_name):
+    return query.new_empty(1, query.shape[2], query.shape[1], value.shape[-1])
 
 
 # The last step, built at its first scored layer and kept for the others: (metadata, block size, step). vLLM builds a
