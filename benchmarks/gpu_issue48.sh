@@ -10,7 +10,7 @@
 # on CUDA; the wheel's install and the version probes count): each step has a share of the budget (LIMIT below) and
 # may also use what the steps before it left unused. A step that fails, times out or finds no time left is recorded
 # as such and the next one runs:
-#   a   pytest tests/ops/test_cuda.py: the kernels' correctness on the GPU
+#   a   pytest tests/ops/test_cuda.py and the paged kernel's CUDA test (issue 50): the kernels' correctness on the GPU
 #   b1  GPT-2 small from its default config (attention dropout 0.1), vocabulary 50257, batch 4, bf16 autocast, 1024
 #       tokens: QANA (h=4) and Neural Attention (h=4, proj_dim=2) on impl=auto against the unpatched SDPA model with
 #       the same dropout; peak memory from each configuration's own process, step time from one more process that
@@ -194,8 +194,9 @@ run_step() {
     rm -f "$marker"
 }
 
-run_step a "correctness on the GPU: pytest tests/ops/test_cuda.py" -- \
-    "$PYTHON" -m pytest -q -p no:cacheprovider -rs --durations=10 tests/ops/test_cuda.py
+run_step a "correctness on the GPU: pytest tests/ops/test_cuda.py, the paged kernel" -- \
+    "$PYTHON" -m pytest -q -p no:cacheprovider -rs --durations=10 tests/ops/test_cuda.py \
+    tests/ops/test_paged_attention.py::test_paged_kernel_on_cuda
 run_step b1 "GPT-2 small, vocabulary 50257, dropout 0.1, bf16, $SHORT tokens: step time and peak memory" -- \
     "$PYTHON" "${GPT2_STEP[@]}" --seq "$SHORT" --steps "$STEPS" --interleave --name "b1_gpt2_$SHORT"
 run_step b2 "GPT-2 small, vocabulary 50257, dropout 0.1, bf16, $LONG tokens: step time" -- \

@@ -30,15 +30,14 @@ SCHEDULE = [
 ]
 
 
-def _sequences(module, scorer, generator):
+def _sequences(module, scorer, generator, device):
     """Per request: queries (heads, T, d), keys and values (kv_heads, T, d), hidden states (T, hidden)."""
     heads, kv_heads, d = module.config.num_attention_heads, module.config.num_key_value_heads, module.head_dim
+    shapes = [(heads, d), (kv_heads, d), (kv_heads, d)]
     return [
         (
-            torch.randn(heads, length, d, generator=generator),
-            torch.randn(kv_heads, length, d, generator=generator),
-            torch.randn(kv_heads, length, d, generator=generator),
-            torch.randn(length, module.config.hidden_size, generator=generator),
+            *(torch.randn(rows, length, width, generator=generator).to(device) for rows, width in shapes),
+            torch.randn(length, module.config.hidden_size, generator=generator).to(device),
         )
         for length in LENGTHS
     ]
@@ -55,15 +54,16 @@ def _expected(module, scorer, sequence):
 def _serve(module, scorer, sequences, schedule):
     """Runs the schedule on a paged cache; returns each request's outputs per position (T, heads, d)."""
     kv_heads, d = module.config.num_key_value_heads, module.head_dim
+    device = sequences[0][0].device
     generator = torch.Generator().manual_seed(1)
     counts = [-(-length // BLOCK) for length in LENGTHS]
     pool = sum(counts) + 3
     free = iter(torch.randperm(pool, generator=generator).tolist())
     tables = [[next(free) for _ in range(count)] for count in counts]
-    cache = torch.full((pool, kv_heads, 2 * BLOCK, d), float("nan"))  # vLLM's CPU layout
+    cache = torch.full((pool, kv_heads, 2 * BLOCK, d), float("nan"), device=device)  # vLLM's CPU layout
     key_blocks, value_blocks = (half.transpose(1, 2) for half in cache.view(pool, kv_heads, 2 * BLOCK, d).chunk(2, 2))
     done = [0] * len(LENGTHS)
-    outputs = [torch.full((length, *sequences[0][0].shape[::2]), float("nan")) for length in LENGTHS]
+    outputs = [torch.full((length, *sequences[0][0].shape[::2]), float("nan"), device=device) for length in LENGTHS]
     for step in schedule:
         spans = [(request, done[request], done[request] + count) for request, count in step]
         take = lambda part, axis: torch.cat([sequences[r][part].narrow(axis, a, b - a) for r, a, b in spans], axis)  # noqa: E731
@@ -71,10 +71,10 @@ def _serve(module, scorer, sequences, schedule):
         slots = torch.tensor([tables[r][p // BLOCK] * BLOCK + p % BLOCK for r, a, b in spans for p in range(a, b)])
         table = torch.tensor([tables[r] + [pool - 1] * (max(counts) - len(tables[r])) for r, _, _ in spans])
         starts = torch.tensor([0, *torch.tensor([b - a for _, a, b in spans]).cumsum(0).tolist()], dtype=torch.int32)
+        lengths = torch.tensor([b for _, _, b in spans], dtype=torch.int32)
         paged = PagedStep.build(
-            starts, torch.tensor([b for _, _, b in spans], dtype=torch.int32), table.to(torch.int32), slots,
-            block_size=BLOCK,
-        )  # fmt: skip
+            starts.to(device), lengths.to(device), table.to(device, torch.int32), slots.to(device), block_size=BLOCK
+        )
         extras = {EXTRAS_KWARG: scorer.query_extras(hidden, None)} if scorer.needs_hidden_states else {}
         with torch.no_grad():
             output = paged_scored_attention(module, query, key, value, key_blocks, value_blocks, paged, None, **extras)
@@ -98,13 +98,14 @@ SCHEDULES = {
 SCORERS = {"qana": {}, "neural": {}, "neural concat": {"pair_input": "concat"}}
 
 
-def _check(scorer_name: str, schedule, **options):
+def _check(scorer_name: str, schedule, device: str = "cpu", **options):
     model = tiny_llama()
     hf_neural_attn.patch_model(model, scorer_name.split()[0], **SCORERS[scorer_name], **options)
     perturb_scorers(model)
+    model.to(device)
     module = model.model.layers[0].self_attn
     scorer = getattr(module, SCORER_ATTR)
-    sequences = _sequences(module, scorer, torch.Generator().manual_seed(0))
+    sequences = _sequences(module, scorer, torch.Generator().manual_seed(0), device)
     served = _serve(module, scorer, sequences, schedule)
     for request, sequence in enumerate(sequences):
         with torch.no_grad():
@@ -133,6 +134,20 @@ def test_paged_kernel_serves_each_request_as_alone(scorer_name, schedule, interp
     module = _check(scorer_name, schedule, impl="triton")
     key_side = module.__dict__.get(KEY_SIDE_ATTR)
     assert (key_side is not None) == (scorer_name == "neural concat")
+
+
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU machine)")
+@pytest.mark.parametrize("scorer_name", SCORERS)
+def test_paged_kernel_on_cuda(scorer_name, monkeypatch):
+    """On CUDA, impl="auto" serves the steps with the paged kernel (the torch paths are made to fail), each request
+    as its whole sequence's ordinary call on the fused kernels gives it, fp32 within 1e-5."""
+    import hf_neural_attn.paged_attention as paged
+
+    monkeypatch.setattr(paged, "decoding_attention", None)
+    monkeypatch.setattr(paged, "attention_with_keys", None)
+    for schedule in SCHEDULES.values():
+        _check(scorer_name, schedule, device="cuda")
 
 
 def test_paged_path_choice(monkeypatch):
