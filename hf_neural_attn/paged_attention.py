@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .attention import attention_with_keys, decoding_attention, extras_rows, query_rows
-from .ops.dispatch import resolve_paged_impl, warn_once
+from .ops.dispatch import kernels_serve, resolve_paged_impl
 from .ops.packed import decoding_batches, key_padding_mask
 from .ops.terms import PAIR_MLP
 from .ops.triton import paged_fused_attention, paged_kernel_unsupported_reason
@@ -202,10 +202,7 @@ def _kernel_attention(
         key_side[step.slots // block_size, step.slots % block_size] = fused.tensors[1][0].transpose(0, 1)
     call = (fused, query, key_blocks, value_blocks, step.block_table, step.seq_lens, step.query_start_loc)
     reason = paged_kernel_unsupported_reason(*call, key_side)
-    if reason is not None:
-        if scorer.config.impl == "triton":
-            raise ValueError(f"impl='triton' cannot serve this paged step with the paged kernel: {reason}.")
-        warn_once(f"hf_neural_attn serves a paged step on the torch paths, not the paged kernel: {reason}.")
+    if not kernels_serve(scorer.config.impl, reason, "serve this paged step", warn_fallback=True):
         return None
     return paged_fused_attention(*call, scaling, key_side)
 

@@ -128,14 +128,8 @@ def resolve_impl(
                 attention_mask=attention_mask,
                 value_head_dim=value_head_dim,
             )
-        if reason is None:
+        if kernels_serve(impl, reason, "run this call"):
             return "triton"
-        if impl == "triton":
-            if reason == TRITON_INSTALL_HINT:
-                raise ImportError(reason)
-            raise ValueError(f"impl='triton' cannot run this call: {reason}.")
-        if reason == TRITON_INSTALL_HINT:
-            warn_once("impl='auto' on CUDA found no triton and uses the torch paths instead: pip install triton")
     if impl == "auto":
         hidden = getattr(scorer.config, "h", None) or 1
         if batch * heads * q_len * kv_len * hidden <= scorer.reference_max_scores:
@@ -157,14 +151,27 @@ def resolve_paged_impl(impl: str, scorer, *, device: torch.device | str) -> str:
     """
     if impl == "triton" or (impl == "auto" and TRITON_IN_AUTO and torch.device(device).type == "cuda"):
         reason = triton_unavailable_reason(device) or _fused_form_missing(scorer)
-        if reason is None:
+        if kernels_serve(impl, reason, "serve a paged step", warn_fallback=True):
             return "triton"
-        if impl == "triton":
-            if reason == TRITON_INSTALL_HINT:
-                raise ImportError(reason)
-            raise ValueError(f"impl='triton' cannot serve a paged step: {reason}.")
-        warn_once(f"impl='auto' on CUDA serves paged steps on the torch paths: {reason}")
     return "torch"
+
+
+def kernels_serve(impl: str, reason: str | None, what: str, *, warn_fallback: bool = False) -> bool:
+    """Whether the Triton kernels serve ``what`` under the ``impl`` choice, given why they cannot (``reason``; None
+    when they can). Under ``impl="triton"`` a reason is an error naming it (``ImportError`` without triton), never a
+    silent fallback; under ``"auto"`` the torch paths serve, with one warning where triton is missing (or, with
+    ``warn_fallback``, for any reason: a paged step on the torch paths on a GPU is a large slowdown)."""
+    if reason is None:
+        return True
+    if impl == "triton":
+        if reason == TRITON_INSTALL_HINT:
+            raise ImportError(reason)
+        raise ValueError(f"impl='triton' cannot {what}: {reason}.")
+    if reason == TRITON_INSTALL_HINT:
+        warn_once("impl='auto' on CUDA found no triton and uses the torch paths instead: pip install triton")
+    elif warn_fallback:
+        warn_once(f"impl='auto' on CUDA cannot {what} on the kernels and uses the torch paths: {reason}.")
+    return False
 
 
 def _fused_form_missing(scorer, blockwise: bool = False) -> str | None:
