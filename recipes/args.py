@@ -131,6 +131,13 @@ def _task_and_model_flags(add: AddFlag) -> None:
         action="store_true",
         help="Re-initialise a pretrained head whose shape does not fit the task (e.g. a different label count).",
     )
+    add(
+        "--widen_mlp",
+        type=int,
+        default=0,
+        help="A capacity control: widen every layer's MLP of the pretrained model by this many hidden units, "
+        "function-preserving (new output weights zero), e.g. as many parameters as a patch adds (GPT-2, Llama).",
+    )
     add("--cpu", action="store_true", help="Run on CPU even when an accelerator is present.")
 
 

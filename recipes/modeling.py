@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import hf_neural_attn
-from recipes import qlora, quiet
+from recipes import qlora, quiet, widening
 from recipes.errors import RecipeError
 from recipes.patch_flags import BASELINE, FLAG_FOR_OPTION, example_scorers, runtime_options, scorer_options
 from recipes.tasks import Task, get_task
@@ -41,6 +41,7 @@ class ModelBundle:
     from_scratch: bool = True
     new_parameters: set[str] = field(default_factory=set)  # names of parameters initialised in this run
     patch: hf_neural_attn.PatchRecord | None = None  # the model's patch (hf_neural_attn.patch_record), None: baseline
+    widened_parameters: int = 0  # what --widen_mlp added (recipes.widening)
 
 
 def load_config(args: argparse.Namespace, task: Task):
@@ -226,6 +227,9 @@ def build_model(
 
     bundle = ModelBundle(model=None, source=describe_source(args))
     path = args.model_name_or_path
+    widening.check_widening(
+        config, args.widen_mlp, from_scratch=path is None, quantized=qlora.quantization_config(args) is not None
+    )
     if path is None:
         torch.manual_seed(args.seed)  # the from-scratch init depends on the seed only
         bundle.model = model_class(config)
@@ -239,6 +243,8 @@ def build_model(
 
     model = bundle.model
     bundle.new_parameters |= task.adapt_model(model, preprocessor)
+    if args.widen_mlp:
+        bundle.widened_parameters = widening.widen_mlp(model, args.widen_mlp)
 
     if args.scorer != BASELINE:
         try:
@@ -325,11 +331,13 @@ def _checkpoint_keys(path: str) -> set[str]:
         return set(handle.keys())
 
 
-def count_parameters(model) -> dict[str, int]:
+def count_parameters(model, widened: int = 0) -> dict[str, int]:
+    """total, trainable, added_by_patch (the scorers'), added (those and ``widened``: --widen_mlp's)."""
+
     def numel(parameter) -> int:  # DeepSpeed ZeRO-3 leaves each process an empty placeholder of the whole tensor
         return hf_neural_attn.full_shape(parameter).numel()
 
     total = sum(numel(p) for p in model.parameters())
     trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
     added = sum(numel(p) for p in qlora.patch_parameters(model).values())
-    return {"total": total, "trainable": trainable, "added_by_patch": added}
+    return {"total": total, "trainable": trainable, "added_by_patch": added, "added": added + widened}

@@ -4,7 +4,9 @@
 * :func:`student_t_975`, the 95 % critical value of Student's t, from a table;
 * :func:`paired_difference`: patched − baseline seed by seed (the same seed gives both runs the same data order and
   initial weights), its mean and a confidence interval with N − 1 degrees of freedom;
-* :func:`verdict`: whether that difference is larger than the seed noise, in words.
+* :func:`verdict`: whether that difference is larger than the seed noise, in words;
+* :func:`paired_t_p_value` and :func:`holm_adjusted`: the two-sided p-value of a paired difference and Holm's
+  step-down correction of a family of them (several comparisons read together).
 
 ``recipes.compare --seeds N`` and ``recipes.sweep`` use them, so both say the same thing in the same words.
 """
@@ -81,6 +83,15 @@ class PairedDifference:
     def excludes_zero(self) -> bool:
         return self.ci_low is not None and (self.ci_low > 0 or self.ci_high < 0)
 
+    @property
+    def p_value(self) -> float | None:
+        """The two-sided p-value of a paired t-test of ``mean == 0``; None for a single seed."""
+        if self.std is None:
+            return None
+        if self.std == 0:
+            return 1.0 if self.mean == 0 else 0.0
+        return paired_t_p_value(self.mean / (self.std / math.sqrt(self.n)), self.n - 1)
+
 
 def paired_difference(patched: Sequence[float], baseline: Sequence[float]) -> PairedDifference:
     """The mean of patched[i] − baseline[i] (seed i of each) and its 95 % confidence interval."""
@@ -97,17 +108,77 @@ def paired_difference(patched: Sequence[float], baseline: Sequence[float]) -> Pa
     return PairedDifference(len(differences), centre, spread, low, high, mean(baseline))
 
 
-def verdict(difference: PairedDifference, greater_is_better: bool, no_difference_below: float | None = None) -> str:
+def regularized_incomplete_beta(x: float, a: float, b: float) -> float:
+    """I_x(a, b), by the continued fraction of the incomplete beta function (modified Lentz), on the side of
+    ``x`` where it converges fast (the symmetry I_x(a, b) = 1 - I_{1-x}(b, a) for the other)."""
+    if not 0.0 <= x <= 1.0:
+        raise ValueError(f"x must be in [0, 1], got {x}")
+    if x in (0.0, 1.0):
+        return x
+    if x > (a + 1.0) / (a + b + 2.0):
+        return 1.0 - regularized_incomplete_beta(1.0 - x, b, a)
+    log_front = (
+        a * math.log(x) + b * math.log1p(-x) - math.log(a) - (math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b))
+    )
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    fraction = d
+    for m in range(1, 500):
+        for numerator in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            fraction *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return math.exp(log_front) * fraction
+
+
+def paired_t_p_value(t: float, dof: int) -> float:
+    """P(|T| >= |t|) for Student's T with ``dof`` degrees of freedom: I_{dof/(dof+t²)}(dof/2, 1/2)."""
+    if isinstance(dof, bool) or not isinstance(dof, int) or dof < 1:
+        raise ValueError(f"degrees of freedom must be a positive integer, got {dof!r}")
+    return min(1.0, regularized_incomplete_beta(dof / (dof + t * t), dof / 2.0, 0.5))
+
+
+def holm_adjusted(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the order given: sorted ascending, the i-th smallest (from 0) is
+    multiplied by ``m - i``, and each kept at least as large as the one before it (capped at 1). Rejecting where
+    the adjusted value is below alpha keeps the chance of any false call in the family at most alpha."""
+    order = sorted(range(len(p_values)), key=lambda index: p_values[index])
+    adjusted = [0.0] * len(p_values)
+    running = 0.0
+    for rank, index in enumerate(order):
+        running = max(running, min(1.0, (len(p_values) - rank) * p_values[index]))
+        adjusted[index] = running
+    return adjusted
+
+
+def verdict(
+    difference: PairedDifference,
+    greater_is_better: bool,
+    no_difference_below: float | None = None,
+    p_adjusted: float | None = None,
+    alpha: float = 0.05,
+) -> str:
     """In words: larger than seed noise (better or worse), or within it. One seed gives no error bar: without
     ``no_difference_below`` that is what it says; with it (a percentage of the baseline), a relative change below
-    it reads "no difference" and one above it "better" or "worse" (``recipes.compare``'s threshold)."""
+    it reads "no difference" and one above it "better" or "worse" (``recipes.compare``'s threshold). With
+    ``p_adjusted`` (a family's corrected p-value, e.g. :func:`holm_adjusted`'s) the call is ``p_adjusted < alpha``
+    instead of the 95 % interval excluding 0."""
     if difference.n < 2:
         if no_difference_below is None or difference.relative is None:
             return ONE_SEED
         if abs(difference.relative) < no_difference_below:
             return NO_DIFFERENCE
         return "better" if (difference.mean > 0) == greater_is_better else "worse"
-    if not difference.excludes_zero:
+    larger = difference.excludes_zero if p_adjusted is None else p_adjusted < alpha
+    if not larger:
         return WITHIN_NOISE
     better = (difference.mean > 0) == greater_is_better
     return f"{LARGER_THAN_NOISE} ({'better' if better else 'worse'})"

@@ -134,7 +134,7 @@ def setup(args: argparse.Namespace) -> TrainingRun:
     accelerator = start_accelerator(args)
     check_services(args, accelerator)  # everything that can be wrong with the inputs fails before training starts
     bundle, preprocessor, data = build_model_and_data(args, task, accelerator)
-    parameters = modeling.count_parameters(bundle.model)
+    parameters = modeling.count_parameters(bundle.model, bundle.widened_parameters)
     logger.info(
         "Model %s from %s; patch: %s; parameters: %s",
         type(bundle.model).__name__,

@@ -23,14 +23,15 @@ from recipes import modeling, qlora
 from recipes.args import build_parser, given_flags, parse_values, public_settings
 from recipes.config_files import check_config_values
 from recipes.errors import RecipeError
-from recipes.patch_flags import BASELINE, GATE_SETTINGS, patch_settings
+from recipes.patch_flags import BASELINE, DEFAULT_SCORER, GATE_SETTINGS, patch_settings
 from recipes.report import RESULTS_FILE
 from recipes.tasks import get_task
 
-SWEEP_KEYS = ("description", "base", "axes", "mode", "seeds", "baseline", "metric", "reduced")
+SWEEP_KEYS = ("description", "base", "axes", "mode", "seeds", "baseline", "metric", "compare", "correction", "reduced")
 # A config of several parts (``parts: {name: <a sweep config>, ...}``, run in order) has these keys only.
 PARTS_KEYS = ("description", "parts")
 MODES = ("ablation", "grid")
+CORRECTIONS = ("none", "holm")  # how a family of comparisons is read: each alone, or Holm's step-down correction
 GRIDS = ("full", "reduced")
 RUN_RECORD = "sweep_run.json"  # in each run folder: what the sweep started there (settings, configuration, seed)
 RUN_LOCK = "sweep_run.lock"  # in a run folder while a sweep process runs it: "<host> <pid>" (recipes.sweep.run)
@@ -92,7 +93,9 @@ class Configuration:
     """A set of flags run over every seed: a point of the sweep, or a baseline."""
 
     name: str
-    kind: str  # "configuration" or "baseline"
+    # "configuration" (patched), "baseline" (its unpatched pair) or "control" (an unpatched point of a sweep with
+    # baselines: the base's baseline changed by its axis values, e.g. more steps or a wider model)
+    kind: str
     choices: tuple[AxisValue, ...]  # the axis values that define it (none: the base point)
     flags: dict[str, Any]
     changes: str  # the flags it changes, for the tables: ``h=1, layers=0``; ``scorer=none`` for a baseline
@@ -134,6 +137,9 @@ class SweepPlan:
     no_difference_below: float | None = None
     # The metric the tables and plots report (default: the task's primary metric), e.g. eval_loss.
     metric: str | None = None
+    # Comparisons beyond each configuration against its baseline: (configuration, against) by run name.
+    compare: list[tuple[str, str]] = field(default_factory=list)
+    correction: str = "none"  # CORRECTIONS: "holm" reads every comparison of the table as one family
     configurations: list[Configuration] = field(default_factory=list)
     cells: list[tuple[tuple[AxisValue, ...], str]] = field(default_factory=list)  # each point -> its configuration
 
@@ -144,6 +150,12 @@ class SweepPlan:
 
     def by_name(self, name: str) -> Configuration:
         return next(c for c in self.configurations if c.name == name)
+
+    def comparisons(self) -> list[tuple[str, str]]:
+        """Every comparison the report makes, (configuration, against) by name: each configuration and control
+        against its baseline, in the plan's order, then the config's ``compare`` pairs."""
+        paired = [(c.name, c.baseline) for c in self.configurations if c.baseline is not None]
+        return [*paired, *self.compare]
 
     def runs(self) -> list[Run]:
         """Every run, seed by seed (each seed's baselines first): after the first seed the sweep has a whole
@@ -467,6 +479,9 @@ def build_plan(
         raise RecipeError(f"Sweep config {path}: metric must be a metric's name, e.g. eval_loss.")
 
     seeds = parse_seeds(values.get("seeds", 1), shared.pop("seed", 42), "seed" in command_line, path)
+    correction = values.get("correction", "none")
+    if correction not in CORRECTIONS:
+        raise RecipeError(f"Sweep config {path}: correction must be one of {list(CORRECTIONS)}, got {correction!r}.")
 
     plan = SweepPlan(
         name=f"{path.stem}/{part}" if part else path.stem,
@@ -481,12 +496,40 @@ def build_plan(
         base_flags=shared,
         command_line=list(argv or []),
         metric=metric,
+        correction=correction,
     )
     plan = plan_runs(plan)
+    plan.compare = parse_compare(values.get("compare"), plan, path)
     columns = get_task(plan.configurations[-1].runs[0].args.task).metric_columns()
     if metric is not None and metric not in columns:
         raise RecipeError(f"Sweep config {path}: metric {metric!r} is not one the task reports ({columns}).")
     return plan
+
+
+def parse_compare(pairs: Any, plan: SweepPlan, path: Path) -> list[tuple[str, str]]:
+    """The config's ``compare:`` list, ``[{configuration: <run name>, against: <run name>}, ...]``, checked against
+    the plan's configurations (each configuration is already compared with its baseline)."""
+    if pairs is None:
+        return []
+    names = [c.name for c in plan.configurations]
+    if not isinstance(pairs, list):
+        raise RecipeError(f"Sweep config {path}: compare must be a list of {{configuration: ..., against: ...}}.")
+    compare = []
+    for pair in pairs:
+        if not isinstance(pair, dict) or set(pair) != {"configuration", "against"}:
+            raise RecipeError(
+                f"Sweep config {path}: each compare entry is {{configuration: <run name>, against: <run name>}}, "
+                f"got {pair!r}."
+            )
+        for name in pair.values():
+            if name not in names:
+                raise RecipeError(f"Sweep config {path}, compare: no run is named {name!r}; the runs are {names}.")
+        if pair["configuration"] == pair["against"]:
+            raise RecipeError(f"Sweep config {path}, compare: {pair['configuration']!r} is compared with itself.")
+        compare.append((pair["configuration"], pair["against"]))
+    if len(set(compare)) != len(compare) or set(compare) & set(plan.comparisons()):
+        raise RecipeError(f"Sweep config {path}, compare: a comparison is listed twice (or is a baseline pair).")
+    return compare
 
 
 def plan_runs(plan: SweepPlan) -> SweepPlan:
@@ -509,6 +552,9 @@ def plan_runs(plan: SweepPlan) -> SweepPlan:
         flags = dict(plan.base_flags)
         for item in choices:
             flags.update(item.flags)
+        control = plan.baseline and bool(choices) and flags.get("scorer", DEFAULT_SCORER) == BASELINE
+        if control:  # unpatched: the patch's flags of base do not apply (as for a baseline)
+            flags = baseline_flags(flags)
         args = parse_run(plan, flags, name)
         key = settings_key(args)
         if key in by_settings:  # e.g. an ablation value equal to the base: the same run, run once
@@ -522,14 +568,16 @@ def plan_runs(plan: SweepPlan) -> SweepPlan:
         except RecipeError as error:
             raise RecipeError(f"Run {name!r} of {plan.source}: {error}") from error
         changes = describe_flags({k: v for c in choices for k, v in c.flags.items()}) or plan.base_changes
-        configuration = Configuration(name, "configuration", choices, flags, changes)
+        configuration = Configuration(name, "control" if control else "configuration", choices, flags, changes)
         if plan.baseline:
-            if args.scorer == BASELINE:
+            if args.scorer == BASELINE and not control:
                 raise RecipeError(
                     f"In {plan.source}, run {name!r} has --scorer none, a baseline itself; set baseline: false or "
                     "give it a scorer."
                 )
-            configuration.baseline = paired_baseline(plan, configuration, baselines, by_settings)
+            # A control is paired with the base's baseline (what its axis values change is what it measures).
+            paired = Configuration(plan.base_name, "configuration", (), dict(plan.base_flags), "") if control else None
+            configuration.baseline = paired_baseline(plan, paired or configuration, baselines, by_settings)
         configurations.append(configuration)
         by_settings[key] = name
         cells.append((choices, name))

@@ -16,6 +16,8 @@ from recipes.sweep.plan import RUN_RECORD, Configuration, SweepPlan, format_labe
 from recipes.tasks import get_task
 
 SWEEP_TABLE, SWEEP_CSV, SUMMARY_CSV, SUMMARY_FILE = "sweep.md", "sweep.csv", "sweep_summary.csv", "SUMMARY.md"
+HISTORY_CSV, COMPARISONS_CSV = "sweep_history.csv", "sweep_comparisons.csv"
+ALPHA = 0.05  # the family-wise error rate of a corrected family (the intervals stay 95 %)
 CURVES_PLOT = "sweep_curves.png"
 BASE_LABEL = "(base)"  # an ablation plot's point for the base configuration, where no value of the axis is it
 
@@ -32,6 +34,20 @@ class Row:
     runtime: list[float]
     peak_rss_mib: list[float]  # each finished seed's peak memory (all_results.json's peak_memory), where recorded
     at_start: list[float]  # each finished seed's metric at step 0 (runs with eval_at_start)
+    evaluations: dict[int, list[dict[str, Any]]]  # seed -> its evaluations (training_history.json), step by step
+    last_quarter: list[float]  # each finished seed's change of the metric over the last quarter of its steps
+
+
+@dataclass
+class Comparison:
+    """One configuration against another (its baseline, or a config's ``compare`` pair), seed by seed."""
+
+    configuration: str
+    against: str
+    difference: stats.PairedDifference
+    p_value: float | None  # two-sided paired t-test; None for one seed
+    p_adjusted: float | None  # Holm's, over every comparison of the sweep (correction: holm); else None
+    verdict: str
 
 
 @dataclass
@@ -40,6 +56,7 @@ class Summary:
 
     found: dict[str, dict[int, dict[str, Any]]]  # configuration name -> seed -> its all_results.json
     rows: list[Row]  # one per configuration, in the plan's order
+    comparisons: list[Comparison]  # every comparison with paired seeds, in plan.comparisons()'s order
     metric: str  # the task's primary metric
     greater_is_better: bool
     metrics: list[str]  # the task's metrics (and eval_loss for a language model): sweep.csv's columns
@@ -60,6 +77,38 @@ def greater_is_better(task, metric: str) -> bool:
 def metric_at_start(history: dict[str, Any], metric: str) -> float | None:
     """The metric of the step-0 evaluation (``--eval_at_start``), or None."""
     return next((e[metric] for e in history.get("evaluations", []) if e["step"] == 0 and metric in e), None)
+
+
+def last_quarter_change(evaluations: list[dict[str, Any]], metric: str) -> float | None:
+    """The metric at the last evaluation minus the metric at the last evaluation at or before three quarters of the
+    steps (negative: a loss still falling); None without two such evaluations. The convergence rule of
+    docs/experiments.md compares it with the seed spread."""
+    points = [(e["step"], e[metric]) for e in evaluations if metric in e]
+    if len(points) < 2:
+        return None
+    last_step, last = points[-1]
+    earlier = [value for step, value in points[:-1] if step <= 0.75 * last_step]
+    return last - earlier[-1] if earlier else None
+
+
+def compare_runs(plan: SweepPlan, rows: dict[str, Row], greater: bool) -> list[Comparison]:
+    """Every comparison of the plan with at least one paired seed: the paired difference, its p-value and verdict
+    (Holm-adjusted over the family with ``correction: holm``)."""
+    found = []
+    for name, against in plan.comparisons():
+        mine, theirs = rows[name].values, rows[against].values
+        paired = [seed for seed in plan.seeds if seed in mine and seed in theirs]
+        if paired:
+            difference = stats.paired_difference([mine[s] for s in paired], [theirs[s] for s in paired])
+            found.append(Comparison(name, against, difference, difference.p_value, None, ""))
+    if plan.correction == "holm" and found and all(c.p_value is not None for c in found):
+        for comparison, adjusted in zip(found, stats.holm_adjusted([c.p_value for c in found])):
+            comparison.p_adjusted = adjusted
+    for comparison in found:
+        comparison.verdict = stats.verdict(
+            comparison.difference, greater, plan.no_difference_below, comparison.p_adjusted, ALPHA
+        )
+    return found
 
 
 def collect(plan: SweepPlan) -> dict[str, dict[int, dict[str, Any]]]:
@@ -85,17 +134,8 @@ def summarize(plan: SweepPlan) -> Summary:
     for configuration in plan.configurations:
         results = found[configuration.name]
         values = {seed: float(r[metric]) for seed, r in results.items() if metric in r}
-        difference, verdict = None, ""
-        if configuration.baseline is not None:
-            base = found[configuration.baseline]
-            paired = [seed for seed in plan.seeds if seed in values and seed in base and metric in base[seed]]
-            if paired:
-                difference = stats.paired_difference(
-                    [values[s] for s in paired], [float(base[s][metric]) for s in paired]
-                )
-                verdict = stats.verdict(difference, greater, plan.no_difference_below)
         first = next(iter(results.values()), None)
-        params = first.get("parameters", {}).get("added_by_patch", 0) if first else None
+        params = parameters_added(first) if first else None
         runtime = [float(r.get("train_runtime_s", 0.0)) for r in results.values()]
         memory = [
             r["peak_memory"]["peak_rss_mib"]
@@ -103,27 +143,51 @@ def summarize(plan: SweepPlan) -> Summary:
             if (r.get("peak_memory") or {}).get("peak_rss_mib")
         ]
         runs = {run.seed: run for run in configuration.runs}
-        starts = [metric_at_start(read_json(runs[seed].output_dir / HISTORY_FILE) or {}, metric) for seed in results]
+        histories = {seed: read_json(runs[seed].output_dir / HISTORY_FILE) or {} for seed in results}
+        starts = [metric_at_start(history, metric) for history in histories.values()]
         at_start = [value for value in starts if value is not None]
-        rows.append(Row(configuration, values, difference, verdict, params, runtime, memory, at_start))
+        evaluations = {seed: history.get("evaluations", []) for seed, history in histories.items()}
+        changes = [last_quarter_change(points, metric) for points in evaluations.values()]
+        last_quarter = [change for change in changes if change is not None]
+        rows.append(Row(configuration, values, None, "", params, runtime, memory, at_start, evaluations, last_quarter))
+    by_name = {row.configuration.name: row for row in rows}
+    comparisons = compare_runs(plan, by_name, greater)
+    for comparison in comparisons:  # each row's own: against its baseline
+        row = by_name[comparison.configuration]
+        if comparison.against == row.configuration.baseline:
+            row.difference, row.verdict = comparison.difference, comparison.verdict
     metrics = task.metric_columns()
-    return Summary(found, rows, metric, greater, metrics)
+    return Summary(found, rows, comparisons, metric, greater, metrics)
+
+
+def parameters_added(results: dict[str, Any]) -> int:
+    """What a run added to the model it started from: the patch's parameters, and a wider MLP's
+    (``--widen_mlp``; all_results.json's ``parameters``)."""
+    counts = results.get("parameters", {})
+    return counts.get("added", counts.get("added_by_patch", 0))
 
 
 def markdown_table(plan: SweepPlan, summary: Summary) -> str:
     """The summary table (sweep.md, SUMMARY.md, recipes.compare's comparison.md): one row per configuration, its
     flags, parameters added, primary metric (mean ± std over seeds), with a baseline the paired difference (95 %
-    interval) and its verdict, the seeds finished and the mean training time of a run."""
+    interval), with ``correction: holm`` its p-value and Holm's, its verdict, the seeds finished, the mean training
+    time of a run; then the config's other comparisons (``compare``), as a second table."""
     label = METRIC_LABELS.get(summary.metric, summary.metric)
     several = len(plan.seeds) > 1
+    holm = plan.correction == "holm"
     from_start = any(row.at_start for row in summary.rows)
+    converging = several and any(row.last_quarter for row in summary.rows)
     header = ["configuration", "flags", "params added"]
     header += [f"{label} at step 0"] if from_start else []
     header += [f"{label} (mean ± std)" if several else label]
+    header += ["change over the last quarter of the steps"] if converging else []
     if plan.baseline:
-        header += [f"Δ {label} vs baseline" + (", paired (95 % CI)" if several else ""), "verdict"]
+        header += [f"Δ {label} vs baseline" + (", paired (95 % CI)" if several else "")]
+        header += ["p", f"p, Holm ({len(summary.comparisons)} comparisons)"] if holm else []
+        header += ["verdict"]
     header += ["seeds", "train time (s)", "peak memory (MiB, mean over seeds)" if several else "peak memory (MiB)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    own = {c.configuration: c for c in summary.comparisons if c.against == plan.by_name(c.configuration).baseline}
     for row in summary.rows:
         values = [row.values[s] for s in plan.seeds if s in row.values]
         cells = [f"`{row.configuration.name}`", row.configuration.changes]
@@ -131,18 +195,48 @@ def markdown_table(plan: SweepPlan, summary: Summary) -> str:
         if from_start:
             cells.append(stats.format_mean_std(row.at_start) if row.at_start else "—")
         cells.append(stats.format_mean_std(values) if values else "not run")
+        if converging:
+            cells.append(stats.format_mean_std(row.last_quarter) if row.last_quarter else "—")
         if plan.baseline:
+            comparison = own.get(row.configuration.name)
             if row.configuration.kind == "baseline":
-                cells += ["—", "—"]
-            elif row.difference is None:
-                cells += ["—", "no paired seeds yet"]
+                cells += ["—"] * (4 if holm else 2)
+            elif comparison is None:
+                cells += ["—"] * (3 if holm else 1) + ["no paired seeds yet"]
             else:
-                cells += [stats.format_difference(row.difference), row.verdict]
+                cells.append(stats.format_difference(comparison.difference))
+                cells += p_cells(comparison) if holm else []
+                cells.append(comparison.verdict)
         cells.append(f"{len(values)}/{len(plan.seeds)}")
         cells.append(stats.format_mean_std(row.runtime, digits=1) if row.runtime else "—")
         cells.append(f"{stats.mean(row.peak_rss_mib):,.0f}" if row.peak_rss_mib else "—")
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    table = "\n".join(lines) + "\n"
+    others = [c for c in summary.comparisons if (c.configuration, c.against) in set(plan.compare)]
+    if others:
+        header = ["configuration", "against", f"Δ {label}" + (", paired (95 % CI)" if several else "")]
+        header += ["p", f"p, Holm ({len(summary.comparisons)} comparisons)"] if holm else []
+        lines = ["| " + " | ".join([*header, "verdict", "seeds"]) + " |", "|" + "---|" * (len(header) + 2)]
+        for comparison in others:
+            cells = [f"`{comparison.configuration}`", f"`{comparison.against}`"]
+            cells.append(stats.format_difference(comparison.difference))
+            cells += p_cells(comparison) if holm else []
+            cells += [comparison.verdict, str(comparison.difference.n)]
+            lines.append("| " + " | ".join(cells) + " |")
+        table += "\nOther comparisons:\n\n" + "\n".join(lines) + "\n"
+    return table
+
+
+def p_cells(comparison: Comparison) -> list[str]:
+    """A comparison's p-value and Holm-adjusted p-value, as table cells."""
+    return [format_p(comparison.p_value), format_p(comparison.p_adjusted)]
+
+
+def format_p(value: float | None) -> str:
+    """``0.012``, ``3.1e-05``; — where there is none."""
+    if value is None:
+        return "—"
+    return f"{value:.3f}" if value >= 0.001 else f"{value:.1e}"
 
 
 def axis_columns(plan: SweepPlan, configuration: Configuration) -> dict[str, str]:
@@ -156,7 +250,9 @@ def write_csvs(plan: SweepPlan, summary: Summary) -> None:
     docs/recipes.md)."""
     found, rows, metrics = summary.found, summary.rows, summary.metrics
     fields = ["configuration", "kind", "baseline", "seed", "status", *[f"axis:{a}" for a in plan.axes], "flags"]
-    fields += [*metrics, "params_added", "train_steps", "train_runtime_s", "peak_rss_mib", "output_dir"]
+    fields += [*metrics, f"{summary.metric}_at_start", "params_added", "train_steps", "train_runtime_s"]
+    fields += ["peak_rss_mib", "output_dir"]
+    by_name = {row.configuration.name: row for row in rows}
     with open(plan.root / SWEEP_CSV, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
@@ -176,9 +272,13 @@ def write_csvs(plan: SweepPlan, summary: Summary) -> None:
                     "output_dir": str(run.output_dir),
                 }
                 if results:
+                    start = metric_at_start(
+                        {"evaluations": by_name[configuration.name].evaluations[run.seed]}, summary.metric
+                    )
                     row.update({m: results.get(m, "") for m in metrics})
                     row.update(
-                        params_added=results.get("parameters", {}).get("added_by_patch", 0),
+                        {f"{summary.metric}_at_start": "" if start is None else start},
+                        params_added=parameters_added(results),
                         train_steps=results.get("train_steps"),
                         train_runtime_s=results.get("train_runtime_s"),
                         peak_rss_mib=(results.get("peak_memory") or {}).get("peak_rss_mib", ""),
@@ -187,7 +287,8 @@ def write_csvs(plan: SweepPlan, summary: Summary) -> None:
     summary_fields = ["configuration", "kind", "baseline", *[f"axis:{a}" for a in plan.axes], "flags", "seeds_done"]
     summary_fields += ["metric", "mean", "std", "baseline_mean", "diff_mean", "diff_std", "ci_low", "ci_high"]
     summary_fields += ["relative_diff_percent", "verdict", "params_added", "train_runtime_s_mean"]
-    summary_fields += ["peak_rss_mib_mean", "at_start_mean"]
+    summary_fields += ["peak_rss_mib_mean", "at_start_mean", "last_quarter_change_mean", "p_value", "p_holm"]
+    own = {c.configuration: c for c in summary.comparisons if c.against == plan.by_name(c.configuration).baseline}
     with open(plan.root / SUMMARY_CSV, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=summary_fields)
         writer.writeheader()
@@ -218,8 +319,62 @@ def write_csvs(plan: SweepPlan, summary: Summary) -> None:
                     "train_runtime_s_mean": stats.mean(row.runtime) if row.runtime else "",
                     "peak_rss_mib_mean": stats.mean(row.peak_rss_mib) if row.peak_rss_mib else "",
                     "at_start_mean": stats.mean(row.at_start) if row.at_start else "",
+                    "last_quarter_change_mean": stats.mean(row.last_quarter) if row.last_quarter else "",
+                    **p_columns(own.get(row.configuration.name)),
                 }
             )
+    write_comparisons_csv(plan, summary)
+    write_history_csv(plan, summary)
+
+
+def p_columns(comparison: Comparison | None) -> dict[str, Any]:
+    """The p_value and p_holm columns of a comparison (empty where there is none)."""
+    p_value = comparison.p_value if comparison is not None else None
+    p_holm = comparison.p_adjusted if comparison is not None else None
+    return {"p_value": "" if p_value is None else p_value, "p_holm": "" if p_holm is None else p_holm}
+
+
+def write_comparisons_csv(plan: SweepPlan, summary: Summary) -> None:
+    """sweep_comparisons.csv: every comparison (each configuration against its baseline, then the config's
+    ``compare`` pairs), its paired difference, interval, p-values and verdict."""
+    fields = ["configuration", "against", "seeds", "metric", "diff_mean", "diff_std", "ci_low", "ci_high"]
+    fields += ["relative_diff_percent", "p_value", "p_holm", "correction", "verdict"]
+    with open(plan.root / COMPARISONS_CSV, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        for comparison in summary.comparisons:
+            difference = comparison.difference
+            writer.writerow(
+                {
+                    "configuration": comparison.configuration,
+                    "against": comparison.against,
+                    "seeds": difference.n,
+                    "metric": summary.metric,
+                    "diff_mean": difference.mean,
+                    "diff_std": "" if difference.std is None else difference.std,
+                    "ci_low": "" if difference.ci_low is None else difference.ci_low,
+                    "ci_high": "" if difference.ci_high is None else difference.ci_high,
+                    "relative_diff_percent": "" if difference.relative is None else difference.relative,
+                    **p_columns(comparison),
+                    "correction": plan.correction,
+                    "verdict": comparison.verdict,
+                }
+            )
+
+
+def write_history_csv(plan: SweepPlan, summary: Summary) -> None:
+    """sweep_history.csv: every evaluation of every finished run (step, wall-clock seconds so far, the task's
+    metrics), so that curves and the convergence rule recompute from the committed files."""
+    fields = ["configuration", "seed", "step", "elapsed_s", *summary.metrics]
+    with open(plan.root / HISTORY_CSV, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        for row in summary.rows:
+            for seed in plan.seeds:
+                for evaluation in row.evaluations.get(seed, []):
+                    writer.writerow(
+                        {"configuration": row.configuration.name, "seed": seed, "elapsed_s": "", **evaluation}
+                    )
 
 
 def axis_series(plan: SweepPlan, axis: str) -> list[tuple[str, list[tuple[str, str]]]]:
@@ -406,6 +561,7 @@ def write_report(plan: SweepPlan) -> dict[str, Path]:
     written["table"] = plan.root / SWEEP_TABLE
     write_csvs(plan, summary)
     written["csv"], written["summary_csv"] = plan.root / SWEEP_CSV, plan.root / SUMMARY_CSV
+    written["comparisons_csv"], written["history_csv"] = plan.root / COMPARISONS_CSV, plan.root / HISTORY_CSV
     (plan.root / SUMMARY_FILE).write_text(summary_card(plan, summary, table, notes, pictures))
     written["summary"] = plan.root / SUMMARY_FILE
     return written
@@ -445,7 +601,7 @@ def what_was_run(found: dict[str, dict[int, dict[str, Any]]]) -> tuple[str, str,
     data_text += f", evaluated on `{data.get('eval_split')}`; {first.get('train_samples')} training examples"
     if first.get("block_size"):
         data_text += f" of {first['block_size']} tokens"
-    unpatched = first["parameters"]["total"] - first["parameters"].get("added_by_patch", 0)
+    unpatched = first["parameters"]["total"] - parameters_added(first)
     model_text = (
         f"{first['model_class']} from {first['model_source']}, "
         f"{'trained from scratch' if first.get('from_scratch') else 'fine-tuned'}; {unpatched:,} parameters "

@@ -85,6 +85,41 @@ def test_mean_std_and_paired_difference_by_hand():
         stats.paired_difference([1.0, 2.0], [1.0])
 
 
+@pytest.mark.parametrize("dof", sorted(stats.T_975))
+def test_the_t_test_p_value_at_the_tables_critical_values_is_five_percent(dof):
+    # t_{0.975}(dof) is where the two-sided p-value is 0.05; the table rounds t to 3 decimals, which moves p by at
+    # most 0.0003 at dof 1 (the density there is 0.0024 per 0.001 of t) and less above it.
+    assert stats.paired_t_p_value(stats.student_t_975(dof), dof) == pytest.approx(0.05, abs=3e-4)
+
+
+def test_the_t_test_p_value_in_closed_form():
+    # dof 1 is Cauchy: p = 1 - 2 atan(t) / pi; dof 2: p = 1 - t / sqrt(2 + t^2).
+    for t in (0.0, 0.3, 1.0, 4.0, 50.0):
+        assert stats.paired_t_p_value(t, 1) == pytest.approx(1 - 2 * math.atan(t) / math.pi, rel=1e-12, abs=1e-15)
+        assert stats.paired_t_p_value(-t, 2) == pytest.approx(1 - t / math.sqrt(2 + t * t), rel=1e-12, abs=1e-15)
+    # The paired difference's own: differences -0.5, -0.3, -0.4 -> t = -0.4 / (0.1 / sqrt 3) = -6.928 at dof 2.
+    difference = stats.paired_difference([9.5, 10.7, 11.6], [10.0, 11.0, 12.0])
+    t = 0.4 / (0.1 / math.sqrt(3))
+    assert difference.p_value == pytest.approx(1 - t / math.sqrt(2 + t * t), rel=1e-9)
+    assert stats.paired_difference([9.0], [10.0]).p_value is None
+    assert stats.paired_difference([9.0, 10.0], [10.0, 11.0]).p_value == 0.0  # no spread, a difference
+    with pytest.raises(ValueError, match="degrees of freedom"):
+        stats.paired_t_p_value(1.0, 0)
+
+
+def test_holm_adjusts_a_family_step_down():
+    # Sorted 0.005, 0.01, 0.03, 0.04 -> x4, x3, x2, x1 = 0.02, 0.03, 0.06, 0.04 -> kept non-decreasing: 0.06 last.
+    assert stats.holm_adjusted([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert stats.holm_adjusted([0.5, 0.9]) == [1.0, 1.0] and stats.holm_adjusted([]) == []
+    # A verdict read from the adjusted p-value: the interval of -0.5, -0.3, -0.4 excludes 0 (p = 0.020), but among
+    # three comparisons whose smallest is smaller Holm multiplies it by 2: 0.040 < 0.05 still, by 3: 0.06 is not.
+    difference = stats.paired_difference([9.5, 10.7, 11.6], [10.0, 11.0, 12.0])
+    assert stats.verdict(difference, False, p_adjusted=2 * difference.p_value) == (
+        "difference larger than seed noise (better)"
+    )
+    assert stats.verdict(difference, False, p_adjusted=3 * difference.p_value) == "within seed noise"
+
+
 # ---------------------------------------------------------------------------------------------- compare
 
 

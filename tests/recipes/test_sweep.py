@@ -28,6 +28,7 @@ from recipes import checkpointing, report, scorer_plots, stats, sweep, training
 from recipes.errors import RecipeError
 from recipes.patch_flags import scorer_flags
 from recipes.sweep import plan as sweep_plan
+from recipes.sweep import report as sweep_report
 from recipes.sweep import run as sweep_run
 
 # The QANA options of the paper's ablations (hf_neural_attn/scorers/qana.py); the shipped QANA sweep needs them.
@@ -465,6 +466,130 @@ def test_bad_parts_and_metrics_are_refused(assets, tmp_path):
         assert not (tmp_path / "out").exists(), name
 
 
+def fake_run(folder: Path, eval_loss: float, evaluations: list[tuple[int, float]], added: int = 0) -> None:
+    """A finished run's files, as training writes them, with chosen numbers (for report tests that run nothing)."""
+    folder.mkdir(parents=True)
+    results = {
+        "eval_loss": eval_loss,
+        "perplexity": 2.718281828459045**eval_loss,
+        "train_steps": evaluations[-1][0],
+        "train_runtime_s": 10.0,
+        "train_samples": 100,
+        "num_processes": 1,
+        "total_train_batch_size": 4,
+        "parameters": {"total": 1000 + added, "trainable": 1000 + added, "added_by_patch": added, "added": added},
+        "model_class": "GPT2LMHeadModel",
+        "model_source": "tiny",
+        "from_scratch": False,
+        "data": {"dataset_name": "tiny text", "eval_split": "validation"},
+    }
+    (folder / report.RESULTS_FILE).write_text(json.dumps(results))
+    history = {"evaluations": [{"step": s, "elapsed_s": s / 10, "eval_loss": v} for s, v in evaluations]}
+    (folder / report.HISTORY_FILE).write_text(json.dumps(history))
+
+
+def test_controls_extra_comparisons_and_holm(assets, tmp_path):
+    # An unpatched axis value is a control, paired with the base's baseline; `compare` adds a pair; with
+    # `correction: holm` every comparison of the table is one family, its verdicts read from Holm's p-values.
+    out = tmp_path / "sweep"
+    config = write_config(
+        tmp_path / "s.yaml",
+        base=tiny_base(assets, out, scorer_learning_rate=1.0e-3),
+        axes={"layers": ["0"], "control": [{"scorer": "none", "max_train_steps": 8, "label": "longer"}]},
+        seeds=3,
+        baseline=True,
+        metric="eval_loss",
+        compare=[{"configuration": "base", "against": "control=longer"}],
+        correction="holm",
+    )
+    plan = sweep_plan.build_plan(config)
+    kinds = {c.name: (c.kind, c.baseline) for c in plan.configurations}
+    assert kinds == {
+        "baseline": ("baseline", None),
+        "base": ("configuration", "baseline"),
+        "layers=0": ("configuration", "baseline"),
+        "control=longer": ("control", "baseline"),
+    }
+    control = plan.by_name("control=longer").runs[0].args
+    assert (control.scorer, control.max_train_steps, control.scorer_learning_rate) == ("none", 8, None)
+    assert plan.comparisons()[-1] == ("base", "control=longer") and len(plan.comparisons()) == 4
+
+    finals = {
+        "baseline": [2.00, 2.10, 2.20],
+        "base": [1.90, 2.05, 2.10],
+        "layers=0": [2.01, 2.08, 2.20],
+        "control=longer": [1.95, 2.00, 2.15],
+    }
+    for name, values in finals.items():
+        for seed, value in zip(plan.seeds, values):
+            # Evaluations at 0, 2, 3 (the last at or before 3/4 of 4 steps) and 4: the last quarter's change is
+            # value - (value + 0.01).
+            fake_run(
+                sweep_plan.sweep_run_folder(out, name, seed),
+                value,
+                [(0, 2.5), (2, value + 0.05), (3, value + 0.01), (4, value)],
+                added=0 if "baseline" in name or "control" in name else 500,
+            )
+    sweep_report.write_report(plan)
+
+    differences = {pair: stats.paired_difference(finals[pair[0]], finals[pair[1]]) for pair in plan.comparisons()}
+    p_values = [d.p_value for d in differences.values()]
+    holm = stats.holm_adjusted(p_values)
+    with open(out / sweep_report.COMPARISONS_CSV) as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["configuration"], r["against"]) for r in rows] == plan.comparisons()
+    for row, difference, p, adjusted in zip(rows, differences.values(), p_values, holm):
+        assert float(row["diff_mean"]) == pytest.approx(difference.mean)
+        assert float(row["p_value"]) == pytest.approx(p) and float(row["p_holm"]) == pytest.approx(adjusted)
+        assert row["verdict"] == stats.verdict(difference, False, p_adjusted=adjusted) and row["correction"] == "holm"
+    # base vs its baseline: diffs -0.10, -0.05, -0.10, p = 0.020 alone; Holm over four: above 0.05.
+    assert p_values[0] < 0.05 < holm[0] and rows[0]["verdict"] == "within seed noise"
+
+    table = (out / "sweep.md").read_text()
+    assert "| p | p, Holm (4 comparisons) |" in table and "Other comparisons:" in table
+    other = next(line for line in table.splitlines() if line.startswith("| `base` | `control=longer` |"))
+    assert stats.format_difference(differences["base", "control=longer"]) in other and "| 3 |" in other
+    assert "change over the last quarter of the steps" in table
+    with open(out / "sweep.csv") as handle:
+        runs = list(csv.DictReader(handle))
+    assert {float(r["eval_loss_at_start"]) for r in runs} == {2.5}
+    assert next(r for r in runs if r["configuration"] == "base")["params_added"] == "500"
+    with open(out / "sweep_summary.csv") as handle:
+        summary = {r["configuration"]: r for r in csv.DictReader(handle)}
+    assert float(summary["base"]["last_quarter_change_mean"]) == pytest.approx(-0.01)
+    assert float(summary["control=longer"]["p_holm"]) == pytest.approx(holm[2])
+    with open(out / sweep_report.HISTORY_CSV) as handle:
+        history = list(csv.DictReader(handle))
+    assert len(history) == 4 * 3 * 4 and history[1] == {
+        "configuration": "baseline", "seed": "42", "step": "2", "elapsed_s": "0.2", "perplexity": "",
+        "eval_loss": "2.05",
+    }  # fmt: skip
+
+
+def test_bad_controls_and_comparisons_are_refused(assets, tmp_path):
+    base = tiny_base(assets, tmp_path / "out")
+    axes = {"h": [4]}
+    cases = {
+        "an unknown run": ({"compare": [{"configuration": "h=4", "against": "h=8"}]}, "no run is named 'h=8'"),
+        "a run against itself": ({"compare": [{"configuration": "h=4", "against": "h=4"}]}, "compared with itself"),
+        "a baseline pair again": ({"compare": [{"configuration": "h=4", "against": "baseline"}]}, "listed twice"),
+        "a malformed entry": ({"compare": [{"configuration": "h=4"}]}, "each compare entry is"),
+        "an unknown correction": ({"correction": "bonferroni"}, "correction must be one of"),
+    }
+    for name, (extra, message) in cases.items():
+        with pytest.raises(RecipeError, match=message):
+            sweep_plan.build_plan(write_config(tmp_path / "bad.yaml", base=base, axes=axes, baseline=True, **extra))
+    # A control that changes nothing but the scorer is the baseline itself: run once, as the baseline.
+    same = sweep_plan.build_plan(
+        write_config(
+            tmp_path / "ok.yaml", base=base, axes={"control": [{"scorer": "none", "label": "same"}]}, baseline=True
+        )
+    )
+    assert [c.name for c in same.configurations] == ["baseline", "base"]
+    assert ((sweep_plan.AxisValue("control", "same", {"scorer": "none"}),), "baseline") in same.cells
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.spawns
 def test_two_sweep_processes_share_the_runs(assets, tmp_path, monkeypatch, no_run_plots):
     out = tmp_path / "sweep"
@@ -506,9 +631,10 @@ def helpers_png(path: Path) -> bool:
 
 
 def test_shipped_sweeps_are_all_tested():
-    # The ablation sweeps below; shakespeare_char (parts: scratch, then fine-tune) in test_shakespeare_char.py.
+    # The ablation sweeps below; shakespeare_char and shakespeare_char_converged (parts: train, then fine-tune) in
+    # test_shakespeare_char.py.
     shipped = {p.stem for p in (helpers.ROOT / "recipes" / "sweeps").glob("*.yaml")}
-    assert shipped == {name for name, _ in SHIPPED_RUNS} | {"shakespeare_char"}
+    assert shipped == {name for name, _ in SHIPPED_RUNS} | {"shakespeare_char", "shakespeare_char_converged"}
 
 
 @pytest.mark.parametrize("grid", sweep_plan.GRIDS)
