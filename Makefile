@@ -9,7 +9,7 @@ VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast test-oldest test-vllm install
+.PHONY: demo test test-fast test-oldest test-vllm install lint format
 
 install: $(VENV)/.installed
 
@@ -34,6 +34,16 @@ PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: install
 	$(BIN)/python $(PYTEST)
+
+# The lint gate (CI runs it first): ruff's rules of pyproject.toml, and the code as ruff formats it. `make format`
+# rewrites it so.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 # The tests marked spawns, server or compiles (pyproject.toml) are left out: what stays runs in-process, in about a
 # third of the suite's time. tests/architecture/test_test_tiers.py fails when a test that starts a process, a server or

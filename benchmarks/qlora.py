@@ -51,8 +51,17 @@ PRESETS = {
             "tie_word_embeddings": True,
         },
     ),
-    "tiny": ("llama", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                       "num_key_value_heads": 2, "vocab_size": 256}),  # fmt: skip
+    "tiny": (
+        "llama",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 256,
+        },
+    ),
 }
 VARIANTS = ("none", "qana", "neural")  # none: QLoRA of the unpatched model
 FLOOR_BYTES_PER_PARAMETER = 20

@@ -52,7 +52,6 @@ _TASKS = (
 )
 
 
-
 def checkpoint_tags(scorer: str) -> list[str]:
     """The tags of a full patched checkpoint (and of a patched model's ``model_tags``)."""
     return [LIBRARY_NAME, scorer, CUSTOM_CODE_TAG]

@@ -120,7 +120,9 @@ def runtime_options(args: argparse.Namespace) -> dict[str, Any]:
     """The run-time options that were given (``impl``): for ``hf_neural_attn.from_pretrained`` on a patched
     checkpoint, whose record does not save them."""
     given = scorer_options(args)
-    return {spec.option: given[spec.option] for spec in scorer_flags().values() if spec.runtime and spec.option in given}
+    return {
+        spec.option: given[spec.option] for spec in scorer_flags().values() if spec.runtime and spec.option in given
+    }
 
 
 def patch_settings() -> tuple[str, ...]:

@@ -113,7 +113,8 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
             return bnb_functional.dequantize_4bit(weight.data, quant_state)
         scales = getattr(weight, "SCB", None)
         if scales is None:
-            scales = getattr(getattr(layer, "state", None), "SCB", None)  # older releases keep the row scales on the layer's state
+            # Older releases keep the row scales on the layer's state.
+            scales = getattr(getattr(layer, "state", None), "SCB", None)
         if weight.dtype == torch.int8 and scales is not None:  # Int8Params after quantization
             return bnb_functional.int8_vectorwise_dequant(weight.data, scales)
         if weight.is_floating_point():  # not quantized yet (moved to a device quantizes it)
@@ -264,5 +265,7 @@ def activation_dtype(model: nn.Module) -> torch.dtype | None:
     parameters = list(model.parameters())
     if not any(is_quantized(parameter) for parameter in parameters):
         return None
-    floats = (parameter.dtype for parameter in parameters if parameter.is_floating_point() and not is_quantized(parameter))
+    floats = (
+        parameter.dtype for parameter in parameters if parameter.is_floating_point() and not is_quantized(parameter)
+    )
     return next(floats, torch.get_default_dtype())

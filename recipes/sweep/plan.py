@@ -474,14 +474,8 @@ def build_plan(
         if root_value
         else Path("outputs") / f"sweep-{path.stem}{'-reduced' if grid == 'reduced' else ''}" / part
     )
-    metric = values.get("metric")
-    if metric is not None and not isinstance(metric, str):
-        raise RecipeError(f"Sweep config {path}: metric must be a metric's name, e.g. eval_loss.")
-
+    metric, correction = parse_reading(values, path)
     seeds = parse_seeds(values.get("seeds", 1), shared.pop("seed", 42), "seed" in command_line, path)
-    correction = values.get("correction", "none")
-    if correction not in CORRECTIONS:
-        raise RecipeError(f"Sweep config {path}: correction must be one of {list(CORRECTIONS)}, got {correction!r}.")
 
     plan = SweepPlan(
         name=f"{path.stem}/{part}" if part else path.stem,
@@ -504,6 +498,17 @@ def build_plan(
     if metric is not None and metric not in columns:
         raise RecipeError(f"Sweep config {path}: metric {metric!r} is not one the task reports ({columns}).")
     return plan
+
+
+def parse_reading(values: dict[str, Any], path: Path) -> tuple[str | None, str]:
+    """How the report reads the runs: its ``metric`` (None: the task's primary one) and ``correction``."""
+    metric = values.get("metric")
+    if metric is not None and not isinstance(metric, str):
+        raise RecipeError(f"Sweep config {path}: metric must be a metric's name, e.g. eval_loss.")
+    correction = values.get("correction", "none")
+    if correction not in CORRECTIONS:
+        raise RecipeError(f"Sweep config {path}: correction must be one of {list(CORRECTIONS)}, got {correction!r}.")
+    return metric, correction
 
 
 def parse_compare(pairs: Any, plan: SweepPlan, path: Path) -> list[tuple[str, str]]:

@@ -44,11 +44,7 @@ def marks_of(decorators: list[ast.expr]) -> set[str]:
     names = set()
     for node in decorators:
         for part in ast.walk(node):
-            if (
-                isinstance(part, ast.Attribute)
-                and isinstance(part.value, ast.Attribute)
-                and part.value.attr == "mark"
-            ):
+            if isinstance(part, ast.Attribute) and isinstance(part.value, ast.Attribute) and part.value.attr == "mark":
                 names.add(part.attr)
     return names
 

@@ -133,7 +133,8 @@ def test_checkpoint_round_trip(case, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case", family_cases(lambda case: case.name != "phi3", adapter="standard", generic=False)  # Phi-3: no q_proj
+    "case",
+    family_cases(lambda case: case.name != "phi3", adapter="standard", generic=False),  # Phi-3: no q_proj
 )
 def test_generic_fallback_alone_serves_every_explicit_model_the_same_way(case, monkeypatch, without_family):
     """The explicit entries are only names: with an entry removed, the fallback patches the model identically."""

@@ -77,7 +77,11 @@ CASES = [
     # torchao quantizes nn.Linear layers only: GPT-2's Conv1D projections stay float under it.
     *[(scheme, "gpt2") for scheme in BITSANDBYTES_SCHEMES],
     # The probe of the standard plumbing (a q_proj with a bias; Phi-3's fused qkv_proj) and an encoder.
-    *[(scheme, family) for scheme in ("bnb-nf4", "bnb-int8", "torchao-int8-weight-only") for family in ("qwen2", "phi3")],
+    *[
+        (scheme, family)
+        for scheme in ("bnb-nf4", "bnb-int8", "torchao-int8-weight-only")
+        for family in ("qwen2", "phi3")
+    ],
     ("bnb-nf4", "bert"),
 ]
 
@@ -323,7 +327,9 @@ def test_a_float_patched_checkpoint_loads_on_a_quantized_base_with_float_scorers
     hf_neural_attn.patch_model(float_model, "neural")
     perturb_scorers(float_model, std=0.05)
     float_model.save_pretrained(tmp_path)
-    saved = {name: parameter.detach().clone() for name, parameter in hf_neural_attn.scorer_parameters(float_model).items()}
+    saved = {
+        name: parameter.detach().clone() for name, parameter in hf_neural_attn.scorer_parameters(float_model).items()
+    }
 
     expected_model = quantized_model(base_folders, "llama", scheme)
     hf_neural_attn.patch_model(expected_model, "neural")

@@ -38,7 +38,6 @@ TOL = {"rtol": 1e-5, "atol": 1e-5}
 GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}  # two processes sum the keys' gradient contributions in another order
 
 
-
 class Case(NamedTuple):
     kind: str  # "llama", or "bert": a bidirectional encoder
     scorer: str

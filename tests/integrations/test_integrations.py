@@ -81,7 +81,10 @@ def test_wrap_once_keeps_the_descriptor_kind_and_wraps_once(restore_integrations
 def test_undo_leaves_a_wrapper_someone_put_over_ours(restore_integrations):
     Owner = make_owner()
     wrapping.wrap_once(Owner, "method", tagging)
-    theirs = lambda self, x: "theirs"
+
+    def theirs(self, x):
+        return "theirs"
+
     Owner.method = theirs
     integrations.uninstall()
     assert vars(Owner)["method"] is theirs

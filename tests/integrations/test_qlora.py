@@ -77,7 +77,12 @@ def train_with_the_trainer(model, family: str, output_dir, steps: int = 4):
     return model.eval()
 
 
-CASES = [("llama", "bnb-nf4", False), ("llama", "bnb-nf4", True), ("llama", "bnb-int8", True), ("gpt2", "bnb-nf4", True)]
+CASES = [
+    ("llama", "bnb-nf4", False),
+    ("llama", "bnb-nf4", True),
+    ("llama", "bnb-int8", True),
+    ("gpt2", "bnb-nf4", True),
+]
 
 
 @pytest.mark.parametrize("family, scheme, gradient_checkpointing", CASES, ids=["-".join(map(str, c)) for c in CASES])

@@ -40,7 +40,6 @@ LOGITS_TOL = {"rtol": 1e-5, "atol": 1e-5}
 TRAINED_TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 
-
 class Case(NamedTuple):
     scorer: str
     options: dict

@@ -178,9 +178,10 @@ def test_a_plain_config_class_reading_a_patched_config_builds_a_patched_model(ll
     assert hf_neural_attn.is_patched(model)
     record = hf_neural_attn.patch_record(model)
     assert (record.scorer, record.layers, record.base_model_type) == ("qana", (1,), "llama")
-    assert record.base_attn_implementation == json.loads((folder / "config.json").read_text())["hf_neural_attn"][
-        "base_attn_implementation"
-    ]
+    assert (
+        record.base_attn_implementation
+        == json.loads((folder / "config.json").read_text())["hf_neural_attn"]["base_attn_implementation"]
+    )
     model.save_pretrained(tmp_path)
     torch.testing.assert_close(
         hf_neural_attn.from_pretrained(tmp_path)(**inputs).logits, model(**inputs).logits, rtol=0, atol=TOL

@@ -32,6 +32,7 @@ from hf_neural_attn.loading.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS
 @pytest.mark.parametrize("kind", CHECKPOINT_KINDS)
 def test_a_checkpoint_that_recorded_impl_loads_on_the_path_asked_for(tmp_path, kind):
     model, folder = save_checkpoint(tmp_path, kind)
+
     # As older versions saved it on a GPU machine: a record of format 1 (no format number) with impl="triton" in its
     # options (patching with it needs no GPU).
     def as_saved_before_format_2(record):

@@ -75,7 +75,9 @@ def test_a_full_checkpoint_of_0_1_0_loads_through_the_auto_classes_and_its_loade
         "    torch.testing.assert_close(model(saved['input_ids']).logits, saved['logits'], rtol=0, atol=1e-6)\n"
     )
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=environment, check=False
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
 

@@ -269,7 +269,9 @@ def test_compiled_training_on_the_kernels_matches_eager_on_cuda(impl, monkeypatc
     explanation = torch._dynamo.explain(model)(input_ids=tokens)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     forward = torch.ops.hf_neural_attn.fused_attention_forward.default
-    operators = [node.target for graph in explanation.graphs for node in graph.graph.nodes if node.op == "call_function"]
+    operators = [
+        node.target for graph in explanation.graphs for node in graph.graph.nodes if node.op == "call_function"
+    ]
     assert operators.count(forward) == 12, "the compiled model left the kernels"
     eager_logits, eager_grads = training_step(model, model, tokens, seed=6)
     torch._dynamo.reset()

@@ -15,12 +15,15 @@ from hf_neural_attn.scorers import NeuralAttentionConfig, NeuralAttentionScorer,
 D, HEADS, Q = 4, 2, 10
 LENGTHS = [10, 6, 3]  # three sequences, right-padded to 10
 SCORERS = {
-    "qana": lambda: QanaScorer(QanaConfig(h=3), geometry(num_heads=HEADS, num_kv_heads=HEADS, head_dim=D, dtype=torch.float32)),
+    "qana": lambda: QanaScorer(
+        QanaConfig(h=3), geometry(num_heads=HEADS, num_kv_heads=HEADS, head_dim=D, dtype=torch.float32)
+    ),
     "neural": lambda: NeuralAttentionScorer(
         NeuralAttentionConfig(h=4), geometry(num_heads=HEADS, num_kv_heads=HEADS, head_dim=D, dtype=torch.float32)
     ),
     "neural-deep": lambda: NeuralAttentionScorer(
-        NeuralAttentionConfig(h=4, depth=2), geometry(num_heads=HEADS, num_kv_heads=HEADS, head_dim=D, dtype=torch.float32)
+        NeuralAttentionConfig(h=4, depth=2),
+        geometry(num_heads=HEADS, num_kv_heads=HEADS, head_dim=D, dtype=torch.float32),
     ),
 }
 
@@ -34,7 +37,9 @@ def padded_batch(form: str):
     allowed = torch.zeros(len(LENGTHS), 1, Q, Q, dtype=torch.bool)
     for index, length in enumerate(LENGTHS):
         allowed[index, ..., :length] = True
-    mask = allowed if form == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    mask = (
+        allowed if form == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    )
     return leaves, mask
 
 
