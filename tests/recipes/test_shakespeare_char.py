@@ -19,8 +19,10 @@ from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fix
     one_thread,  # noqa: F401
     read_history,
 )
+from transformers import GPT2Config, GPT2LMHeadModel
 
-from recipes import stats, training
+import hf_neural_attn
+from recipes import stats, training, widening
 from recipes.args import parse_values
 from recipes.errors import RecipeError
 from recipes.sweep import plan as sweep_plan
@@ -28,6 +30,7 @@ from recipes.tasks import shakespeare
 
 CONFIG = helpers.ROOT / "recipes" / "configs" / "shakespeare_char.yaml"
 SWEEP = helpers.ROOT / "recipes" / "sweeps" / "shakespeare_char.yaml"
+CONVERGED = helpers.ROOT / "recipes" / "sweeps" / "shakespeare_char_converged.yaml"
 # The evidence run's committed results, and the text that reports them.
 EXPERIMENTS = helpers.ROOT / "docs" / "experiments.md"
 RESULTS = helpers.ROOT / "docs" / "sweeps" / "shakespeare_char"
@@ -164,6 +167,72 @@ def test_the_cosine_floor_needs_its_scheduler():
     values = {**config_values(), "min_learning_rate": None}
     with pytest.raises(RecipeError, match="cosine_with_min_lr needs --min_learning_rate"):
         parse_values(values, source="test")
+
+
+def without(flags: dict, *names: str) -> dict:
+    return {key: value for key, value in flags.items() if key not in names}
+
+
+def test_the_converged_sweep_trains_longer_and_fine_tunes_against_equal_cost_controls(tmp_path):
+    parts = yaml.safe_load(CONVERGED.read_text())["parts"]
+    assert list(parts) == ["pretrain", "budget", "pretrain_long", "schedule", "finetune"]
+    config = without(config_values(), "output_dir", "seed")
+    pretrain = sweep_plan.build_plan(CONVERGED, part="pretrain").by_name("base")
+    assert without(pretrain.flags, "output_dir") == config  # shakespeare_char.yaml's scratch baseline
+    long = sweep_plan.build_plan(CONVERGED, part="pretrain_long")
+    for configuration in long.configurations:  # the same recipe, a longer cosine, evaluated every eighth
+        steps = configuration.runs[0].args.max_train_steps
+        assert without(configuration.flags, "output_dir", "max_train_steps", "eval_steps") == without(
+            config, "max_train_steps", "eval_steps"
+        )
+        assert steps > 2000 and configuration.runs[0].args.eval_steps * 8 == steps
+    # Each part fine-tunes a run of an earlier one: the budget pilot the 2,000-step model, the rest the long one.
+    checkpoints = {str(run.output_dir) for c in long.configurations for run in c.runs}
+    assert parts["budget"]["base"]["model_name_or_path"] == str(pretrain.runs[0].output_dir)
+    assert parts["schedule"]["base"]["model_name_or_path"] in checkpoints
+    assert parts["finetune"]["base"]["model_name_or_path"] == parts["schedule"]["base"]["model_name_or_path"]
+
+    # The finetune part, planned on a stand-in checkpoint of the same shape (the real one is trained by the sweep).
+    overrides = dict(item.split("=") for item in config["config_overrides"].split(","))
+    sizes = {key: int(overrides[key]) for key in ("n_layer", "n_head", "n_embd", "n_positions")}
+    shape = GPT2Config(vocab_size=NANOGPT_MODEL["vocab_size"], bos_token_id=0, eos_token_id=0, **sizes)
+    shape.save_pretrained(tmp_path / "stand_in")
+    values = yaml.safe_load(CONVERGED.read_text())
+    values["parts"] = {"finetune": parts["finetune"]}
+    values["parts"]["finetune"]["base"]["model_name_or_path"] = str(tmp_path / "stand_in")
+    stand_in = tmp_path / "finetune.yaml"
+    stand_in.write_text(yaml.safe_dump(values))
+    plan = sweep_plan.build_plan(stand_in, part="finetune")
+    kinds = {c.name: c.kind for c in plan.configurations}
+    assert kinds == {
+        "baseline": "baseline",
+        "base": "configuration",
+        "where=last_two": "configuration",
+        "where=first_two": "configuration",
+        "where=h2": "configuration",
+        "control=equal_time": "control",
+        "control=equal_params": "control",
+    }
+    assert (plan.seeds, plan.correction, plan.metric) == ([1337, 1338, 1339, 1340, 1341], "holm", "eval_loss")
+    assert len(plan.comparisons()) == 8 and plan.compare == [
+        ("base", "control=equal_time"),
+        ("base", "control=equal_params"),
+    ]
+    base = plan.by_name("base").runs[0].args
+    assert (base.scorer, base.h, base.layers, base.scorer_learning_rate) == ("qana", 4, None, 1e-3)
+    control = plan.by_name("baseline").runs[0].args
+    # Equal time: 2.3x the steps (QANA's time ratio in the first fine-tuning sweep), the same schedule's shape.
+    longer = plan.by_name("control=equal_time").runs[0].args
+    assert longer.max_train_steps == round(2.3 * base.max_train_steps) == 8 * longer.eval_steps
+    schedule_shape = ("max_train_steps", "eval_steps", "checkpointing_steps", "output_dir")
+    assert without(vars(longer), *schedule_shape) == without(vars(control), *schedule_shape)
+    # Equal parameters: the whole number of MLP units closest to what QANA h=4 adds to this model.
+    patched = hf_neural_attn.patch_model(GPT2LMHeadModel(shape), "qana", h=4)
+    qana_added = sum(p.numel() for p in hf_neural_attn.scorer_parameters(patched).values())
+    wider = plan.by_name("control=equal_params").runs[0].args.widen_mlp
+    per_unit = widening.widen_mlp(GPT2LMHeadModel(shape), 1)
+    assert abs(wider * per_unit - qana_added) <= per_unit / 2
+    assert (qana_added, wider * per_unit) == (282_784, 282_700)  # as the config's description says
 
 
 def committed(sweep: str, name: str) -> list[dict[str, str]]:
