@@ -577,17 +577,38 @@ def sweep_notes(plan: SweepPlan) -> str:
             "offline demo's) cannot be told from it. Set seeds: 2 or more."
         )
     else:
-        spread = f"± is the sample standard deviation over the {len(plan.seeds)} seeds. " + (
+        interval = (
             "Δ is the configuration minus its baseline seed by seed (the same seed gives both the same data "
             f"order and initial weights), with a 95 % Student-t interval ({len(plan.seeds) - 1} degree"
-            f"{'s' if len(plan.seeds) != 2 else ''} of freedom); it is called larger than the seed noise only when "
-            "the interval excludes 0. With many configurations, about one in twenty intervals excludes 0 by chance."
-            if plan.baseline
-            else "No baseline was run (baseline: false), so there are no paired differences."
+            f"{'s' if len(plan.seeds) != 2 else ''} of freedom)"
         )
+        if not plan.baseline:
+            reading = "No baseline was run (baseline: false), so there are no paired differences."
+        elif plan.correction == "holm":
+            reading = (
+                f"{interval}, uncorrected. p is the paired t-test's two-sided p-value; every comparison of the "
+                "report (each row against its baseline, and the other comparisons) is one family, and the verdict "
+                "calls a difference larger than the seed noise only where Holm's adjusted p is below 0.05, so the "
+                "chance of any false call in the family is at most 5 %."
+            )
+        else:
+            reading = (
+                f"{interval}; it is called larger than the seed noise only when the interval excludes 0. With many "
+                "configurations, about one in twenty intervals excludes 0 by chance."
+            )
+        spread = f"± is the sample standard deviation over the {len(plan.seeds)} seeds. {reading}"
+    controls = (
+        " A control is unpatched and compared with the base's baseline: what it changes (more steps, a wider "
+        "model) is what it measures."
+        if any(c.kind == "control" for c in plan.configurations)
+        else ""
+    )
     return (
-        f"{spread} Train time: the mean training time of one run, evaluations included. Peak memory: the mean over "
-        "seeds of the process's peak resident memory during training (Python and torch included).\n"
+        f"{spread}{controls} The change over the last quarter: the metric at the last evaluation minus at the last one "
+        "at or before three quarters of the steps (mean ± std over seeds; where the runs evaluate along the way): "
+        "still improving, or converged. Train time: the mean training time of one run, evaluations included. Peak "
+        "memory: the mean over seeds of the process's peak resident memory during training (Python and torch "
+        "included).\n"
     )
 
 
