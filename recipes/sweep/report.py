@@ -81,14 +81,17 @@ def metric_at_start(history: dict[str, Any], metric: str) -> float | None:
 
 def last_quarter_change(evaluations: list[dict[str, Any]], metric: str) -> float | None:
     """The metric at the last evaluation minus the metric at the last evaluation at or before three quarters of the
-    steps (negative: a loss still falling); None without two such evaluations. The convergence rule of
-    docs/experiments.md compares it with the seed spread."""
+    steps (negative: a loss still falling); None where that evaluation is not past half of the steps (a run
+    evaluated at its start and end only has no last quarter to tell). The convergence rule of docs/experiments.md
+    compares it with the seed spread."""
     points = [(e["step"], e[metric]) for e in evaluations if metric in e]
     if len(points) < 2:
         return None
     last_step, last = points[-1]
-    earlier = [value for step, value in points[:-1] if step <= 0.75 * last_step]
-    return last - earlier[-1] if earlier else None
+    earlier = [(step, value) for step, value in points[:-1] if step <= 0.75 * last_step]
+    if not earlier or earlier[-1][0] <= 0.5 * last_step:
+        return None
+    return last - earlier[-1][1]
 
 
 def compare_runs(plan: SweepPlan, rows: dict[str, Row], greater: bool) -> list[Comparison]:
@@ -176,7 +179,7 @@ def markdown_table(plan: SweepPlan, summary: Summary) -> str:
     several = len(plan.seeds) > 1
     holm = plan.correction == "holm"
     from_start = any(row.at_start for row in summary.rows)
-    converging = several and any(row.last_quarter for row in summary.rows)
+    converging = any(row.last_quarter for row in summary.rows)
     header = ["configuration", "flags", "params added"]
     header += [f"{label} at step 0"] if from_start else []
     header += [f"{label} (mean ± std)" if several else label]

@@ -566,6 +566,16 @@ def test_controls_extra_comparisons_and_holm(assets, tmp_path):
     }  # fmt: skip
 
 
+def test_the_last_quarter_change_needs_an_evaluation_in_the_second_half():
+    every_eighth = [{"step": 250 * i, "eval_loss": 2.0 - 0.01 * i} for i in range(9)]
+    assert sweep_report.last_quarter_change(every_eighth, "eval_loss") == pytest.approx(-0.02)  # 1500 -> 2000
+    ends_only = [{"step": 0, "eval_loss": 2.0}, {"step": 2000, "eval_loss": 1.5}]
+    assert sweep_report.last_quarter_change(ends_only, "eval_loss") is None  # no last quarter to tell
+    halves = [*ends_only[:1], {"step": 1000, "eval_loss": 1.7}, ends_only[1]]
+    assert sweep_report.last_quarter_change(halves, "eval_loss") is None
+    assert sweep_report.last_quarter_change([], "eval_loss") is None
+
+
 def test_bad_controls_and_comparisons_are_refused(assets, tmp_path):
     base = tiny_base(assets, tmp_path / "out")
     axes = {"h": [4]}
