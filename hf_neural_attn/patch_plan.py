@@ -10,6 +10,7 @@ hands its search in, so that a load searches once.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import operator
@@ -311,6 +312,24 @@ def adopt_private_configs(model: nn.Module, *, unpatched: bool = False) -> None:
         for name, value in list(vars(module).items()):
             if isinstance(value, PretrainedConfig) and id(value) in memo:
                 setattr(module, name, memo[id(value)])
+
+
+@contextlib.contextmanager
+def configs_restored_on_error(model: nn.Module):
+    """Put back the config objects ``model`` and its modules hold if the block raises: a patch that fails while
+    planning, after :func:`adopt_private_configs` gave the model copies, leaves the model on the configs it had."""
+    held = [
+        (module, name, value)
+        for module in model.modules()
+        for name, value in vars(module).items()
+        if isinstance(value, PretrainedConfig)
+    ]
+    try:
+        yield
+    except BaseException:
+        for module, name, value in held:
+            setattr(module, name, value)
+        raise
 
 
 def configs_read_by(model: nn.Module, attention_modules) -> list:

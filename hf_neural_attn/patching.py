@@ -35,7 +35,14 @@ from .integrations.internals import remove_forward_pre_hooks
 from .integrations.parallelism import forget_scorer_plan
 from .model_cards import checkpoint_tags
 from .ops.dispatch import check_impl
-from .patch_plan import add_query_extras, adopt_private_configs, apply_patch, configs_read_by, plan_patch
+from .patch_plan import (
+    add_query_extras,
+    adopt_private_configs,
+    apply_patch,
+    configs_read_by,
+    configs_restored_on_error,
+    plan_patch,
+)
 from .patched_config import make_unpatched
 from .placement.quantized import restore_cpu_kernel
 from .placement.zero3 import unregister_scorer_parameters
@@ -176,10 +183,12 @@ def patch_as_recorded(
         ValueError: ``config`` carries no record, or one that does not read (:func:`recorded_patch`).
     """
     scorer, layers = recorded_patch(config)  # read first: a record that does not read leaves the model as it was
-    if model.config is config:
-        adopt_private_configs(model, unpatched=True)
-        config_is_private = True  # the copy just made is the model's own: the patch goes into it
-    return apply_patch(plan_patch(model, scorer, layers=layers, config_is_private=config_is_private))
+    with configs_restored_on_error(model):  # a plan that fails leaves the model on the configs it had
+        if model.config is config:
+            adopt_private_configs(model, unpatched=True)
+            config_is_private = True  # the copy just made is the model's own: the patch goes into it
+        plan = plan_patch(model, scorer, layers=layers, config_is_private=config_is_private)
+    return apply_patch(plan)
 
 
 def recorded_patch(config: PretrainedConfig) -> tuple[ScorerConfig, list[int]]:

@@ -19,6 +19,7 @@ from transformers import (
 )
 
 import hf_neural_attn
+from hf_neural_attn.patching import patch_as_recorded
 
 TOL = 1e-5  # fp32, same weights, same inputs
 
@@ -209,3 +210,20 @@ def test_assisted_decoding_with_an_assistant_built_from_the_patched_config_equal
     settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
     greedy = model.generate(prompt, **settings)
     assert torch.equal(model.generate(prompt, assistant_model=assistant, **settings), greedy)
+
+
+def test_a_recorded_patch_that_fails_to_plan_leaves_the_model_on_its_configs():
+    """``patch_as_recorded`` (what building a model from a patched config runs) gives the model private copies of its
+    configs before it plans; a plan that fails (here the record names a layer the model lacks) puts back the config
+    objects the model and its modules held, and the model stays unpatched."""
+    source = hf_neural_attn.patch_model(tiny_model("llama"), "qana", h=2, layers=[1])
+    recorded = copy.deepcopy(source.config)
+    recorded.num_hidden_layers = 1  # the record's layer 1 is not there
+    model = tiny_model("llama", num_hidden_layers=1)
+    holders = [module for module in model.modules() if isinstance(vars(module).get("config"), PretrainedConfig)]
+    for module in holders:  # the model as transformers builds it from the patched config: every module shares it
+        module.config = recorded
+    with pytest.raises(ValueError, match="layer"):
+        patch_as_recorded(model, recorded)
+    assert all(module.config is recorded for module in holders) and len(holders) > 1
+    assert not hf_neural_attn.is_patched(model)
