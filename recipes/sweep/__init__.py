@@ -19,7 +19,10 @@ The config (YAML or JSON) holds
   once, also where an axis value equals it) or ``grid`` (every combination of the axes);
 * ``seeds``: N (seeds ``seed``, ``seed+1``, ... from base's ``--seed``, default 42) or a list of seeds;
 * ``baseline``: true to also run, per seed, the unpatched model (``--scorer none``) with the same data and
-  budget, so that each configuration is compared seed by seed (paired) with its baseline;
+  budget, so that each configuration is compared seed by seed (paired) with its baseline; an axis value that sets
+  ``scorer: none`` is then a *control* (more steps, ``--widen_mlp``), paired with the base's baseline;
+* ``compare``: more pairs, ``[{configuration: <run name>, against: <run name>}, ...]``; ``correction: holm`` reads
+  every comparison (each configuration against its baseline, then these) as one family, Holm-corrected;
 * ``description``: free text for ``SUMMARY.md``;
 * ``reduced``: any of the above (except ``reduced``), used instead with ``--grid reduced``: ``base`` keys are
   merged into ``base``; ``axes`` replaces the listed axes' values (``null`` drops an axis), the others stay;
@@ -37,7 +40,8 @@ Each run is ``recipes.training.run`` into ``<output_dir>/<run name>/seed_<s>/`` 
 ``--resume_from_checkpoint latest``. Rerunning the same command skips finished runs (``all_results.json`` there,
 its settings those of the plan), resumes an interrupted one from its newest checkpoint, and refuses a folder
 whose recorded settings differ. At the end (or with ``--report_only``) it writes ``sweep.md``, ``sweep.csv``,
-``sweep_summary.csv``, ``sweep_<axis>.png`` and ``SUMMARY.md`` (see ``docs/recipes.md``).
+``sweep_summary.csv``, ``sweep_comparisons.csv``, ``sweep_history.csv``, ``sweep_<axis>.png`` and ``SUMMARY.md``
+(see ``docs/recipes.md``).
 
 ``plan.py`` reads and checks the config and every run (:func:`~recipes.sweep.plan.build_plan`), ``run.py`` runs
 what is not finished, ``report.py`` writes the report; :func:`main` is the command line.
