@@ -253,7 +253,7 @@ def write_csvs(plan: SweepPlan, summary: Summary) -> None:
     docs/recipes.md)."""
     found, rows, metrics = summary.found, summary.rows, summary.metrics
     fields = ["configuration", "kind", "baseline", "seed", "status", *[f"axis:{a}" for a in plan.axes], "flags"]
-    fields += [*metrics, f"{summary.metric}_at_start", "params_added", "train_steps", "train_runtime_s"]
+    fields += [*metrics, f"{summary.metric}_at_start", "train_loss", "params_added", "train_steps", "train_runtime_s"]
     fields += ["peak_rss_mib", "output_dir"]
     by_name = {row.configuration.name: row for row in rows}
     with open(plan.root / SWEEP_CSV, "w", newline="") as handle:
@@ -281,6 +281,7 @@ def write_csvs(plan: SweepPlan, summary: Summary) -> None:
                     row.update({m: results.get(m, "") for m in metrics})
                     row.update(
                         {f"{summary.metric}_at_start": "" if start is None else start},
+                        train_loss=results.get("train_loss", ""),
                         params_added=parameters_added(results),
                         train_steps=results.get("train_steps"),
                         train_runtime_s=results.get("train_runtime_s"),
