@@ -248,46 +248,47 @@ def axis_columns(plan: SweepPlan, configuration: Configuration) -> dict[str, str
     return {f"axis:{axis}": chosen.get(axis, "") for axis in plan.axes}
 
 
+def run_row(plan: SweepPlan, summary: Summary, configuration: Configuration, run) -> dict[str, Any]:
+    """A run's row of sweep.csv: what it is, its status and, finished, its results."""
+    results = summary.found[configuration.name].get(run.seed)
+    row = {
+        "configuration": configuration.name,
+        "kind": configuration.kind,
+        "baseline": configuration.baseline or "",
+        "seed": run.seed,
+        "status": "done" if results else ("interrupted" if (run.output_dir / RUN_RECORD).is_file() else "pending"),
+        **axis_columns(plan, configuration),
+        "flags": configuration.changes,
+        "output_dir": str(run.output_dir),
+    }
+    if results:
+        evaluations = next(r for r in summary.rows if r.configuration is configuration).evaluations[run.seed]
+        start = metric_at_start({"evaluations": evaluations}, summary.metric)
+        row.update({m: results.get(m, "") for m in summary.metrics})
+        row.update(
+            {f"{summary.metric}_at_start": "" if start is None else start},
+            train_loss=results.get("train_loss", ""),
+            params_added=parameters_added(results),
+            train_steps=results.get("train_steps"),
+            train_runtime_s=results.get("train_runtime_s"),
+            peak_rss_mib=(results.get("peak_memory") or {}).get("peak_rss_mib", ""),
+        )
+    return row
+
+
 def write_csvs(plan: SweepPlan, summary: Summary) -> None:
     """sweep.csv: one row per run and seed; sweep_summary.csv: one row per configuration (columns in
     docs/recipes.md)."""
-    found, rows, metrics = summary.found, summary.rows, summary.metrics
+    rows, metrics = summary.rows, summary.metrics
     fields = ["configuration", "kind", "baseline", "seed", "status", *[f"axis:{a}" for a in plan.axes], "flags"]
     fields += [*metrics, f"{summary.metric}_at_start", "train_loss", "params_added", "train_steps", "train_runtime_s"]
     fields += ["peak_rss_mib", "output_dir"]
-    by_name = {row.configuration.name: row for row in rows}
     with open(plan.root / SWEEP_CSV, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
         for configuration in plan.configurations:
             for run in configuration.runs:
-                results = found[configuration.name].get(run.seed)
-                row = {
-                    "configuration": configuration.name,
-                    "kind": configuration.kind,
-                    "baseline": configuration.baseline or "",
-                    "seed": run.seed,
-                    "status": "done"
-                    if results
-                    else ("interrupted" if (run.output_dir / RUN_RECORD).is_file() else "pending"),
-                    **axis_columns(plan, configuration),
-                    "flags": configuration.changes,
-                    "output_dir": str(run.output_dir),
-                }
-                if results:
-                    start = metric_at_start(
-                        {"evaluations": by_name[configuration.name].evaluations[run.seed]}, summary.metric
-                    )
-                    row.update({m: results.get(m, "") for m in metrics})
-                    row.update(
-                        {f"{summary.metric}_at_start": "" if start is None else start},
-                        train_loss=results.get("train_loss", ""),
-                        params_added=parameters_added(results),
-                        train_steps=results.get("train_steps"),
-                        train_runtime_s=results.get("train_runtime_s"),
-                        peak_rss_mib=(results.get("peak_memory") or {}).get("peak_rss_mib", ""),
-                    )
-                writer.writerow(row)
+                writer.writerow(run_row(plan, summary, configuration, run))
     summary_fields = ["configuration", "kind", "baseline", *[f"axis:{a}" for a in plan.axes], "flags", "seeds_done"]
     summary_fields += ["metric", "mean", "std", "baseline_mean", "diff_mean", "diff_std", "ci_low", "ci_high"]
     summary_fields += ["relative_diff_percent", "verdict", "params_added", "train_runtime_s_mean"]
