@@ -35,8 +35,10 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from .integrations.internals import (
     attn_implementation_of,
     define_implementation_descriptor,
+    output_attentions_flag,
     saved_implementation,
     store_implementation,
+    store_output_attentions_flag,
 )
 from .model_cards import write_full_checkpoint_card
 from .record import (
@@ -117,11 +119,11 @@ class _PatchedConfigMixin:
     # flash return no probabilities. The patched attention returns them for every layer, scored or not.
     @property
     def output_attentions(self) -> bool:
-        return self._output_attentions
+        return output_attentions_flag(self)
 
     @output_attentions.setter
     def output_attentions(self, value: bool) -> None:
-        self._output_attentions = value
+        store_output_attentions_flag(self, value)
 
     def to_json_string(self, use_diff: bool = True) -> str:
         text = super().to_json_string(use_diff)

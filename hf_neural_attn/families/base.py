@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..integrations.internals import accelerate_hook
 from ..placement.quantized import dense_weight
 from ..scorers import AttentionGeometry
 
@@ -159,7 +160,7 @@ def query_weight_std(module: nn.Module, weight: torch.Tensor) -> float:
     """
     if not weight.is_meta:
         return float(weight.detach().float().std())
-    if any(hasattr(part, "_hf_hook") for part in module.modules()):
+    if any(accelerate_hook(part) is not None for part in module.modules()):
         raise ValueError(
             f"Cannot patch {type(module).__name__}: its weights are offloaded by accelerate, and its hooks did not "
             "load them for patching (hf_neural_attn knows accelerate's AlignDevicesHook, which cpu_offload, "

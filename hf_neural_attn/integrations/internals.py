@@ -62,6 +62,21 @@ def set_tensor_parallel_plan(model: Any, plan: dict[str, str]) -> None:
     model._tp_plan = plan
 
 
+# Where a PretrainedConfig keeps ``output_attentions`` behind its property (whose setter refuses the flag for an
+# implementation that returns no probabilities; the patched config class defines a property of its own over it).
+OUTPUT_ATTENTIONS_FIELD = "_output_attentions"
+
+
+def output_attentions_flag(config: Any) -> bool:
+    """The ``output_attentions`` value stored on ``config`` (what transformers' property returns)."""
+    return getattr(config, OUTPUT_ATTENTIONS_FIELD)
+
+
+def store_output_attentions_flag(config: Any, value: bool) -> None:
+    """Store ``output_attentions`` on ``config`` without transformers' check of the implementation."""
+    setattr(config, OUTPUT_ATTENTIONS_FIELD, value)
+
+
 try:  # where transformers 5 collects output_attentions (forward hooks on the attention modules)
     from transformers.utils.output_capturing import _active_collector
 except ImportError:  # another layout: models then say it through the output_attentions kwarg only
@@ -154,3 +169,16 @@ def remove_forward_pre_hooks(module: Any, is_ours: Callable[[Callable], bool]) -
         if is_ours(hook):
             del hooks[hook_id]
             module._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+
+
+# ---------------------------------------------------------------------------------------------------- accelerate
+
+# Where accelerate's ``add_hook_to_module`` (cpu_offload, disk_offload, dispatch_model, device_map loading) keeps the
+# hook of a module.
+ACCELERATE_HOOK_ATTRIBUTE = "_hf_hook"
+
+
+def accelerate_hook(module: Any) -> Any:
+    """The hook accelerate attached to ``module`` (an ``AlignDevicesHook``, a ``SequentialHook`` of them, ...), or
+    None."""
+    return getattr(module, ACCELERATE_HOOK_ATTRIBUTE, None)

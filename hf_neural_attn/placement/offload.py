@@ -12,6 +12,8 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from ..integrations.internals import accelerate_hook
+
 
 def _offloading_hooks(hook) -> list:
     """The hooks inside accelerate hook ``hook`` that keep a module's tensors elsewhere (an ``AlignDevicesHook``
@@ -36,7 +38,7 @@ def offloaded_weights_loaded(module: nn.Module) -> Iterator[None]:
     loaded = []
     try:
         for part in module.modules():
-            for hook in _offloading_hooks(getattr(part, "_hf_hook", None)):
+            for hook in _offloading_hooks(accelerate_hook(part)):
                 hook.pre_forward(part)
                 loaded.append((hook, part))
         yield
