@@ -77,6 +77,25 @@ def store_output_attentions_flag(config: Any, value: bool) -> None:
     setattr(config, OUTPUT_ATTENTIONS_FIELD, value)
 
 
+# The private keywords transformers' ``PreTrainedModel.from_pretrained`` pops before it reads the rest as config
+# overrides (the loaders split a call's keywords as it does: hf_neural_attn.loading.files).
+PRIVATE_LOADING_KWARGS = ("_from_pipeline", "_from_auto", "_commit_hash", "_fast_init")
+
+
+def with_load_report_adjusted(model_class: type, adjust: Callable[[Any, Any], None]) -> type:
+    """A subclass of ``model_class`` whose ``from_pretrained`` load report (transformers' log and
+    ``output_loading_info``) is then passed to ``adjust(model, loading_info)`` (the ``LoadingInfo`` whose
+    ``missing_keys``, ``unexpected_keys`` and ``mismatched_keys`` sets it may edit), after transformers' own
+    adjustment (its private ``_adjust_missing_and_unexpected_keys``, called once the weights are loaded)."""
+
+    class AdjustedReport(model_class):
+        def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
+            super()._adjust_missing_and_unexpected_keys(loading_info)
+            adjust(self, loading_info)
+
+    return AdjustedReport
+
+
 try:  # where transformers 5 collects output_attentions (forward hooks on the attention modules)
     from transformers.utils.output_capturing import _active_collector
 except ImportError:  # another layout: models then say it through the output_attentions kwarg only

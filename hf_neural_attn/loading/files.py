@@ -19,7 +19,7 @@ from transformers import AutoConfig, PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.utils import CONFIG_NAME
 
-from ..integrations.internals import hub_file_or_none, with_reversible_conversions_only
+from ..integrations.internals import PRIVATE_LOADING_KWARGS, hub_file_or_none, with_reversible_conversions_only
 from ..patched_config import PatchedCheckpointBaseConfig
 from ..record import PATCHED_MODEL_TYPE, carries_record
 
@@ -30,12 +30,13 @@ FILE_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "l
 # is left to the model's constructor.
 LOADING_KWARGS = (
     *FILE_KWARGS,
-    "state_dict", "tqdm_class", "output_loading_info", "_from_pipeline", "_from_auto", "dtype", "torch_dtype",
-    "device_map", "max_memory", "offload_folder", "offload_buffers", "quantization_config", "_commit_hash",
+    "state_dict", "tqdm_class", "output_loading_info", "dtype", "torch_dtype",
+    "device_map", "max_memory", "offload_folder", "offload_buffers", "quantization_config",
     "variant", "adapter_kwargs", "adapter_name", "generation_config", "gguf_file", "distributed_config",
     "device_mesh", "tp_plan", "tp_size", "trust_remote_code", "allow_all_kernels", "use_kernels", "kernel_config",
     "key_mapping", "ignore_mismatched_sizes", "use_safetensors", "weights_only", "attn_implementation",
-    "mirror", "_fast_init", "low_cpu_mem_usage", "from_tf", "from_flax", "offload_state_dict",
+    "mirror", "low_cpu_mem_usage", "from_tf", "from_flax", "offload_state_dict",
+    *PRIVATE_LOADING_KWARGS,
 )  # fmt: skip
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"

@@ -19,7 +19,7 @@ from .. import narrow_keys
 from .._version import __version__
 from .._warnings import warn_user
 from ..families import find_attention
-from ..integrations.internals import pop_adapter_model_path, saved_implementation
+from ..integrations.internals import pop_adapter_model_path, saved_implementation, with_load_report_adjusted
 from ..integrations.parallelism import copy_whole_tensor
 from ..patch_plan import AttentionSearch, apply_patch, plan_patch
 from ..placement.zero3 import full_shape, partitioned_weights_gathered
@@ -217,19 +217,16 @@ def _reporting_class(model_class, record: PatchRecord, narrow_width: int | None,
     """
     scorer_marker = f".{SCORER_ATTR}."
 
-    class PatchedCheckpointBase(model_class):
-        def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
-            super()._adjust_missing_and_unexpected_keys(loading_info)
-            loading_info.unexpected_keys = {
-                key for key in loading_info.unexpected_keys if scorer_marker not in f".{key}"
+    def leave_out_what_the_patch_fills(model, loading_info) -> None:
+        loading_info.unexpected_keys = {key for key in loading_info.unexpected_keys if scorer_marker not in f".{key}"}
+        if narrow_width is not None:
+            searches.append(find_attention(model))
+            narrowed = _patched_attention_prefixes(model, searches[-1], record)
+            loading_info.mismatched_keys = {
+                entry for entry in loading_info.mismatched_keys if not _key_name(entry).startswith(narrowed)
             }
-            if narrow_width is not None:
-                searches.append(find_attention(self))
-                narrowed = _patched_attention_prefixes(self, searches[-1], record)
-                loading_info.mismatched_keys = {
-                    entry for entry in loading_info.mismatched_keys if not _key_name(entry).startswith(narrowed)
-                }
 
+    PatchedCheckpointBase = with_load_report_adjusted(model_class, leave_out_what_the_patch_fills)
     for name in ("__name__", "__qualname__", "__module__"):  # transformers names the class in its messages
         setattr(PatchedCheckpointBase, name, getattr(model_class, name))
     setattr(PatchedCheckpointBase, BASE_LOAD_ATTR, True)
