@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +45,14 @@ TORCHAO_SCHEMES: dict[str, tuple[str, dict[str, Any]]] = {
 # trains (check_args refuses them; the library loads, patches and serves them).
 INFERENCE_ONLY_SCHEMES = ("int8_dynamic",)
 DEFAULT_LORA_TARGETS = "all-linear"
+# The defaults of the 4-bit and LoRA options, declared once: the flags take them, and check_args reads a value other
+# than these as the option asked for.
+BNB_4BIT_DEFAULTS: dict[str, Any] = {
+    "bnb_4bit_quant_type": "nf4",
+    "bnb_4bit_use_double_quant": False,
+    "bnb_4bit_compute_dtype": "float32",
+}
+LORA_DEFAULTS: dict[str, Any] = {"lora_alpha": None, "lora_dropout": 0.05, "lora_target_modules": DEFAULT_LORA_TARGETS}
 QUANTIZERS = ("bitsandbytes", "torchao")  # the packages whose tensor classes hold a quantized base's weights
 # A training-state checkpoint's torchao-quantized weights, beside accelerate's model.safetensors
 # (set_aside_torchao_weights).
@@ -64,11 +73,113 @@ QLORA_SETTINGS = (
 )
 
 
+@dataclass(frozen=True)
+class Quantization:
+    """How the pretrained base loads quantized: read once from the flags (or a run's recorded settings) by
+    :meth:`of`, which every question about it then asks (which library, which flag asked, the loading config, the
+    words for logs and cards, whether it can train)."""
+
+    library: str  # "bitsandbytes" or "torchao"
+    scheme: str  # "4bit" or "8bit" (bitsandbytes), or a TORCHAO_SCHEMES name
+    quant_type: str = BNB_4BIT_DEFAULTS["bnb_4bit_quant_type"]  # 4-bit only, as the three below
+    double_quant: bool = BNB_4BIT_DEFAULTS["bnb_4bit_use_double_quant"]
+    compute_dtype: str = BNB_4BIT_DEFAULTS["bnb_4bit_compute_dtype"]
+
+    @classmethod
+    def of(cls, settings: argparse.Namespace | Mapping[str, Any]) -> Quantization | None:
+        """The quantization ``settings`` ask for (parsed flags, or a run's settings dict), or None for a full
+        precision base. Two at once is a RecipeError."""
+        values = vars(settings) if isinstance(settings, argparse.Namespace) else settings
+        four_bit, eight_bit, torchao = (values.get(k) for k in ("load_in_4bit", "load_in_8bit", "torchao"))
+        if four_bit and eight_bit:
+            raise RecipeError("Give --load_in_4bit or --load_in_8bit, not both.")
+        if torchao and (four_bit or eight_bit):
+            raise RecipeError("Quantize with bitsandbytes (--load_in_4bit/--load_in_8bit) or --torchao, not both.")
+        if torchao:
+            return cls("torchao", torchao)
+        if eight_bit:
+            return cls("bitsandbytes", "8bit")
+        if four_bit:
+            options = {key: values.get(key, default) for key, default in BNB_4BIT_DEFAULTS.items()}
+            return cls("bitsandbytes", "4bit", *options.values())
+        return None
+
+    @property
+    def flag(self) -> str:
+        """The flag that asked for it, for messages: ``load_in_4bit``, ``torchao int8_dynamic``."""
+        return f"torchao {self.scheme}" if self.library == "torchao" else f"load_in_{self.scheme}"
+
+    @property
+    def trains(self) -> bool:
+        """Whether gradients pass its layers (torchao's dynamic schemes quantize the activations too)."""
+        return self.scheme not in INFERENCE_ONLY_SCHEMES
+
+    def loading_config(self):
+        """The ``quantization_config`` of ``from_pretrained``. A missing library is a RecipeError with the install
+        command."""
+        try:
+            __import__(self.library)
+        except ImportError:
+            raise RecipeError(f"--{self.flag} needs {self.library}: {INSTALL}") from None
+        if self.library == "torchao":
+            import torchao.quantization
+            from transformers import TorchAoConfig
+
+            name, options = TORCHAO_SCHEMES[self.scheme]
+            return TorchAoConfig(getattr(torchao.quantization, name)(**options))
+        from transformers import BitsAndBytesConfig
+
+        if self.scheme == "8bit":
+            return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=self.quant_type,
+            bnb_4bit_use_double_quant=self.double_quant,
+            bnb_4bit_compute_dtype=getattr(torch, self.compute_dtype),
+        )
+
+    @property
+    def hub_tags(self) -> list[str]:
+        """The Hub's tags for a base quantized so (the ones it shows for such repos)."""
+        return ["torchao"] if self.library == "torchao" else ["bitsandbytes", self.scheme.replace("bit", "-bit")]
+
+    def loading_snippet(self) -> tuple[list[str], list[str], str]:
+        """What loads a base quantized so, for a model card's loading code: the import lines beside transformers',
+        the names imported from transformers, and the ``quantization_config`` expression."""
+        if self.library == "torchao":
+            name, options = TORCHAO_SCHEMES[self.scheme]
+            arguments = ", ".join(f"{key}={_code(value)}" for key, value in options.items())
+            imports = [f"from torchao.quantization import {name}"] + (["import torch"] if "torch." in arguments else [])
+            return imports, ["TorchAoConfig"], f"TorchAoConfig({name}({arguments}))"
+        if self.scheme == "8bit":
+            return [], ["BitsAndBytesConfig"], "BitsAndBytesConfig(load_in_8bit=True)"
+        arguments = (
+            f'load_in_4bit=True, bnb_4bit_quant_type="{self.quant_type}", '
+            f"bnb_4bit_use_double_quant={bool(self.double_quant)}, bnb_4bit_compute_dtype=torch.{self.compute_dtype}"
+        )
+        return ["import torch"], ["BitsAndBytesConfig"], f"BitsAndBytesConfig({arguments})"
+
+    def describe(self) -> str:
+        """In words, for logs and the model card."""
+        if self.library == "torchao":
+            return f"torchao {self.scheme.replace('_', '-')}"
+        if self.scheme == "8bit":
+            return "bitsandbytes 8-bit (LLM.int8)"
+        double = ", double quantization" if self.double_quant else ""
+        return f"bitsandbytes 4-bit {str(self.quant_type).upper()}{double}, matmuls in {self.compute_dtype}"
+
+
 def declare_flags(add: Callable[..., Any]) -> None:
     """The quantization and LoRA flags (``add`` is argparse's ``add_argument`` of the flag group)."""
     add("--load_in_4bit", action="store_true", help="Load the pretrained base in 4-bit with bitsandbytes (QLoRA).")
     add("--load_in_8bit", action="store_true", help="Load the pretrained base in 8-bit with bitsandbytes (LLM.int8).")
-    add("--bnb_4bit_quant_type", type=str, default="nf4", choices=BNB_4BIT_QUANT_TYPES, help="4-bit data type.")
+    add(
+        "--bnb_4bit_quant_type",
+        type=str,
+        default=BNB_4BIT_DEFAULTS["bnb_4bit_quant_type"],
+        choices=BNB_4BIT_QUANT_TYPES,
+        help="4-bit data type.",
+    )
     add(
         "--bnb_4bit_use_double_quant",
         action="store_true",
@@ -77,7 +188,7 @@ def declare_flags(add: Callable[..., Any]) -> None:
     add(
         "--bnb_4bit_compute_dtype",
         type=str,
-        default="float32",
+        default=BNB_4BIT_DEFAULTS["bnb_4bit_compute_dtype"],
         choices=COMPUTE_DTYPES,
         help="4-bit: the dtype its matmuls run in (the activations and the scorers keep the model's float32).",
     )
@@ -90,42 +201,36 @@ def declare_flags(add: Callable[..., Any]) -> None:
         "quantizes the activations too, which passes no gradient: refused for training (an inference scheme).",
     )
     add("--lora_r", type=int, default=None, help="Train LoRA adapters of this rank beside the scorers (QLoRA).")
-    add("--lora_alpha", type=int, default=None, help="LoRA scaling alpha (default: 2 x --lora_r).")
-    add("--lora_dropout", type=float, default=0.05, help="Dropout on the LoRA adapters' input.")
+    add(
+        "--lora_alpha",
+        type=int,
+        default=LORA_DEFAULTS["lora_alpha"],
+        help="LoRA scaling alpha (default: 2 x --lora_r).",
+    )
+    add(
+        "--lora_dropout", type=float, default=LORA_DEFAULTS["lora_dropout"], help="Dropout on the LoRA adapters' input."
+    )
     add(
         "--lora_target_modules",
         type=str,
-        default=DEFAULT_LORA_TARGETS,
+        default=LORA_DEFAULTS["lora_target_modules"],
         help='The layers LoRA adapts: "all-linear" (default: every linear layer but the output head), or '
         'comma-separated module names such as "q_proj,v_proj" (GPT-2: "c_attn").',
     )
 
 
 def quantizes(args: argparse.Namespace) -> bool:
-    return bool(args.load_in_4bit or args.load_in_8bit or args.torchao)
+    return Quantization.of(args) is not None
 
 
 def check_args(args: argparse.Namespace) -> None:
     """The quantization and LoRA flags fit each other and the run (no model or data needed)."""
-    if args.load_in_4bit and args.load_in_8bit:
-        raise RecipeError("Give --load_in_4bit or --load_in_8bit, not both.")
-    if args.torchao and (args.load_in_4bit or args.load_in_8bit):
-        raise RecipeError("Quantize with bitsandbytes (--load_in_4bit/--load_in_8bit) or --torchao, not both.")
-    four_bit_options = [
-        flag
-        for flag, default in (
-            ("bnb_4bit_quant_type", "nf4"),
-            ("bnb_4bit_use_double_quant", False),
-            ("bnb_4bit_compute_dtype", "float32"),
-        )
-        if getattr(args, flag) != default
-    ]
-    if four_bit_options and not args.load_in_4bit:
+    quantization = Quantization.of(args)
+    four_bit_options = [flag for flag, default in BNB_4BIT_DEFAULTS.items() if getattr(args, flag) != default]
+    if four_bit_options and (quantization is None or quantization.scheme != "4bit"):
         raise RecipeError(f"--{four_bit_options[0]} sets up 4-bit loading: add --load_in_4bit.")
     if args.lora_r is None:
-        lora_options = [flag for flag in ("lora_alpha",) if getattr(args, flag) is not None]
-        lora_options += ["lora_dropout"] if args.lora_dropout != 0.05 else []
-        lora_options += ["lora_target_modules"] if args.lora_target_modules != DEFAULT_LORA_TARGETS else []
+        lora_options = [flag for flag, default in LORA_DEFAULTS.items() if getattr(args, flag) != default]
         if lora_options:
             raise RecipeError(f"--{lora_options[0]} sets up LoRA: add --lora_r (the adapters' rank, e.g. 16).")
     else:
@@ -137,23 +242,23 @@ def check_args(args: argparse.Namespace) -> None:
             raise RecipeError(
                 "--lora_r trains LoRA adapters beside the scorers, --train_only_new_params the scorers alone: give one."
             )
-    if args.torchao in INFERENCE_ONLY_SCHEMES:
+    if quantization is not None and not quantization.trains:
         raise RecipeError(
-            f"--torchao {args.torchao} cannot train: torchao quantizes the activations of its layers at every call, "
+            f"--{quantization.flag} cannot train: torchao quantizes the activations of its layers at every call, "
             "and that quantization passes no gradient back, so nothing before a quantized layer learns (the scorers "
             "and the LoRA adapters of earlier layers get none; --train_only_new_params fails at the first step). "
             "Train with --torchao int8_weight_only or int4_weight_only; int8 dynamic quantization is for inference "
             "(docs/qlora.md)."
         )
-    if quantizes(args):
+    if quantization is not None:
         if not args.model_name_or_path:
             raise RecipeError(
-                f"--{quantization_flag(args)} quantizes a pretrained base: pass --model_name_or_path (a model built "
+                f"--{quantization.flag} quantizes a pretrained base: pass --model_name_or_path (a model built "
                 "from scratch trains in full precision)."
             )
         if args.lora_r is None and not args.train_only_new_params:
             raise RecipeError(
-                f"A base loaded with --{quantization_flag(args)} cannot be fine-tuned in full (its quantized weights "
+                f"A base loaded with --{quantization.flag} cannot be fine-tuned in full (its quantized weights "
                 "take no gradient): add --lora_r 16 (QLoRA: LoRA adapters and the scorers train) or "
                 "--train_only_new_params (the scorers train)."
             )
@@ -163,9 +268,9 @@ def check_baseline(flags: dict[str, Any]) -> None:
     """The unpatched baseline of a run with ``flags`` (``recipes.compare``'s, a sweep's ``baseline: true``) has
     something to train: a scorer-only run on a quantized base trains the scorers alone, and without them the quantized
     base has nothing that takes a gradient."""
-    args = argparse.Namespace(**{"load_in_4bit": False, "load_in_8bit": False, "torchao": None, **flags})
-    if quantizes(args) and flags.get("train_only_new_params") and flags.get("lora_r") is None:
-        flag = quantization_flag(args)
+    quantization = Quantization.of(flags)
+    if quantization is not None and flags.get("train_only_new_params") and flags.get("lora_r") is None:
+        flag = quantization.flag
         raise RecipeError(
             f"--{flag} --train_only_new_params trains the scorers alone, and its unpatched baseline (--scorer none) "
             "would have nothing to train: no scorers, and quantized weights that take no gradient. Compare QLoRA runs "
@@ -176,52 +281,19 @@ def check_baseline(flags: dict[str, Any]) -> None:
 
 def quantization_flag(args: argparse.Namespace) -> str:
     """The flag that asked for quantization, for messages."""
-    if args.torchao:
-        return f"torchao {args.torchao}"
-    return "load_in_4bit" if args.load_in_4bit else "load_in_8bit"
+    return Quantization.of(args).flag
 
 
 def quantization_config(args: argparse.Namespace):
-    """The ``quantization_config`` the base loads with, or None. A missing library is a RecipeError with the
-    install command."""
-    if not quantizes(args):
-        return None
-    library = "torchao" if args.torchao else "bitsandbytes"
-    try:
-        __import__(library)
-    except ImportError:
-        raise RecipeError(f"--{quantization_flag(args)} needs {library}: {INSTALL}") from None
-    if args.torchao:
-        import torchao.quantization
-        from transformers import TorchAoConfig
-
-        name, options = TORCHAO_SCHEMES[args.torchao]
-        return TorchAoConfig(getattr(torchao.quantization, name)(**options))
-    from transformers import BitsAndBytesConfig
-
-    if args.load_in_8bit:
-        return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type=args.bnb_4bit_quant_type,
-        bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant,
-        bnb_4bit_compute_dtype=getattr(torch, args.bnb_4bit_compute_dtype),
-    )
+    """The ``quantization_config`` the base loads with, or None (:meth:`Quantization.loading_config`)."""
+    quantization = Quantization.of(args)
+    return quantization.loading_config() if quantization is not None else None
 
 
 def describe_quantization(settings: dict[str, Any]) -> str | None:
     """The base's quantization in words, from a run's settings (logs, the model card), or None."""
-    if settings.get("torchao"):
-        return f"torchao {settings['torchao'].replace('_', '-')}"
-    if settings.get("load_in_8bit"):
-        return "bitsandbytes 8-bit (LLM.int8)"
-    if settings.get("load_in_4bit"):
-        double = ", double quantization" if settings.get("bnb_4bit_use_double_quant") else ""
-        return (
-            f"bitsandbytes 4-bit {str(settings.get('bnb_4bit_quant_type')).upper()}{double}, "
-            f"matmuls in {settings.get('bnb_4bit_compute_dtype')}"
-        )
-    return None
+    quantization = Quantization.of(settings)
+    return quantization.describe() if quantization is not None else None
 
 
 def describe_lora(settings: dict[str, Any]) -> str | None:
@@ -257,7 +329,8 @@ def keep_4bit_trainable(model, args: argparse.Namespace) -> None:
     at the start, --eval_steps): no gradient would pass them from then on, and a checkpoint after it would change the
     base (docs/qlora.md, "Known problems"). Off for every 4-bit run, patched or not; before the patch, which would do
     it too and say so."""
-    if args.load_in_4bit:
+    quantization = Quantization.of(args)
+    if quantization is not None and quantization.scheme == "4bit":
         hf_neural_attn.keep_4bit_trainable(model)
 
 
@@ -343,7 +416,8 @@ def safetensors_checkpoints(args: argparse.Namespace) -> bool:
     over a torchao base. safetensors' loader, which ``accelerator.load_state`` reads that file with, looks for shared
     storage among the model's own tensors, and a torchao weight has no storage to look at; torch's loader does not
     look. The torchao weights themselves go to :data:`TORCHAO_WEIGHTS` either way (:func:`set_aside_torchao_weights`)."""
-    return not args.torchao
+    quantization = Quantization.of(args)
+    return quantization is None or quantization.library != "torchao"
 
 
 def add_lora(model, args: argparse.Namespace, new_parameters: set[str]):
@@ -395,33 +469,15 @@ def patch_parameters(model) -> dict[str, torch.nn.Parameter]:
 
 def hub_tags(settings: dict[str, Any]) -> list[str]:
     """The Hub's tags for a run's quantization and adapters (the ones it shows for such repos)."""
-    tags = ["lora"] if settings.get("lora_r") is not None else []
-    if settings.get("torchao"):
-        tags.append("torchao")
-    elif settings.get("load_in_4bit") or settings.get("load_in_8bit"):
-        tags += ["bitsandbytes", "4-bit" if settings.get("load_in_4bit") else "8-bit"]
-    return tags
+    quantization = Quantization.of(settings)
+    return (["lora"] if settings.get("lora_r") is not None else []) + (quantization.hub_tags if quantization else [])
 
 
 def quantization_snippet(settings: dict[str, Any]) -> tuple[list[str], list[str], str | None]:
-    """What loads a base quantized as the run loaded it, for the model card's loading code: the import lines beside
-    transformers', the names imported from transformers, and the ``quantization_config`` expression (``None`` when the
-    run did not quantize)."""
-    if settings.get("torchao"):
-        name, options = TORCHAO_SCHEMES[settings["torchao"]]
-        arguments = ", ".join(f"{key}={_code(value)}" for key, value in options.items())
-        imports = [f"from torchao.quantization import {name}"] + (["import torch"] if "torch." in arguments else [])
-        return imports, ["TorchAoConfig"], f"TorchAoConfig({name}({arguments}))"
-    if settings.get("load_in_8bit"):
-        return [], ["BitsAndBytesConfig"], "BitsAndBytesConfig(load_in_8bit=True)"
-    if settings.get("load_in_4bit"):
-        arguments = (
-            f'load_in_4bit=True, bnb_4bit_quant_type="{settings.get("bnb_4bit_quant_type")}", '
-            f"bnb_4bit_use_double_quant={bool(settings.get('bnb_4bit_use_double_quant'))}, "
-            f"bnb_4bit_compute_dtype=torch.{settings.get('bnb_4bit_compute_dtype')}"
-        )
-        return ["import torch"], ["BitsAndBytesConfig"], f"BitsAndBytesConfig({arguments})"
-    return [], [], None
+    """What loads a base quantized as the run loaded it, for the model card's loading code
+    (:meth:`Quantization.loading_snippet`; nothing, and a ``None`` expression, when the run did not quantize)."""
+    quantization = Quantization.of(settings)
+    return quantization.loading_snippet() if quantization is not None else ([], [], None)
 
 
 def kernel_snippet(settings: dict[str, Any], variable: str) -> list[str]:
@@ -429,7 +485,8 @@ def kernel_snippet(settings: dict[str, Any], variable: str) -> list[str]:
     (:func:`keep_4bit_trainable`); none for another run. On a CPU with AVX512-BF16 the loaded model would otherwise
     repack its layers for bitsandbytes' CPU kernel at its first evaluation: other outputs than the run's, and a model
     that no longer trains."""
-    if not settings.get("load_in_4bit"):
+    quantization = Quantization.of(settings)
+    if quantization is None or quantization.scheme != "4bit":
         return []
     return [f"hf_neural_attn.keep_4bit_trainable({variable})  # bitsandbytes' CPU kernel off, as in the run"]
 

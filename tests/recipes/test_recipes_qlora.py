@@ -412,3 +412,47 @@ def test_a_quantized_scorer_checkpoint_exports_to_the_quantized_checkpoint_the_r
         assert export([str(step), str(tmp_path / "misfit"), "--model_files", str(tmp_path / name)]) == 2
         assert found in capsys.readouterr().err
         assert sorted(path.name for path in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ([], None),
+        (["--load_in_8bit"], ("bitsandbytes", "8bit", "load_in_8bit", ["bitsandbytes", "8-bit"])),
+        (
+            ["--load_in_4bit", "--bnb_4bit_quant_type", "fp4", "--bnb_4bit_use_double_quant"],
+            ("bitsandbytes", "4bit", "load_in_4bit", ["bitsandbytes", "4-bit"]),
+        ),
+        (["--torchao", "int4_weight_only"], ("torchao", "int4_weight_only", "torchao int4_weight_only", ["torchao"])),
+    ],
+)
+def test_one_quantization_value_answers_for_the_flags_and_the_recorded_settings(flags, expected):
+    """``qlora.Quantization.of`` reads the flags once, and reads a run's recorded settings (a dict) the same way: the
+    library, scheme, flag, tags and loading code come from it."""
+    base = ["--task", "clm", "--output_dir", "unused", "--model_name_or_path", "a/model", "--lora_r", "4"]
+    args = parse_args([*base, *flags])
+    from_flags, from_settings = qlora.Quantization.of(args), qlora.Quantization.of(vars(args))
+    assert from_flags == from_settings
+    if expected is None:
+        assert from_flags is None and qlora.quantization_snippet(vars(args)) == ([], [], None)
+        return
+    library, scheme, flag, tags = expected
+    assert (from_flags.library, from_flags.scheme, from_flags.flag, from_flags.hub_tags) == (
+        library,
+        scheme,
+        flag,
+        tags,
+    )
+    assert qlora.hub_tags(vars(args)) == ["lora", *tags]
+    assert qlora.describe_quantization(vars(args)) == from_flags.describe()
+    if scheme == "4bit":  # the 4-bit options travel with it
+        assert (from_flags.quant_type, from_flags.double_quant) == ("fp4", True)
+        assert 'bnb_4bit_quant_type="fp4"' in from_flags.loading_snippet()[2]
+
+
+def test_the_quantization_and_lora_defaults_are_declared_once():
+    args = parse_args(["--task", "clm", "--output_dir", "unused"])
+    for name, default in {**qlora.BNB_4BIT_DEFAULTS, **qlora.LORA_DEFAULTS}.items():
+        assert getattr(args, name) == default, name
+    with pytest.raises(RecipeError, match="not both"):
+        qlora.Quantization.of({"load_in_4bit": True, "torchao": "int8_weight_only"})
