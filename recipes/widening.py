@@ -100,6 +100,14 @@ def widen_mlp(model, extra: int) -> int:
     Returns the number of parameters added."""
     config = model.config
     width_name, layers = LAYOUTS[config.model_type]
+    weights = [module.weight for outputs, inputs in layers(model) for module in (*outputs, *inputs)]
+    if any(hasattr(weight, "ds_id") or type(weight.data) is not torch.Tensor for weight in weights):
+        # A ZeRO-3 placeholder (empty, the whole tensor elsewhere), a DTensor shard or a quantized tensor: a row
+        # appended to it would not be a row of the whole weight.
+        raise RecipeError(
+            "--widen_mlp widens whole float weights; this model's MLP weights are partitioned (DeepSpeed ZeRO-3), "
+            "sharded or quantized. Run the control without that placement (under DDP, say)."
+        )
     before = sum(p.numel() for p in model.parameters())
     std = getattr(config, "initializer_range", 0.02)
     width = mlp_width(config)

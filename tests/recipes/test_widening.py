@@ -93,6 +93,15 @@ def test_what_cannot_be_widened_is_refused():
     widening.check_widening(BertConfig(), 0, from_scratch=True, quantized=True)  # 0: nothing to check
 
 
+def test_weights_that_are_not_whole_float_tensors_are_refused_and_left_as_they_were():
+    model = tiny_gpt2()
+    model.transformer.h[1].mlp.c_proj.weight.ds_id = 7  # as DeepSpeed ZeRO-3 marks its partitioned placeholders
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(RecipeError, match="partitioned"):
+        widening.widen_mlp(model, 4)
+    assert model.config.n_inner is None and all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
 def test_a_recipe_run_with_widen_mlp_reports_what_it_added(tmp_path):
     assets = tiny_recipe_assets(tmp_path / "assets")
     out = tmp_path / "run"
