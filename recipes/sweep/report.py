@@ -28,14 +28,13 @@ class Row:
 
     configuration: Configuration
     values: dict[int, float]  # seed -> primary metric
-    difference: stats.PairedDifference | None
-    verdict: str
     params_added: int | None
     runtime: list[float]
     peak_rss_mib: list[float]  # each finished seed's peak memory (all_results.json's peak_memory), where recorded
     at_start: list[float]  # each finished seed's metric at step 0 (runs with eval_at_start)
     evaluations: dict[int, list[dict[str, Any]]]  # seed -> its evaluations (training_history.json), step by step
     last_quarter: list[float]  # each finished seed's change of the metric over the last quarter of its steps
+    comparison: Comparison | None = None  # against its baseline, once seeds of both have finished
 
 
 @dataclass
@@ -96,7 +95,7 @@ def last_quarter_change(evaluations: list[dict[str, Any]], metric: str) -> float
 
 def compare_runs(plan: SweepPlan, rows: dict[str, Row], greater: bool) -> list[Comparison]:
     """Every comparison of the plan with at least one paired seed: the paired difference, its p-value and verdict
-    (Holm-adjusted over the family with ``correction: holm``)."""
+    (Holm-adjusted over the plan's whole family with ``correction: holm``, once every comparison has a p-value)."""
     found = []
     for name, against in plan.comparisons():
         mine, theirs = rows[name].values, rows[against].values
@@ -104,7 +103,13 @@ def compare_runs(plan: SweepPlan, rows: dict[str, Row], greater: bool) -> list[C
         if paired:
             difference = stats.paired_difference([mine[s] for s in paired], [theirs[s] for s in paired])
             found.append(Comparison(name, against, difference, difference.p_value, None, ""))
-    if plan.correction == "holm" and found and all(c.p_value is not None for c in found):
+    # Holm's family is every comparison the plan makes: corrected only once each has a p-value (a family read
+    # while some of it has not run would be corrected for fewer comparisons than it holds).
+    if (
+        plan.correction == "holm"
+        and len(found) == len(plan.comparisons())
+        and all(c.p_value is not None for c in found)
+    ):
         for comparison, adjusted in zip(found, stats.holm_adjusted([c.p_value for c in found])):
             comparison.p_adjusted = adjusted
     for comparison in found:
@@ -152,13 +157,13 @@ def summarize(plan: SweepPlan) -> Summary:
         evaluations = {seed: history.get("evaluations", []) for seed, history in histories.items()}
         changes = [last_quarter_change(points, metric) for points in evaluations.values()]
         last_quarter = [change for change in changes if change is not None]
-        rows.append(Row(configuration, values, None, "", params, runtime, memory, at_start, evaluations, last_quarter))
+        rows.append(Row(configuration, values, params, runtime, memory, at_start, evaluations, last_quarter))
     by_name = {row.configuration.name: row for row in rows}
     comparisons = compare_runs(plan, by_name, greater)
     for comparison in comparisons:  # each row's own: against its baseline
         row = by_name[comparison.configuration]
         if comparison.against == row.configuration.baseline:
-            row.difference, row.verdict = comparison.difference, comparison.verdict
+            row.comparison = comparison
     metrics = task.metric_columns()
     return Summary(found, rows, comparisons, metric, greater, metrics)
 
@@ -186,11 +191,10 @@ def markdown_table(plan: SweepPlan, summary: Summary) -> str:
     header += ["change over the last quarter of the steps"] if converging else []
     if plan.baseline:
         header += [f"Δ {label} vs baseline" + (", paired (95 % CI)" if several else "")]
-        header += ["p", f"p, Holm ({len(summary.comparisons)} comparisons)"] if holm else []
+        header += ["p", f"p, Holm ({len(plan.comparisons())} comparisons)"] if holm else []
         header += ["verdict"]
     header += ["seeds", "train time (s)", "peak memory (MiB, mean over seeds)" if several else "peak memory (MiB)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    own = {c.configuration: c for c in summary.comparisons if c.against == plan.by_name(c.configuration).baseline}
     for row in summary.rows:
         values = [row.values[s] for s in plan.seeds if s in row.values]
         cells = [f"`{row.configuration.name}`", row.configuration.changes]
@@ -201,7 +205,7 @@ def markdown_table(plan: SweepPlan, summary: Summary) -> str:
         if converging:
             cells.append(stats.format_mean_std(row.last_quarter) if row.last_quarter else "—")
         if plan.baseline:
-            comparison = own.get(row.configuration.name)
+            comparison = row.comparison
             if row.configuration.kind == "baseline":
                 cells += ["—"] * (4 if holm else 2)
             elif comparison is None:
@@ -218,7 +222,7 @@ def markdown_table(plan: SweepPlan, summary: Summary) -> str:
     others = [c for c in summary.comparisons if (c.configuration, c.against) in set(plan.compare)]
     if others:
         header = ["configuration", "against", f"Δ {label}" + (", paired (95 % CI)" if several else "")]
-        header += ["p", f"p, Holm ({len(summary.comparisons)} comparisons)"] if holm else []
+        header += ["p", f"p, Holm ({len(plan.comparisons())} comparisons)"] if holm else []
         lines = ["| " + " | ".join([*header, "verdict", "seeds"]) + " |", "|" + "---|" * (len(header) + 2)]
         for comparison in others:
             cells = [f"`{comparison.configuration}`", f"`{comparison.against}`"]
@@ -248,8 +252,10 @@ def axis_columns(plan: SweepPlan, configuration: Configuration) -> dict[str, str
     return {f"axis:{axis}": chosen.get(axis, "") for axis in plan.axes}
 
 
-def run_row(plan: SweepPlan, summary: Summary, configuration: Configuration, run) -> dict[str, Any]:
-    """A run's row of sweep.csv: what it is, its status and, finished, its results."""
+def run_row(plan: SweepPlan, summary: Summary, aggregate: Row, run) -> dict[str, Any]:
+    """A run's row of sweep.csv (``aggregate``: its configuration's row): what it is, its status and, finished, its
+    results."""
+    configuration = aggregate.configuration
     results = summary.found[configuration.name].get(run.seed)
     row = {
         "configuration": configuration.name,
@@ -262,8 +268,7 @@ def run_row(plan: SweepPlan, summary: Summary, configuration: Configuration, run
         "output_dir": str(run.output_dir),
     }
     if results:
-        evaluations = next(r for r in summary.rows if r.configuration is configuration).evaluations[run.seed]
-        start = metric_at_start({"evaluations": evaluations}, summary.metric)
+        start = metric_at_start({"evaluations": aggregate.evaluations[run.seed]}, summary.metric)
         row.update({m: results.get(m, "") for m in summary.metrics})
         row.update(
             {f"{summary.metric}_at_start": "" if start is None else start},
@@ -286,20 +291,19 @@ def write_csvs(plan: SweepPlan, summary: Summary) -> None:
     with open(plan.root / SWEEP_CSV, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
-        for configuration in plan.configurations:
-            for run in configuration.runs:
-                writer.writerow(run_row(plan, summary, configuration, run))
+        for aggregate in rows:
+            for run in aggregate.configuration.runs:
+                writer.writerow(run_row(plan, summary, aggregate, run))
     summary_fields = ["configuration", "kind", "baseline", *[f"axis:{a}" for a in plan.axes], "flags", "seeds_done"]
     summary_fields += ["metric", "mean", "std", "baseline_mean", "diff_mean", "diff_std", "ci_low", "ci_high"]
     summary_fields += ["relative_diff_percent", "verdict", "params_added", "train_runtime_s_mean"]
     summary_fields += ["peak_rss_mib_mean", "at_start_mean", "last_quarter_change_mean", "p_value", "p_holm"]
-    own = {c.configuration: c for c in summary.comparisons if c.against == plan.by_name(c.configuration).baseline}
     with open(plan.root / SUMMARY_CSV, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=summary_fields)
         writer.writeheader()
         for row in rows:
             values = list(row.values.values())
-            difference = row.difference
+            difference = row.comparison.difference if row.comparison else None
             writer.writerow(
                 {
                     "configuration": row.configuration.name,
@@ -319,13 +323,13 @@ def write_csvs(plan: SweepPlan, summary: Summary) -> None:
                     "relative_diff_percent": difference.relative
                     if difference and difference.relative is not None
                     else "",
-                    "verdict": row.verdict,
+                    "verdict": row.comparison.verdict if row.comparison else "",
                     "params_added": "" if row.params_added is None else row.params_added,
                     "train_runtime_s_mean": stats.mean(row.runtime) if row.runtime else "",
                     "peak_rss_mib_mean": stats.mean(row.peak_rss_mib) if row.peak_rss_mib else "",
                     "at_start_mean": stats.mean(row.at_start) if row.at_start else "",
                     "last_quarter_change_mean": stats.mean(row.last_quarter) if row.last_quarter else "",
-                    **p_columns(own.get(row.configuration.name)),
+                    **p_columns(row.comparison),
                 }
             )
     write_comparisons_csv(plan, summary)

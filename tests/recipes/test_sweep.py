@@ -565,6 +565,15 @@ def test_controls_extra_comparisons_and_holm(assets, tmp_path):
         "eval_loss": "2.05",
     }  # fmt: skip
 
+    # While part of the family has not run, nothing is Holm-corrected: a family of 3 read as one of 4 would be
+    # corrected for fewer comparisons than it holds.
+    for seed in plan.seeds:
+        (sweep_plan.sweep_run_folder(out, "layers=0", seed) / report.RESULTS_FILE).unlink()
+    partial = sweep_report.summarize(plan)
+    assert len(partial.comparisons) == 3 and all(c.p_adjusted is None for c in partial.comparisons)
+    assert partial.comparisons[0].verdict == stats.verdict(differences["base", "baseline"], False)
+    assert "p, Holm (4 comparisons)" in sweep_report.markdown_table(plan, partial)
+
 
 def test_the_last_quarter_change_needs_an_evaluation_in_the_second_half():
     every_eighth = [{"step": 250 * i, "eval_loss": 2.0 - 0.01 * i} for i in range(9)]
