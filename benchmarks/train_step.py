@@ -35,9 +35,7 @@ compile, memory) is reported as an error row; the others are still timed.
 ``--compiled`` runs every model, the unpatched one included, as ``torch.compile(model, fullgraph=True)`` (inductor,
 with its caches off so that every configuration compiles from scratch) and adds the compile time: the first step's
 time (tracing, compiling forward and backward, running) less the median step's, and its ratio to the unpatched
-model's; with ``--interleave`` both come from the interleaved process. ``--compile_backend aot_eager`` traces the same
-whole graphs (forward and backward, a graph break still fails) without inductor's code generation: the test suite's
-check of this plumbing, not a measurement. ``--quick`` skips the processes per
+model's; with ``--interleave`` both come from the interleaved process. ``--quick`` skips the processes per
 configuration (no memory columns) and times in the interleaved process alone: the smallest run, for a check.
 """
 
@@ -149,7 +147,7 @@ def build(args, dropout: str, scorer_name: str, impl: str):
         # transformers looks the loss function up on every call and logs a warning for a model without a known
         # loss_type (GPT-2 here), which would break the graph: looked up once, here.
         model.loss_function = model.loss_function
-        forward = torch.compile(model, fullgraph=True, backend=args.compile_backend)
+        forward = torch.compile(model, fullgraph=True)
 
     def step():
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
@@ -249,8 +247,7 @@ def warm_up_compiler(args) -> None:
     import torch
 
     layer = torch.nn.Linear(8, 8, device=args.device)
-    compiled = torch.compile(layer, fullgraph=True, backend=args.compile_backend)
-    compiled(torch.ones(2, 8, device=args.device)).sum().backward()
+    torch.compile(layer, fullgraph=True)(torch.ones(2, 8, device=args.device)).sum().backward()
 
 
 def timed(step) -> float:
@@ -354,11 +351,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="torch.compile(model, fullgraph=True) every model, the unpatched one too, and report the compile time",
     )
     parser.add_argument(
-        "--compile_backend",
-        default="inductor",
-        help="torch.compile's backend with --compiled (aot_eager: the same graphs, no code generation; for a check)",
-    )
-    parser.add_argument(
         "--quick",
         action="store_true",
         help="time in the interleaved process only (implies --interleave; no processes per configuration, no "
@@ -459,7 +451,6 @@ def main() -> None:
         return
     runs = [("none", args.base)] + [(scorer, impl) for scorer in args.scorers for impl in args.impls]
     keys = ("family", "batch", "layers", "width", "heads", "kv_heads", "vocab", "h", "steps", "device", "dtype")
-    keys += ("compile_backend",)
     shared = [f"--{k}={getattr(args, k)}" for k in keys] + (["--compiled"] if args.compiled else [])
     shared += [f"--proj_dim={args.proj_dim}"] if args.proj_dim else []
     shared += ["--padded", f"--padding_side={args.padding_side}"] if args.padded else []
@@ -521,8 +512,7 @@ def report(results, args) -> str:
         else ""
     )
     compiled = (
-        f"; every model (the unpatched one too) as torch.compile(model, fullgraph=True), {args.compile_backend}"
-        f"{' with its caches off' if args.compile_backend == 'inductor' else ''}; "
+        "; every model (the unpatched one too) as torch.compile(model, fullgraph=True), inductor with its caches off; "
         "compile s = the first step's time less the median step's"
         if args.compiled
         else ""

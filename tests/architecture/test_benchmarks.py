@@ -104,11 +104,10 @@ def test_train_step_benchmark_on_a_left_padded_decoder_batch_over_an_eager_base(
 def test_train_step_benchmark_compiled_quick(tmp_path):
     """--compiled --quick: every model compiled with fullgraph=True (a graph break would fail the run), the step and
     the compile time of each configuration from the one interleaved process, with ratios to the unpatched model;
-    no memory columns. The times' values are not checked. The aot_eager backend traces the same whole graphs, forward
-    and backward, without inductor's code generation (inductor on these models: tests/ops/test_compile.py)."""
+    no memory columns. The times' values are not checked."""
     flags = ["--compiled", "--quick", "--seq", "24", "--layers", "1", "--width", "32", "--heads", "2", "--steps", "1"]
-    flags += ["--scorers", "qana", "--impls", "chunked", "--dropouts", "config", "--compile_backend", "aot_eager"]
-    run_benchmark("train_step.py", *flags, tmp_path=tmp_path, timeout=600)
+    flags += ["--scorers", "qana", "--impls", "chunked", "--dropouts", "config"]
+    run_benchmark("train_step.py", *flags, tmp_path=tmp_path, timeout=600)  # two compiles
     results = json.loads((tmp_path / "train_step_gpt2.json").read_text())["results"]
     assert [(row["scorer"], row["impl"], row["resolved_impl"]) for row in results] == [
         ("none", "sdpa", "sdpa"),
@@ -116,7 +115,7 @@ def test_train_step_benchmark_compiled_quick(tmp_path):
     ]
     assert all(row["timed"] == "interleaved" and "compile_s" in row and "peak_bytes" not in row for row in results)
     table = (tmp_path / "train_step_gpt2.md").read_text()
-    assert "torch.compile(model, fullgraph=True), aot_eager;" in table
+    assert "torch.compile(model, fullgraph=True)" in table
     assert "| n | dropout | scorer | impl | step ms | x unpatched | compile s | x unpatched |" in table
     assert "| 24 | config | none | sdpa |" in table and "| 24 | config | qana | chunked |" in table
 
