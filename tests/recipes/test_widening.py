@@ -1,4 +1,4 @@
-"""recipes/widening.py (``--widen_mlp N``, the equal-parameter control): a widened GPT-2 or Llama computes what the
+"""recipes/widening.py (``--widen_mlp N``, the equal-parameter control): a widened GPT-2, Llama, Mistral or Qwen2 computes what the
 pretrained one did, adds the parameters it says, learns through the new units, saves and reloads as an ordinary model
 of the new width; a recipe run reports the parameters it added; what it cannot widen is refused before loading."""
 
@@ -6,52 +6,41 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.models import tiny_model
 from recipes_helpers import (  # fresh_accelerate_state, one_thread: autouse fixtures
     fresh_accelerate_state,  # noqa: F401
     one_thread,  # noqa: F401
     read_results,
     tiny_recipe_assets,
 )
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, GPT2Config
 
 from recipes import widening
 from recipes.args import parse_args
 from recipes.errors import RecipeError
 from recipes.training import run
 
-
-def tiny_gpt2() -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_head=2, n_embd=16, n_positions=32, vocab_size=50)
-    return GPT2LMHeadModel(config).eval()
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        hidden_size=16,
-        intermediate_size=24,
-        vocab_size=50,
-        max_position_embeddings=32,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
-# (model, parameters each new hidden unit adds per layer, the config's width attribute, width before)
+# Per family: parameters each new hidden unit adds per layer (the tiny models of tests/helpers/models.py are 32
+# wide), the config's width attribute, and the width before. GPT-2: a c_fc column and its bias, a c_proj row; the
+# gated MLPs: a gate and an up row, a down column, no biases. Every layout widening.LAYOUTS knows.
 CASES = {
-    "gpt2": (tiny_gpt2, 16 + 1 + 16, "n_inner", 64),  # a c_fc column and its bias, a c_proj row
-    "llama": (tiny_llama, 3 * 16, "intermediate_size", 24),  # a gate and an up row, a down column; no biases
+    "gpt2": (32 + 1 + 32, "n_inner", 4 * 32),
+    "llama": (3 * 32, "intermediate_size", 64),
+    "mistral": (3 * 32, "intermediate_size", 64),
+    "qwen2": (3 * 32, "intermediate_size", 64),
 }
+
+
+def test_every_known_layout_is_tested():
+    assert set(CASES) == set(widening.LAYOUTS)
 
 
 @pytest.mark.parametrize("family", sorted(CASES))
 def test_a_widened_mlp_computes_what_the_pretrained_one_did_and_reloads(family, tmp_path):
-    build, per_unit, width_name, width = CASES[family]
-    model = build()
-    tokens = torch.randint(0, 50, (2, 12))
+    per_unit, width_name, width = CASES[family]
+    torch.manual_seed(0)
+    model = tiny_model(family).eval()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 12))
     with torch.no_grad():
         before = model(tokens).logits
     added = widening.widen_mlp(model, 5)
@@ -94,7 +83,7 @@ def test_what_cannot_be_widened_is_refused():
 
 
 def test_weights_that_are_not_whole_float_tensors_are_refused_and_left_as_they_were():
-    model = tiny_gpt2()
+    model = tiny_model("gpt2")
     model.transformer.h[1].mlp.c_proj.weight.ds_id = 7  # as DeepSpeed ZeRO-3 marks its partitioned placeholders
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     with pytest.raises(RecipeError, match="partitioned"):
