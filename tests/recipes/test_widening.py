@@ -1,6 +1,7 @@
-"""recipes/widening.py (``--widen_mlp N``, the equal-parameter control): a widened GPT-2, Llama, Mistral or Qwen2 computes what the
-pretrained one did, adds the parameters it says, learns through the new units, saves and reloads as an ordinary model
-of the new width; a recipe run reports the parameters it added; what it cannot widen is refused before loading."""
+"""recipes/widening.py (``--widen_mlp N``, the equal-parameter control): a widened GPT-2, Llama, Mistral or Qwen2
+computes what the pretrained one did, adds the parameters it says, learns through the new units, saves and reloads as
+an ordinary model of the new width; a recipe run reports the parameters it added; what it cannot widen is refused
+before anything changes."""
 
 from __future__ import annotations
 
