@@ -136,7 +136,8 @@ def _task_and_model_flags(add: AddFlag) -> None:
         type=int,
         default=0,
         help="A capacity control: widen every layer's MLP of the pretrained model by this many hidden units, "
-        "function-preserving (new output weights zero), e.g. as many parameters as a patch adds (GPT-2, Llama).",
+        "function-preserving (new output weights zero), e.g. as many parameters as a patch adds (GPT-2, Llama, Mistral, "
+        "Qwen2).",
     )
     add("--cpu", action="store_true", help="Run on CPU even when an accelerator is present.")
 
