@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import importlib
 
-from . import _compat
 from ._version import __version__
+from .compat import versions as _versions
 
 # Before anything touches transformers: below the floor the failures are hard to read, so say which release is needed.
-_compat.check_transformers_version()
+_versions.check_transformers_version()
 
 from .integrations import installer as _integrations
 from .model_cards import LIBRARY_NAME, checkpoint_tags

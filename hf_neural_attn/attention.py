@@ -20,18 +20,9 @@ import torch
 from torch import nn
 from transformers.masking_utils import eager_mask, sdpa_mask
 
+from .compat.internals import output_attentions_collector
 from .families import FAMILIES, ModelFamily
-from .integrations.internals import output_attentions_collector
-from .integrations.parallelism import (
-    attention_across_ranks,
-    check_context_parallel_scorer,
-    check_no_sequence_parallelism,
-    context_parallel_shards,
-    refuse_packed_under_context_parallelism,
-    refuse_unscored_under_context_parallelism,
-    sharded_heads,
-    sharded_parameters_local,
-)
+from .ops.context_parallel import attention_across_ranks
 from .ops.dispatch import scored_attention
 from .ops.dropout import DropoutPlacement, draw_seed
 from .ops.masks import as_additive_mask, zero_rows_without_keys
@@ -43,6 +34,14 @@ from .ops.packed import (
     padded_keys,
     sequence_mask,
 )
+from .parallel.context import (
+    check_context_parallel_scorer,
+    context_parallel_shards,
+    refuse_packed_under_context_parallelism,
+    refuse_unscored_under_context_parallelism,
+)
+from .parallel.sequence import check_no_sequence_parallelism
+from .parallel.tensor import sharded_heads, sharded_parameters_local
 from .patched_config import is_patched_config
 from .placement.offload import offloaded_weights_loaded
 from .record import ATTN_IMPLEMENTATION, EXTRAS_KWARG, FALLBACK_ATTR, SCORER_ATTR

@@ -26,8 +26,8 @@ from torch.nn import functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb, eager_attention_forward
 
+from .compat.internals import attn_implementation_of, mark_initialized
 from .families.base import ModelFamily, query_weight_std
-from .integrations.internals import attn_implementation_of, mark_initialized
 from .placement.quantized import activation_dtype
 from .scorers import ScorerConfig
 

@@ -26,10 +26,10 @@ from . import narrow_keys
 from ._version import __version__
 from ._warnings import warn_user
 from .families import FAMILIES, ModelFamily, find_attention
-from .integrations.parallelism import shard_scorer, sharded_parameters_local, tensor_parallel_heads
 from .model_cards import checkpoint_tags
 from .ops.dispatch import check_impl
 from .ops.dropout import check_probability
+from .parallel.tensor import shard_scorer, sharded_parameters_local, tensor_parallel_heads
 from .patched_config import base_config_as_recorded, implementation_under_patch, make_patched, model_type_under_patch
 from .placement.offload import offloaded_weights_loaded
 from .placement.quantized import activation_dtype, turn_off_cpu_kernel_for_patch, warn_if_activations_quantized

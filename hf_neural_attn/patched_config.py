@@ -32,7 +32,7 @@ from typing import Any
 from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from .integrations.internals import (
+from .compat.internals import (
     attn_implementation_of,
     define_implementation_descriptor,
     output_attentions_flag,

@@ -31,10 +31,10 @@ from typing import Any
 from transformers import PretrainedConfig, PreTrainedModel
 
 from . import narrow_keys
-from .integrations.internals import remove_forward_pre_hooks
-from .integrations.parallelism import forget_scorer_plan
+from .compat.internals import remove_forward_pre_hooks
 from .model_cards import checkpoint_tags
 from .ops.dispatch import check_impl
+from .parallel.tensor import forget_scorer_plan
 from .patch_plan import (
     add_query_extras,
     adopt_private_configs,

@@ -15,8 +15,9 @@ The read-only questions asked of a model (is it patched, with which record, whic
 too, judged from the names below; the modules that write them (:mod:`hf_neural_attn.patching`,
 :mod:`hf_neural_attn.attention`) sit above this one.
 
-``import hf_neural_attn`` reads this module (the names, the record type), so what only a model or a loaded record
-needs (transformers' modeling stack, the model families) is imported where it is used: those are seconds to import.
+``import hf_neural_attn`` reads this module (the names, the record type), so what only a model needs (transformers'
+modeling stack) is imported where it is used: that is seconds to import. The record does not know the model families:
+a loader checks that the recorded family is one this version has (``loading/rebuild.py``), where it needs one.
 """
 
 from __future__ import annotations
@@ -156,17 +157,12 @@ class PatchRecord:
             raise damaged(source, filename, "layers", f"must hold sorted non-negative layer indices, got {layers!r}")
         if not isinstance(version, str) or not re.fullmatch(r"\d+(\.\d+)*\S*", version):
             raise damaged(source, filename, "version", f"must be a version string, got {version!r}")
-        from .families import FAMILIES
-
         names = {}
         for name in cls.OPTIONAL_NAMES:
             value = data.get(name)
             if value is not None and not isinstance(value, str):
                 raise damaged(source, filename, name, f"must be a name, got {value!r}")
             names[name] = value
-        if names["family"] is not None and names["family"] not in FAMILIES:
-            problem = f"names no model family of this version ({sorted(FAMILIES)}), got {names['family']!r}"
-            raise damaged(source, filename, "family", problem)
         implementation = names["base_attn_implementation"]
         if implementation is not None and implementation not in known_implementations():
             problem = f"names no attention implementation ({known_implementations()}), got {implementation!r}"

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..integrations.internals import accelerate_hook
+from ..compat.internals import accelerate_hook
 from ..placement.quantized import dense_weight
 from ..scorers import AttentionGeometry
 

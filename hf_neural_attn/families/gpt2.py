@@ -7,7 +7,7 @@ from __future__ import annotations
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.pytorch_utils import Conv1D
 
-from ..integrations.internals import gpt2_reordered_attention
+from ..compat.internals import gpt2_reordered_attention
 from ..placement.quantized import dense_weight
 from ..scorers import AttentionGeometry
 from .base import ModelFamily, query_weight_std

@@ -41,8 +41,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..integrations.attention_registry import register_attention
-from ..integrations.internals import DISPATCH_ATTRIBUTE, store_implementation
+from ..compat.internals import DISPATCH_ATTRIBUTE, store_implementation
 from ..placement.quantized import dense_weight
 from ..scorers import AttentionGeometry
 from .base import ModelFamily, call_argument, forward_parameters, query_weight_std, rotation
@@ -282,8 +281,10 @@ class _Recording:
     calls: list[dict] | None = None
 
 
-def _probe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Registered as ``"hf_neural_attn_probe"``: records the call, returns zeros of the output's shape."""
+def probe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Registered as ``"hf_neural_attn_probe"`` (the ``"family probe"`` row of ``integrations.installer.INTEGRATIONS``,
+    once this module and transformers' modeling stack are imported): records the call, returns zeros of the output's
+    shape."""
     if _Recording.calls is None:
         raise RuntimeError(f"{PROBE_IMPLEMENTATION!r} is hf_neural_attn's internal probe, not an attention function.")
     _Recording.calls.append(
@@ -302,7 +303,6 @@ def _record_call(module: nn.Module, hidden: torch.Tensor, position_embeddings: t
     probe_config = copy.copy(config)
     probe_config.__class__ = getattr(config, "_base_config_class", type(config))
     store_implementation(probe_config, PROBE_IMPLEMENTATION)
-    register_attention(PROBE_IMPLEMENTATION, _probe_attention)  # registered on first use: importing changes nothing
     _Recording.calls = []
     try:
         module.config = probe_config

@@ -1,20 +1,23 @@
-"""The one room for what hf_neural_attn changes in other libraries, and for every private name of theirs it reads.
+"""The one room for what hf_neural_attn changes in other libraries, each change a row of one table.
 
 * :mod:`.installer`: the table of what ``import hf_neural_attn`` installs (``INTEGRATIONS``), and the opt-out:
-  ``HF_NEURAL_ATTN_NO_INTEGRATIONS=1`` before the import, or :func:`uninstall` after it (:func:`install` undoes it).
+  ``HF_NEURAL_ATTN_NO_INTEGRATIONS`` before the import (``1`` for every optional row, or the names of some rows), or
+  :func:`uninstall` after it (:func:`install` undoes it).
 * :mod:`.wrapping`: ``wrap_once`` and ``register``, the one way a method of another library is replaced or an entry
   added to its registry, each remembered so that it can be undone.
-* :mod:`.internals`: every private name of transformers and torch the library reads, behind one accessor each.
 * :mod:`.import_hooks`: run a function once a module is imported, by whoever imports it.
-* transformers: :mod:`.attention_registry` (the attention function's name), :mod:`.auto_classes` (AutoConfig and the
-  Auto classes), :mod:`.transformers_loading` (a model class's own ``from_pretrained``, ``save_pretrained`` and
-  ``post_init``), :mod:`.transformers_hub` (``push_to_hub``'s card), :mod:`.continuous_batching`;
-* torch, transformers and DeepSpeed parallelism: :mod:`.parallelism` (tensor-parallel plans and styles, context
-  parallelism, the refusal of Ulysses);
+* transformers: :mod:`.attention_registry` (names in the attention registries: the patched attention function, the
+  family probe), :mod:`.auto_classes` (AutoConfig and the Auto classes), :mod:`.transformers_loading` (a model
+  class's own ``from_pretrained``, ``save_pretrained`` and ``post_init``), :mod:`.transformers_hub` (``push_to_hub``'s
+  card), :mod:`.continuous_batching`; the library's tensor-parallel styles (made in ``hf_neural_attn.parallel.tensor``,
+  registered by the installer);
+* DeepSpeed: :mod:`.deepspeed_ulysses` (Ulysses' registration refuses a patched model);
 * :mod:`.vllm`: vLLM, as a ``vllm.general_plugins`` entry point.
 
-``tests/architecture/test_architecture.py`` checks that no module outside this folder assigns into another library or
-reads its private names. This file imports nothing at its top, so that any floor of the library can use the accessors.
+The private names of other libraries the rest of the library reads are behind the accessors of
+``hf_neural_attn.compat.internals``, on the ground floor (this folder imports the whole library; the floors below
+could not import it). ``tests/architecture/test_architecture.py`` checks that no module outside this folder changes
+another library and none outside it and ``compat/`` reads their private names. This file imports nothing at its top.
 """
 
 from __future__ import annotations

@@ -30,10 +30,10 @@ from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPI
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
+from ..compat.internals import auto_model_classes, auto_model_mapping
 from ..loading.dispatch import from_pretrained
 from ..patched_config import base_config, base_config_as_recorded
 from ..patching import patch_as_recorded, recorded_patch
-from .internals import auto_model_classes, auto_model_mapping
 from .wrapping import register
 
 # Where transformers maps a config class to what goes with the model (AutoTokenizer, AutoImageProcessor,

@@ -2,16 +2,20 @@
 
 Each row of :data:`INTEGRATIONS` names one change, the library it changes, what it changes and when it is installed:
 at the import of hf_neural_attn, when a patched config class is made (by ``patch_model``, or by ``AutoConfig``
-reading a patched checkpoint), or once a given module of that library is imported, by whoever imports it (without
-importing it first: transformers' modeling stack takes seconds to import, see :mod:`.import_hooks`).
+reading a patched checkpoint), or once a given module is imported, by whoever imports it (without importing it
+first: transformers' modeling stack takes seconds to import, see :mod:`.import_hooks`).
 
-**The opt-out.** With ``HF_NEURAL_ATTN_NO_INTEGRATIONS=1`` in the environment when the library is imported, or after
-:func:`uninstall`, only the rows marked ``required`` stay: the attention function patched models call by name (a
-patched model cannot run without it), and torch.compile's view of two of the library's own cached lookups (which
-changes no other library). transformers' own ``from_pretrained``, ``save_pretrained``, push cards, Auto classes,
-continuous batching and DeepSpeed's Ulysses registration are then transformers' and DeepSpeed's, unchanged; the
-explicit API (``hf_neural_attn.patch_model``, ``hf_neural_attn.from_pretrained``, ``save_pretrained`` of a patched
-model) still works. :func:`install` puts everything back.
+**The opt-out.** ``HF_NEURAL_ATTN_NO_INTEGRATIONS`` in the environment when the library is imported leaves rows out:
+``1`` (or ``true``, ``yes``, ``all``) every row not marked ``required``, or a comma-separated list of row names
+(``"push card, continuous batching"``) those rows. :func:`uninstall` takes every optional row back after the import;
+:func:`install` puts every row back. The required rows stay: the attention function patched models call by name and
+the family probe ``patch_model`` checks a standard attention module with (registrations in transformers' public
+attention registry), the library's two tensor-parallel styles (a patch under tensor parallelism shards its scorers
+with them), and torch.compile's view of two of the library's own cached lookups (which changes no other library).
+With every optional row out, transformers' own ``from_pretrained``, ``save_pretrained``, push cards, Auto classes,
+continuous batching and DeepSpeed's Ulysses registration are transformers' and DeepSpeed's, unchanged; the explicit
+API (``hf_neural_attn.patch_model``, ``hf_neural_attn.from_pretrained``, ``save_pretrained`` of a patched model)
+still works.
 
 What other libraries load from the outside (the vLLM plugin, :mod:`.vllm`) is not installed here: vLLM calls its
 entry point.
@@ -102,9 +106,26 @@ def _install_continuous_batching(continuous_api: ModuleType) -> None:
 
 
 def _refuse_ulysses(ulysses: ModuleType) -> None:
-    from .parallelism import refuse_ulysses
+    from . import deepspeed_ulysses
 
-    refuse_ulysses(ulysses, attn_implementation=ATTN_IMPLEMENTATION)
+    deepspeed_ulysses.install(ulysses, attn_implementation=ATTN_IMPLEMENTATION)
+
+
+def _register_probe(standard_family: ModuleType) -> None:
+    # The probe runs on a model's attention modules, whose modeling module imported transformers' modeling stack
+    # (the registries) first; waiting for it keeps the family's import from importing that stack.
+    after_import(
+        "transformers.modeling_utils",
+        lambda _: register_attention(standard_family.PROBE_IMPLEMENTATION, standard_family.probe_attention),
+    )
+
+
+def _register_parallel_styles(tensor_parallel: ModuleType) -> None:
+    from ..parallel.tensor import parallel_styles
+
+    for name, style in parallel_styles(tensor_parallel).items():
+        if name not in tensor_parallel.ALL_PARALLEL_STYLES:
+            tensor_parallel.ALL_PARALLEL_STYLES.register(name, style)
 
 
 INTEGRATIONS: tuple[Integration, ...] = (
@@ -135,6 +156,26 @@ INTEGRATIONS: tuple[Integration, ...] = (
         "assume_constant_result under torch.compile, once torch._dynamo is imported; nothing of torch changes",
         "hf_neural_attn.families.base",
         lambda module: constant_when_compiled(module.__name__, "forward_parameters"),
+        required=True,
+    ),
+    Integration(
+        "family probe",
+        "transformers",
+        '"hf_neural_attn_probe" in AttentionInterface (a public registry): the function that records, once per module '
+        "before a patch, what a standard-plumbing attention module hands its attention function "
+        "(hf_neural_attn.families.standard); a patch of such a model cannot check it without",
+        "hf_neural_attn.families.standard",
+        _register_probe,
+        required=True,
+    ),
+    Integration(
+        "tensor-parallel styles",
+        "transformers",
+        '"hf_neural_attn_per_head" and "hf_neural_attn_shared" in ALL_PARALLEL_STYLES (a public registry): how tensor '
+        "parallelism shards a scorer's per-head parameters of any rank and keeps its shared ones whole "
+        "(hf_neural_attn.parallel.tensor); a patch under tensor parallelism cannot shard its scorers without",
+        "transformers.integrations.tensor_parallel",
+        _register_parallel_styles,
         required=True,
     ),
     Integration(
@@ -185,58 +226,99 @@ INTEGRATIONS: tuple[Integration, ...] = (
 )
 
 _lock = threading.RLock()
-_optional_enabled = False
+_enabled: frozenset[str] = frozenset()  # the optional rows installed (or waiting for their module), by name
 _hooks_placed = False
+_SWITCH_ON = ("1", "true", "yes", "all")
+_SWITCH_OFF = ("", "0", "false", "no")
+
+
+def optional_rows() -> frozenset[str]:
+    """The names of the rows the opt-out may leave out (those not marked ``required``)."""
+    return frozenset(row.name for row in INTEGRATIONS if not row.required)
+
+
+def rows_left_out(value: str | None = None) -> frozenset[str]:
+    """The names of the rows :data:`OPT_OUT_VARIABLE` (or ``value``) leaves out: none when it is unset, empty, ``0``,
+    ``false`` or ``no``; every optional row for ``1``, ``true``, ``yes`` or ``all``; else the rows it names,
+    comma-separated (case and spaces around a name do not matter).
+
+    Raises:
+        ValueError: it names a row the table does not have, or a required one (the message lists the optional rows).
+    """
+    value = os.environ.get(OPT_OUT_VARIABLE, "") if value is None else value
+    switch = value.strip().lower()
+    if switch in _SWITCH_OFF:
+        return frozenset()
+    if switch in _SWITCH_ON:
+        return optional_rows()
+    by_name = {row.name.lower(): row for row in INTEGRATIONS}
+    named = [name.strip().lower() for name in value.split(",") if name.strip()]
+    wrong = [name for name in named if name not in by_name or by_name[name].required]
+    if wrong:
+        raise ValueError(
+            f"{OPT_OUT_VARIABLE}={value!r} names {wrong}, which are not optional rows of "
+            f"hf_neural_attn.integrations.INTEGRATIONS. Set it to 1 to leave out every optional row, or to a "
+            f"comma-separated list of some of {sorted(optional_rows())}. (The required rows cannot be left out: "
+            "patched models need them.)"
+        )
+    return frozenset(by_name[name].name for name in named)
 
 
 def opted_out() -> bool:
-    """Whether the environment asks the library to leave other libraries alone (:data:`OPT_OUT_VARIABLE` set to
-    anything but empty, ``0``, ``false`` or ``no``)."""
-    return os.environ.get(OPT_OUT_VARIABLE, "").strip().lower() not in ("", "0", "false", "no")
+    """Whether the environment leaves out every optional row (:data:`OPT_OUT_VARIABLE` set to ``1``, ...)."""
+    return rows_left_out() == optional_rows()
 
 
 def install() -> None:
     """Install every row of :data:`INTEGRATIONS` (the import-triggered ones once their module is imported). Running
-    it again changes nothing; after :func:`uninstall` it puts everything back."""
-    global _optional_enabled
-    with _lock:
-        reinstalling = _hooks_placed  # the hooks fired while the optional rows were off: run those rows now
-        _optional_enabled = True
-        _place_hooks()
-        for integration in INTEGRATIONS:
-            if not integration.required and integration.when == AT_IMPORT:
-                integration.install()
-        if reinstalling:
-            _rerun_for_what_is_there()
+    it again changes nothing; after :func:`uninstall`, or an import that left rows out, it puts everything back."""
+    _enable(optional_rows())
 
 
 def install_on_import() -> None:
-    """What ``import hf_neural_attn`` runs: :func:`install`, or the required rows only under the opt-out."""
-    if opted_out():
-        with _lock:
-            _place_hooks()
-    else:
-        install()
+    """What ``import hf_neural_attn`` runs: every row but those :func:`rows_left_out` names."""
+    _enable(optional_rows() - rows_left_out())
 
 
 def uninstall() -> list[str]:
     """Take back every change of the rows not marked ``required``: the wrapped methods get their originals back, the
     Auto classes and AutoConfig forget the patched types, and modules imported later are left alone. Returns what
     was undone, in words. Patched models keep working through the explicit API."""
-    global _optional_enabled
+    global _enabled
     with _lock:
-        _optional_enabled = False
+        _enabled = frozenset()
         return undo_all()
 
 
 def installed() -> bool:
-    """Whether the optional rows are installed (not opted out, not uninstalled)."""
-    return _optional_enabled
+    """Whether every optional row is installed (none left out by the environment, no :func:`uninstall` since)."""
+    return _enabled == optional_rows()
+
+
+def enabled_rows() -> list[str]:
+    """The names of the rows in force, in table order: the required ones and the optional ones not left out (a row
+    waiting for its module's import counts)."""
+    return [row.name for row in INTEGRATIONS if row.required or row.name in _enabled]
+
+
+def _enable(names: frozenset[str]) -> None:
+    """Put the optional rows ``names`` in force (beside those already), placing every row's hooks once."""
+    global _enabled
+    with _lock:
+        reinstalling = _hooks_placed  # hooks that fired while a row was off: run those rows now
+        added = names - _enabled
+        _enabled = _enabled | names
+        _place_hooks()
+        for integration in INTEGRATIONS:
+            if integration.name in added and integration.when == AT_IMPORT:
+                integration.install()
+        if reinstalling:
+            _rerun_for_what_is_there(added)
 
 
 def _place_hooks() -> None:
     """Hand every row that waits for something to what it waits for, once per process. The callbacks of optional
-    rows check :func:`installed` when they fire, so :func:`uninstall` needs no way to take a hook back."""
+    rows check that their row is in force when they fire, so :func:`uninstall` needs no way to take a hook back."""
     global _hooks_placed
     if _hooks_placed:
         return
@@ -253,17 +335,18 @@ def _place_hooks() -> None:
 
 def _when_enabled(integration: Integration) -> Callable[..., None]:
     def run(*arguments) -> None:
-        if integration.required or _optional_enabled:
+        if integration.required or integration.name in _enabled:
             integration.install(*arguments)
 
     return run
 
 
-def _rerun_for_what_is_there() -> None:
-    """After an :func:`uninstall`, :func:`install` again: the modules already imported and the patched config classes
-    already made get their optional rows now (their hooks fired while the rows were off)."""
+def _rerun_for_what_is_there(names: frozenset[str]) -> None:
+    """Rows ``names`` put in force after the import (:func:`install` after :func:`uninstall`, or after an import that
+    left them out): the modules already imported and the patched config classes already made get them now (their
+    hooks fired while the rows were off)."""
     for integration in INTEGRATIONS:
-        if integration.required or integration.when == AT_IMPORT:
+        if integration.name not in names or integration.when == AT_IMPORT:
             continue
         if integration.when == PER_PATCHED_CONFIG_CLASS:
             for patched_class, base_class in made_patched_classes():

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .internals import forget_registered
+from ..compat.internals import forget_registered
 
 # Set on every function wrap_once puts in place: how a second call (or a reader) tells ours from the original.
 WRAPPED_MARK = "__hf_neural_attn_wrapped__"

@@ -37,9 +37,9 @@ from transformers.utils import cached_file
 from .. import narrow_keys
 from .._version import __version__
 from .._warnings import warn_user
-from ..integrations.internals import hub_file_or_none
-from ..integrations.parallelism import one_writer, whole_tensor
+from ..compat.internals import hub_file_or_none
 from ..model_cards import CARD_NAME, adapter_card
+from ..parallel.tensor import one_writer, whole_tensor
 from ..patched_config import base_config
 from ..placement.zero3 import partitioned_weights_gathered
 from ..record import (

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..integrations.parallelism import whole_tensor
+from ..parallel.tensor import whole_tensor
 from ..placement.offload import offloaded_weights_loaded
 from ..placement.quantized import is_quantized
 from ..placement.zero3 import partitioned_weights_gathered

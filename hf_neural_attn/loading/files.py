@@ -19,7 +19,7 @@ from transformers import AutoConfig, PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.utils import CONFIG_NAME
 
-from ..integrations.internals import PRIVATE_LOADING_KWARGS, hub_file_or_none, with_reversible_conversions_only
+from ..compat.internals import PRIVATE_LOADING_KWARGS, hub_file_or_none, with_reversible_conversions_only
 from ..patched_config import PatchedCheckpointBaseConfig
 from ..record import PATCHED_MODEL_TYPE, carries_record
 

@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from ..integrations.internals import hub_file_or_none
+from ..compat.internals import hub_file_or_none
 from .files import FILE_KWARGS, is_patched_config_dict, saved_config_dict
 
 PEFT_CONFIG_NAME = "adapter_config.json"  # PEFT's name for its adapter config

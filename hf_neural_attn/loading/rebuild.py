@@ -18,12 +18,12 @@ import torch
 from .. import narrow_keys
 from .._version import __version__
 from .._warnings import warn_user
-from ..families import find_attention
-from ..integrations.internals import pop_adapter_model_path, saved_implementation, with_load_report_adjusted
-from ..integrations.parallelism import copy_whole_tensor
+from ..compat.internals import pop_adapter_model_path, saved_implementation, with_load_report_adjusted
+from ..families import FAMILIES, find_attention
+from ..parallel.tensor import copy_whole_tensor
 from ..patch_plan import AttentionSearch, apply_patch, plan_patch
 from ..placement.zero3 import full_shape, partitioned_weights_gathered
-from ..record import BASE_LOAD_ATTR, PEFT_WRAPPER_PARTS, SCORER_ATTR, PatchRecord, scorer_parameters
+from ..record import BASE_LOAD_ATTR, PEFT_WRAPPER_PARTS, SCORER_ATTR, PatchRecord, damaged, scorer_parameters
 from ..scorers import ScorerConfig
 from .files import check_model_class_fits, names_on_disk, unreadable_weights_are_errors
 
@@ -31,7 +31,7 @@ from .files import check_model_class_fits, names_on_disk, unreadable_weights_are
 def read_record(data: Any, source: str, filename: str) -> PatchRecord:
     """The checked patch record read from ``source``'s ``filename`` (an adapter's JSON; config.json:
     :func:`read_config_record`), with a warning when a different major version of the library saved it."""
-    return _warn_if_other_version(PatchRecord.from_dict(data, source=source, filename=filename), source)
+    return _checked(PatchRecord.from_dict(data, source=source, filename=filename), source, filename)
 
 
 def read_config_record(config, source: str) -> PatchRecord:
@@ -43,10 +43,15 @@ def read_config_record(config, source: str) -> PatchRecord:
             f"{source} is not a hf_neural_attn checkpoint: its config.json has no hf_neural_attn record. "
             "Load it with transformers and call hf_neural_attn.patch_model(model, ...) to patch it."
         )
-    return _warn_if_other_version(record, source)
+    return _checked(record, source, "config.json")
 
 
-def _warn_if_other_version(record: PatchRecord, source: str) -> PatchRecord:
+def _checked(record: PatchRecord, source: str, filename: str) -> PatchRecord:
+    """``record`` once its family is one this version has (the record reads without the families; a loader needs
+    one), with a warning when a different major version of the library saved it."""
+    if record.family is not None and record.family not in FAMILIES:
+        problem = f"names no model family of this version ({sorted(FAMILIES)}), got {record.family!r}"
+        raise damaged(source, filename, "family", problem)
     if record.version.split(".")[0] != __version__.split(".")[0]:
         warn_user(f"{source} was saved by hf_neural_attn {record.version}; this is {__version__}.")
     return record

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from ..integrations.internals import accelerate_hook
+from ..compat.internals import accelerate_hook
 
 
 def _offloading_hooks(hook) -> list:

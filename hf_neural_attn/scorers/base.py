@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..integrations.internals import mark_initialized
+from ..compat.internals import mark_initialized
 from ..ops.choices import DEFAULT_IMPL, IMPL_OPTIONS
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

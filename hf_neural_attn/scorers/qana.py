@@ -238,7 +238,7 @@ class QanaScorer(Scorer):
         """Slice the widened query. ``hidden_states``: (batch, seq, hidden).
 
         The heads are counted from the rows the query extension returns: under tensor parallelism it returns the rows
-        of this process's heads only (``integrations.parallelism``)."""
+        of this process's heads only (``parallel.tensor``)."""
         h, d, width = self.config.h, self.geometry.head_dim, self.u_width
         batch, seq = hidden_states.shape[:2]
         rows = self.query_extension(hidden_states)

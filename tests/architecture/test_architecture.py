@@ -10,12 +10,14 @@ it, is checked by importing the low floors in a fresh interpreter.
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import re
 import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -32,16 +34,15 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         "leaves",
         (
             "hf_neural_attn._version",
-            "hf_neural_attn._compat",
             "hf_neural_attn._warnings",
-            # The integrations' mechanics: accessors of other libraries' private names, wrap_once, import hooks.
-            "hf_neural_attn.integrations.import_hooks",
-            "hf_neural_attn.integrations.internals",
-            "hf_neural_attn.integrations.wrapping",
-            "hf_neural_attn.integrations.attention_registry",
-            # The faces of the compute package and of the integrations room: they import nothing at their top, so
-            # that importing any floor inside them runs nothing else (checked in a fresh interpreter below).
+            # What the library reads of other libraries: the version floor, the accessors of their private names,
+            # DTensor recognised, the attention registries' names.
+            "hf_neural_attn.compat",
+            "hf_neural_attn.compat.*",
+            # The faces of the packages: they import nothing at their top, so that importing any floor inside them
+            # runs nothing else (checked in a fresh interpreter below).
             "hf_neural_attn.ops",
+            "hf_neural_attn.parallel",
             "hf_neural_attn.integrations",
         ),
     ),
@@ -56,13 +57,14 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # Where and how weights are held (offloaded, ZeRO-3 partitioned, quantized): every family reads its weights
     # through it, so it sits just below them.
     ("weight placement", ("hf_neural_attn.placement", "hf_neural_attn.placement.*")),
-    # Parallelism shards the scorers (tensor), gathers keys (context) and refuses Ulysses: beside the families.
+    # Parallelism shards the scorers (tensor), finds torch's context-parallel block and refuses Ulysses: beside the
+    # families.
     (
         "model plumbing",
         (
             "hf_neural_attn.families",
             "hf_neural_attn.families.*",
-            "hf_neural_attn.integrations.parallelism",
+            "hf_neural_attn.parallel.*",
             "hf_neural_attn.narrow_keys",
         ),
     ),
@@ -78,7 +80,6 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "hf_neural_attn.peft_utils",
             "hf_neural_attn.plotting",
             "hf_neural_attn.auto",
-            "hf_neural_attn.integrations.continuous_batching",
         ),
     ),
     # What the library installs in other libraries (the table, the wrappers) and what they load from the outside
@@ -250,10 +251,47 @@ def test_the_scorers_do_not_import_the_dispatcher():
     assert scorers and [name for name in scorers if graph[name] & dispatcher] == []
 
 
+def folder_of(name: str) -> str:
+    """The folder of library module ``name`` as a reader sees the tree: the package directly under ``hf_neural_attn``
+    that holds it (``ops/`` for ``hf_neural_attn.ops.triton.fused``), else the module itself (``patching``)."""
+    parts = name.split(".")
+    if len(parts) == 1:
+        return name
+    top = ".".join(parts[:2])
+    return f"{parts[1]}/" if is_package(top) else parts[1]
+
+
+def folder_graph() -> dict[str, set[str]]:
+    """Folder -> the folders its modules import (the library only, a folder's imports of itself left out)."""
+    graph: dict[str, set[str]] = {}
+    for name, targets in internal_graph().items():
+        if not name.startswith("hf_neural_attn"):
+            continue
+        graph.setdefault(folder_of(name), set())
+        for target in targets:
+            if target.startswith("hf_neural_attn") and folder_of(target) != folder_of(name):
+                graph[folder_of(name)].add(folder_of(target))
+                graph.setdefault(folder_of(target), set())
+    return graph
+
+
+def test_the_folder_reader_groups_modules_as_the_tree_does():
+    assert folder_of("hf_neural_attn.ops.triton.fused") == folder_of("hf_neural_attn.ops") == "ops/"
+    assert folder_of("hf_neural_attn.compat.internals") == "compat/"
+    assert folder_of("hf_neural_attn.patching") == "patching"
+
+
+def test_folders_import_one_way():
+    """The folders are floors too: no folder imports a folder that imports it back, through any chain (a leaf that
+    sat in the integrations folder, which also imports the whole library, made every floor import up into it)."""
+    assert [sorted(circle) for circle in strongly_connected_components(folder_graph()) if len(circle) > 1] == []
+
+
 # Python runs a package's __init__ before any module inside it, an edge the graph above does not show. These modules,
 # lowest floor first, are imported one after another in a fresh interpreter; its root package is a bare stand-in,
 # since the real one imports the scorers and the installer on purpose.
 LOW_FLOORS = (
+    "hf_neural_attn.compat.internals",
     "hf_neural_attn.ops.terms",
     "hf_neural_attn.ops.choices",
     "hf_neural_attn.ops.triton",
@@ -583,7 +621,11 @@ def test_the_sweep_does_not_import_the_finetune_command():
 
 # --- one room for what the library changes in other libraries ---------------------------------------------------
 
-ROOM = "hf_neural_attn.integrations"
+# What the library changes in other libraries lives in one folder, each change a row of its table; the private
+# names of other libraries are read there and behind the accessors of the ground floor's compat/ folder.
+CHANGING_ROOM = ("hf_neural_attn.integrations",)
+READING_ROOM = ("hf_neural_attn.compat", "hf_neural_attn.integrations")
+ACCESSORS = "hf_neural_attn.compat.internals"
 # The libraries the library extends or reads (the standard library is Python's, not "another library").
 OTHER_LIBRARIES = frozenset(
     {
@@ -603,14 +645,18 @@ OTHER_LIBRARIES = frozenset(
     }
 )
 # Python's public namedtuple API, whose names start with an underscore so as not to clash with field names.
+# The prefix of the attributes the library sets on other libraries' objects (a scorer's shards, a config's record).
+OWN_ATTRIBUTE_PREFIX = "_hf_neural_attn"
 NAMEDTUPLE_API = frozenset({"_make", "_replace", "_asdict", "_fields", "_field_defaults"})
 # torch.nn.Module's ``_apply`` is the extension point torch itself overrides for ``.to()``/``to_empty()``; the scorer
 # base overrides it to draw its init once a meta model gets storage (scorers/base.py says why). The one exception.
 OVERRIDDEN_PRIVATE_METHODS = frozenset({("hf_neural_attn.scorers.base", "_apply")})
 
 
-def outside_room(name: str) -> bool:
-    return name.startswith("hf_neural_attn") and name != ROOM and not name.startswith(ROOM + ".")
+def outside(name: str, room: tuple[str, ...]) -> bool:
+    """Whether library module ``name`` lies outside every package of ``room``."""
+    inside = any(name == package or name.startswith(package + ".") for package in room)
+    return name.startswith("hf_neural_attn") and not inside
 
 
 def other_library_names(tree: ast.AST) -> dict[str, str]:
@@ -639,7 +685,7 @@ def library_defined_private_names() -> set[str]:
     library reading its own names."""
     defined = set()
     for name, path in MODULES.items():
-        if not outside_room(name):
+        if not outside(name, READING_ROOM):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -656,13 +702,14 @@ def library_defined_private_names() -> set[str]:
 
 
 def room_private_names() -> set[str]:
-    """The private names of other libraries the room's accessors read: an underscore attribute or keyword in
-    ``integrations/internals.py``. These are other libraries' even where the library also defines one (the patched
-    config class's descriptor for transformers' implementation field)."""
-    tree = ast.parse(MODULES[f"{ROOM}.internals"].read_text())
+    """The private names of other libraries the room's accessors read: an underscore attribute, keyword or string in
+    ``compat/internals.py``. These are other libraries' even where the library also defines one (the patched config
+    class's descriptor for transformers' implementation field)."""
+    source = MODULES[ACCESSORS].read_text()
+    tree = ast.parse(source)
     found = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
     found |= {node.arg for node in ast.walk(tree) if isinstance(node, ast.keyword) and node.arg}
-    found |= {value for _, value in code_strings(MODULES[f"{ROOM}.internals"].read_text())}
+    found |= {value for _, value in code_strings(source)}
     return {name for name in found if name.startswith("_") and not name.startswith("__")}
 
 
@@ -700,8 +747,41 @@ def private_reads(name: str, source: str, ours: set[str], theirs: set[str]) -> l
             found.append(f"{name}:{node.lineno} passes {node.arg}=")
     for line, text in code_strings(source):
         dotted_module = text.split(".")[0] in OTHER_LIBRARIES and private_part(text) and " " not in text
-        if text in theirs or dotted_module:
+        # A private name read as a string (getattr(x, "_name"), vars(x).get("_name")) is read all the same; the
+        # attributes the library sets on other libraries' objects carry its prefix, and are its own.
+        private_name = (
+            text.isidentifier()
+            and text.startswith("_")
+            and not text.startswith(("__", OWN_ATTRIBUTE_PREFIX))
+            and text not in ours
+        )
+        if text in theirs or dotted_module or private_name:
             found.append(f"{name}:{line} names {text!r}")
+    return found
+
+
+def private_overrides(module: ModuleType) -> list[str]:
+    """Where a class of ``module`` (imported) defines a private method that a base class of another library defines
+    too: an override of a name that library promises nothing about."""
+    found = []
+    for cls in vars(module).values():
+        if not isinstance(cls, type) or cls.__module__ != module.__name__:
+            continue
+        for attribute, value in vars(cls).items():
+            if not attribute.startswith("_") or attribute.startswith("__"):
+                continue
+            function = getattr(value, "__func__", getattr(value, "fget", value))
+            if getattr(function, "__module__", None) != module.__name__:
+                continue  # not written in the class (torch's Function metaclass adds ``_backward_cls``)
+            if (module.__name__, attribute) in OVERRIDDEN_PRIVATE_METHODS:
+                continue
+            theirs = [
+                base
+                for base in cls.__mro__[1:]
+                if base.__module__.split(".")[0] in OTHER_LIBRARIES and attribute in vars(base)
+            ]
+            if theirs:
+                found.append(f"{module.__name__}.{cls.__qualname__}.{attribute} overrides {theirs[0].__qualname__}'s")
     return found
 
 
@@ -763,6 +843,8 @@ z = sys._getframe(1)
 cached_file(path, _raise_exceptions_for_missing_entries=False)
 w = vars(config).get("_tp_plan")
 m = "torch.distributed.tensor.experimental._context_parallel"
+h = getattr(module, "_is_hooked", False)
+o = getattr(model, "_own_name", None)
 """
     found = [line.split(" ", 1)[1] for line in private_reads("m", reads, ours={"_own_name"}, theirs={"_tp_plan"})]
     assert found == [
@@ -772,6 +854,35 @@ m = "torch.distributed.tensor.experimental._context_parallel"
         "passes _raise_exceptions_for_missing_entries=",
         "names '_tp_plan'",
         "names 'torch.distributed.tensor.experimental._context_parallel'",
+        "names '_is_hooked'",
+    ]
+
+
+def test_the_override_scanner_finds_private_methods_of_other_libraries():
+    module = ModuleType("somewhere")
+    exec(
+        """
+from torch import nn
+
+class Block(nn.Module):
+    def _apply(self, fn, recurse=True):  # torch's
+        return super()._apply(fn, recurse)
+
+    def _own_helper(self):  # ours alone
+        return 1
+
+    def forward(self, x):
+        return x
+
+class Inner(Block):
+    def _load_from_state_dict(self, *args):  # torch's, two classes down
+        pass
+""",
+        vars(module),
+    )
+    assert private_overrides(module) == [
+        "somewhere.Block._apply overrides Module's",
+        "somewhere.Inner._load_from_state_dict overrides Module's",
     ]
 
 
@@ -781,21 +892,35 @@ def test_only_the_integrations_room_changes_other_libraries():
     found = [
         change
         for name, path in MODULES.items()
-        if outside_room(name)
+        if outside(name, CHANGING_ROOM)
         for change in assignments_into_other_libraries(name, path.read_text())
     ]
     assert found == []
 
 
 def test_only_the_integrations_room_reads_private_names_of_other_libraries():
-    """transformers' and torch's underscore names are read behind the accessors of ``integrations/internals.py``: an
-    upgrade of those libraries is reviewed in one folder."""
+    """transformers', torch's, accelerate's and DeepSpeed's underscore names are read in the integrations room alone:
+    by the accessors of ``compat/internals.py`` for the rest of the library, and in ``integrations/``. An upgrade of
+    those libraries is reviewed in two folders."""
     ours, theirs = library_defined_private_names(), room_private_names()
     assert {"_attn_implementation_internal", "_is_hf_initialized", "_tp_plan"} <= theirs
     found = [
         read
         for name, path in MODULES.items()
-        if outside_room(name)
+        if outside(name, READING_ROOM)
         for read in private_reads(name, path.read_text(), ours - theirs, theirs)
+    ]
+    assert found == []
+
+
+def test_no_class_outside_the_room_overrides_a_private_method_of_another_library():
+    """A class of the library that subclasses one of another library's (an ``nn.Module``, a transformers config) may
+    override its public methods only: a private one is a name that library may rename in any release. The one
+    exception (``OVERRIDDEN_PRIVATE_METHODS``) says why. Modules are imported: the bases' methods are looked up."""
+    found = [
+        override
+        for name in MODULES
+        if outside(name, READING_ROOM)
+        for override in private_overrides(importlib.import_module(name))
     ]
     assert found == []

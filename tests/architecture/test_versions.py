@@ -8,7 +8,7 @@ import transformers
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from hf_neural_attn._compat import MIN_TRANSFORMERS, check_transformers_version, transformers_at_least
+from hf_neural_attn.compat.versions import MIN_TRANSFORMERS, check_transformers_version, transformers_at_least
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,6 @@
 """The integrations room: what ``import hf_neural_attn`` changes in other libraries is its table, ``wrap_once`` replaces
-each attribute once and puts it back, and the opt-out (``HF_NEURAL_ATTN_NO_INTEGRATIONS=1``, ``uninstall()``) leaves
-transformers as it ships while ``patch_model``, ``save_pretrained`` and ``hf_neural_attn.from_pretrained`` work."""
+each attribute once and puts it back, and the opt-out (``HF_NEURAL_ATTN_NO_INTEGRATIONS=1`` or row names, ``uninstall()``)
+leaves transformers as it ships while ``patch_model``, ``save_pretrained`` and ``hf_neural_attn.from_pretrained`` work."""
 
 from __future__ import annotations
 
@@ -187,7 +187,12 @@ OPTED_OUT = textwrap.dedent(
             **{kind: float((loaded(**inputs)[0] - after).abs().max()) for kind, loaded in reloaded.items()},
             "patched": all(hf_neural_attn.is_patched(loaded) for loaded in reloaded.values()),
         }
+    import hf_neural_attn.families.standard  # the family probe's row waits for it
+    from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     print(json.dumps({
+        "required_in_force": [name in ALL_ATTENTION_FUNCTIONS for name in ("hf_neural_attn", "hf_neural_attn_probe")]
+        + [name in ALL_PARALLEL_STYLES for name in ("hf_neural_attn_per_head", "hf_neural_attn_shared")],
         "installed": integrations.installed(),
         "replaced": [r.describe() for r in wrapping.replacements()],
         "from_pretrained_wrapped": wrapping.is_wrapped(vars(PreTrainedModel)["from_pretrained"]),
@@ -212,6 +217,7 @@ def test_the_environment_opt_out_installs_nothing_in_transformers():
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report == {
+        "required_in_force": [True, True, True, True],  # the attention function, the probe, the two styles
         "installed": False,
         "replaced": [],
         "from_pretrained_wrapped": False,
@@ -237,3 +243,75 @@ def test_the_opt_out_variable_reads_like_a_switch(monkeypatch, value, opted_out)
 
     monkeypatch.setenv(integrations.OPT_OUT_VARIABLE, value)
     assert reads_opted_out() is opted_out
+
+
+def test_the_opt_out_variable_may_name_rows():
+    from hf_neural_attn.integrations.installer import optional_rows, rows_left_out
+
+    assert rows_left_out("all") == optional_rows() >= {"push card", "continuous batching", "Auto classes"}
+    assert rows_left_out(" Push Card ,continuous batching,") == {"push card", "continuous batching"}
+    with pytest.raises(ValueError, match=r"names \['attention function'\].*required rows cannot be left out"):
+        rows_left_out("attention function")
+    with pytest.raises(ValueError, match=r"names \['push cards'\].*not optional rows.*'push card'"):
+        rows_left_out("push cards")
+
+
+LEFT_OUT = textwrap.dedent(
+    """
+    import json
+    import hf_neural_attn
+    import transformers.modeling_utils
+    import transformers.generation.continuous_batching.continuous_api as continuous_api
+    from transformers import PreTrainedModel
+    from transformers.utils import hub
+    from hf_neural_attn import integrations
+    from hf_neural_attn.integrations import wrapping
+    from hf_neural_attn.integrations.installer import enabled_rows
+
+    def state():
+        return {
+            "installed": integrations.installed(),
+            "from_pretrained": wrapping.is_wrapped(vars(PreTrainedModel)["from_pretrained"]),
+            "card": wrapping.is_wrapped(hub.create_and_tag_model_card),
+            "batching": wrapping.is_wrapped(vars(continuous_api.ContinuousBatchingManager)["switch_to_cb_friendly_attn"]),
+            "rows": enabled_rows(),
+        }
+
+    at_import = state()
+    integrations.install()
+    print(json.dumps({"at_import": at_import, "after_install": state()}))
+    """
+)
+
+
+@pytest.mark.spawns
+def test_the_environment_may_leave_out_single_rows():
+    """``HF_NEURAL_ATTN_NO_INTEGRATIONS="push card, continuous batching"`` leaves those two rows out and installs the
+    rest; ``install()`` then puts them in, for the modules already imported."""
+    environment = {
+        **os.environ,
+        integrations.OPT_OUT_VARIABLE: "push card, continuous batching",
+        "PYTHONPATH": str(ROOT),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", LEFT_OUT], capture_output=True, text=True, env=environment, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    every_row = [row.name for row in integrations.INTEGRATIONS]
+    assert report == {
+        "at_import": {
+            "installed": False,
+            "from_pretrained": True,
+            "card": False,
+            "batching": False,
+            "rows": [name for name in every_row if name not in ("push card", "continuous batching")],
+        },
+        "after_install": {
+            "installed": True,
+            "from_pretrained": True,
+            "card": True,
+            "batching": True,
+            "rows": every_row,
+        },
+    }

@@ -9,8 +9,8 @@ import re
 
 from torch import nn
 
+from ...compat.internals import keys_ignored_on_load
 from ...record import PatchRecord
-from ..internals import keys_ignored_on_load
 
 
 def check_parallelism(model: str, parallel_config) -> None:

@@ -1,7 +1,7 @@
-"""Tensor, context and sequence parallelism: what the library adds to transformers', torch's and DeepSpeed's so that a
-patched model scales out, or is refused by name. Nothing else in the library touches those APIs.
+"""Tensor parallelism: a patched model's scorers sharded with the attention heads, through transformers' own
+plan and parallel styles.
 
-**Tensor parallelism** (transformers' ``tp_plan`` / ``DistributedConfig``, accelerate's ``ParallelismConfig(tp_size)``):
+Tensor parallelism (transformers' ``tp_plan`` / ``DistributedConfig``, accelerate's ``ParallelismConfig(tp_size)``):
 transformers shards an attention module by head (``q_proj``, ``k_proj``, ``v_proj`` ``"colwise"``, ``o_proj``
 ``"rowwise"``), so the attention function gets this process's heads only. A scorer is sharded the same way, from what
 it declares of its own parameters (:meth:`~hf_neural_attn.scorers.Scorer.head_layout`), through transformers' own
@@ -24,14 +24,9 @@ one init. An attention module whose heads are whole on every process (Phi-3's ``
 scorer whole. Anything else, a scorer that has not declared its layout, heads that do not divide over the processes,
 projections sharded another way, is refused by :func:`tensor_parallel_heads` before the model changes.
 
-**Context parallelism** (torch's ``context_parallel``, which accelerate's ``cp_size`` runs): torch swaps
-``scaled_dot_product_attention`` for a ring version and shards the sequence; the scorers never call SDPA, so each
-process would score its queries against its own keys only. :func:`attention_across_ranks` gathers every process's keys
-and values (with their gradients) and scores this process's queries against all of them, causal under torch's
-load-balanced (head-tail) split or the plain one. What it cannot make right is refused by name.
-
-**Sequence parallelism** (DeepSpeed's Ulysses, accelerate's ``sp_size``) is refused: :func:`refuse_ulysses` wraps
-DeepSpeed's registration, and :func:`check_no_sequence_parallelism` catches a run whose registration it did not see.
+The two styles of the library (:func:`parallel_styles`) are registered in transformers' registry by a row of
+``integrations.installer.INTEGRATIONS`` (``"tensor-parallel styles"``) once transformers' tensor-parallel module is
+imported; nothing here changes transformers.
 """
 
 from __future__ import annotations
@@ -40,24 +35,23 @@ import contextlib
 import dataclasses
 import functools
 import re
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..placement.zero3 import is_partitioned
-from ..scorers import HeadLayout, Scorer
-from .internals import (
-    attn_implementation_of,
+from ..compat.internals import (
     mark_initialized,
+    parameter_slots,
     set_tensor_parallel_plan,
+    sharded_by_tensor_parallelism,
     tensor_parallel_plan,
 )
-from .wrapping import wrap_once
+from ..compat.tensors import is_dtensor
+from ..placement.zero3 import is_partitioned
+from ..scorers import HeadLayout, Scorer
 
 # The parallel styles the library registers in transformers' registry (ALL_PARALLEL_STYLES), by name.
 PER_HEAD_STYLE = "hf_neural_attn_per_head"
@@ -68,17 +62,6 @@ HEAD_SHARDING_STYLES = frozenset({COLWISE, "rowwise"})  # q/k/v colwise and o ro
 WHOLE_HEAD_STYLES = frozenset({"colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep"})
 SHARDS_ATTR = "_hf_neural_attn_shards"  # on a sharded scorer: its ScorerShards
 _TP_HELP = 'docs/api.md ("Tensor, context and sequence parallelism")'
-
-
-def _dtensor_class() -> type | None:
-    """torch's DTensor class, or None where nothing has imported it (then no tensor can be one)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
-
-
-def is_dtensor(tensor: Any) -> bool:
-    dtensor = _dtensor_class()
-    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def plan_style(plan: dict[str, str], name: str) -> str | None:
@@ -133,7 +116,7 @@ def tensor_parallel_heads(model: nn.Module, module: nn.Module, scorer: Scorer) -
     sharded = {
         name: child
         for name, child in module.named_children()
-        if getattr(child, "_is_hooked", False) and any(is_dtensor(parameter) for parameter in child.parameters())
+        if sharded_by_tensor_parallelism(child) and any(is_dtensor(parameter) for parameter in child.parameters())
     }
     if not sharded:
         return None
@@ -183,7 +166,6 @@ def shard_scorer(
     ``"colwise"`` as the ones they replace were. Rank 0's values are broadcast first, so every process holds slices
     of one init. Collective: every process calls it, as every process calls ``patch_model``."""
     tensor_parallel = _transformers_tensor_parallel()
-    _register_styles(tensor_parallel)
     source = torch.distributed.get_global_rank(shards.mesh.get_group(), 0)
     with torch.no_grad():
         for part in (scorer, *projections.values()):
@@ -261,14 +243,15 @@ def sharded_parameters_local(scorer: nn.Module) -> Iterator[None]:
         for name in names:
             owner_name, _, attribute = name.rpartition(".")
             owner = scorer.get_submodule(owner_name)
-            parameter = owner._parameters[attribute]
-            owner._parameters[attribute] = view(parameter)
+            slots = parameter_slots(owner)
+            parameter = slots[attribute]
+            slots[attribute] = view(parameter)
             swapped.append((owner, attribute, parameter))
     try:
         yield
     finally:
         for owner, attribute, parameter in swapped:
-            owner._parameters[attribute] = parameter
+            parameter_slots(owner)[attribute] = parameter
 
 
 def sharded_heads(scorer: nn.Module, local_heads: int) -> tuple[int, int] | None:
@@ -350,288 +333,36 @@ def _transformers_tensor_parallel() -> ModuleType:
             "hf_neural_attn shards scorers with transformers' apply_tensor_parallelism, which this transformers does "
             "not have; upgrade transformers (5.24 was tested) or load the model without tensor parallelism."
         )
+    if not {PER_HEAD_STYLE, SHARED_STYLE} <= set(tensor_parallel.ALL_PARALLEL_STYLES):
+        raise ValueError(
+            "hf_neural_attn's parallel styles are not in transformers' ALL_PARALLEL_STYLES: the integrations register "
+            "them when transformers.integrations.tensor_parallel is imported (the 'tensor-parallel styles' row of "
+            "hf_neural_attn.integrations.INTEGRATIONS, kept under HF_NEURAL_ATTN_NO_INTEGRATIONS). Something took "
+            "them out of the registry; import hf_neural_attn before transformers' tensor parallelism runs."
+        )
     return tensor_parallel
 
 
-def _register_styles(tensor_parallel: ModuleType) -> None:
-    """Register :data:`PER_HEAD_STYLE` and :data:`SHARED_STYLE` in transformers' parallel-style registry (once)."""
-    styles = tensor_parallel.ALL_PARALLEL_STYLES
-    if PER_HEAD_STYLE in styles:
-        return
-    from torch.distributed.tensor import Shard, distribute_tensor
+def parallel_styles(tensor_parallel: ModuleType) -> dict[str, Any]:
+    """The library's parallel styles by name, made on transformers' ``TensorParallelLayer`` of ``tensor_parallel``
+    (``transformers.integrations.tensor_parallel``): :data:`PER_HEAD_STYLE` and :data:`SHARED_STYLE`. The
+    integrations register them in ``ALL_PARALLEL_STYLES`` when that module is imported."""
 
     class PerHeadParallel(tensor_parallel.TensorParallelLayer):
         """A scorer parameter whose first dimension holds the heads, of any number of dimensions: ``Shard(0)``
         (``"colwise"`` shards the second-to-last dimension, the heads only for one or two)."""
 
         def shard_param(self, module, param, mesh):
-            tensor = module._parameters.get(param)
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            slots = parameter_slots(module)
+            tensor = slots.get(param)
             if tensor is not None:
                 sharded = distribute_tensor(tensor, mesh, [Shard(0)], src_data_rank=None)
-                module._parameters[param] = nn.Parameter(sharded, requires_grad=tensor.requires_grad)
+                slots[param] = nn.Parameter(sharded, requires_grad=tensor.requires_grad)
 
     class SharedParallel(tensor_parallel.TensorParallelLayer):
         """A scorer parameter every head shares: whole on every process; hf_neural_attn sums its gradient over the
-        processes where the scorer reads it (``integrations.parallelism.sharded_parameters_local``)."""
+        processes where the scorer reads it (``parallel.tensor.sharded_parameters_local``)."""
 
-    styles.register(PER_HEAD_STYLE, PerHeadParallel())
-    styles.register(SHARED_STYLE, SharedParallel())
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Context parallelism
-
-_CONTEXT_PARALLEL = "torch.distributed.tensor.experimental._context_parallel._attention"
-_CP_HELP = 'docs/api.md ("Tensor, context and sequence parallelism")'
-
-
-@dataclasses.dataclass(frozen=True)
-class ContextShards:
-    """torch's context parallelism as one call sees it: the ``mesh`` the sequence is split over (this process's
-    place in it), and whether the split is torch's load-balanced one (``load_balanced``: the sequence cut into
-    ``2 * size`` chunks, process ``r`` holding chunks ``r`` and ``2 * size - 1 - r``) or contiguous."""
-
-    mesh: Any
-    load_balanced: bool
-
-    @property
-    def size(self) -> int:
-        return self.mesh.size()
-
-    @property
-    def rank(self) -> int:
-        return self.mesh.get_local_rank()
-
-
-def context_parallel_shards() -> ContextShards | None:
-    """torch's ``context_parallel`` as it stands now (the block is open: torch has swapped
-    ``scaled_dot_product_attention`` for its ring version), or None.
-
-    Raises:
-        RuntimeError: it is open, and its mesh cannot be read (a torch whose layout this does not know): never a
-            silent local-only score.
-    """
-    context_parallel = sys.modules.get(_CONTEXT_PARALLEL)
-    if context_parallel is None or F.scaled_dot_product_attention not in getattr(
-        context_parallel, "_replaced_functions", {}
-    ):
-        return None
-    function = F.scaled_dot_product_attention
-    cells = dict(zip(function.__code__.co_freevars, function.__closure__ or (), strict=True))
-    mesh = cells["device_mesh"].cell_contents if "device_mesh" in cells else None
-    options = getattr(context_parallel, "_cp_options", None)
-    if mesh is None or options is None:
-        raise RuntimeError(
-            "hf_neural_attn found torch's context parallelism active but cannot read its mesh from this torch "
-            f"({torch.__version__}), so it cannot score across the processes; it refuses rather than score each "
-            f"process's keys alone. Run without context parallelism ({_CP_HELP})."
-        )
-    return ContextShards(mesh, bool(options.enable_load_balance))
-
-
-def check_context_parallel_scorer(scorer: Scorer) -> None:
-    """Refuse a scorer whose outputs mix queries (NSEA) under context parallelism: each process holds some of them."""
-    if scorer.mixes_queries:
-        raise ValueError(
-            f"hf_neural_attn cannot run the {scorer.name!r} scorer under context parallelism: each of its outputs "
-            "depends on every query, and each process holds a slice of the queries. Run it without context "
-            f"parallelism ({_CP_HELP})."
-        )
-
-
-def refuse_packed_under_context_parallelism() -> None:
-    """A packed call (``cu_seq_lens_q``: several sequences in one row) under context parallelism: each process holds
-    a slice of the row, and the sequences' bounds are the whole row's. Refused."""
-    if context_parallel_shards() is not None:
-        raise ValueError(
-            "hf_neural_attn cannot score a packed call (cu_seq_lens_q / cu_seq_lens_k: several sequences in one row) "
-            "under context parallelism: each process holds a slice of the row, which the sequences' bounds do not "
-            f"describe. Pass the sequences as a batch, or run packed calls without context parallelism ({_CP_HELP})."
-        )
-
-
-def refuse_unscored_under_context_parallelism(implementation: str, module: nn.Module) -> None:
-    """A module the patch does not score runs its base implementation; under context parallelism only SDPA's is
-    swapped for torch's ring, so an eager base would attend within each process's slice: refused."""
-    if implementation != "sdpa":
-        raise ValueError(
-            f"hf_neural_attn cannot run {type(module).__name__}, a module it does not score, on the {implementation!r} "
-            "base under context parallelism: torch's context parallelism replaces SDPA only, so it would attend "
-            "within each process's slice of the sequence. Set the model's base to SDPA "
-            f"(model.set_attn_implementation('sdpa')), or patch every layer ({_CP_HELP})."
-        )
-
-
-def attention_across_ranks(
-    shards: ContextShards,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    extras: Any,
-    *,
-    is_causal: bool,
-    need_weights: bool,
-    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, int], torch.Tensor],
-) -> torch.Tensor:
-    """This process's queries scored against the keys of every process: the full sequence's attention output for
-    them, with gradients to every process's keys and values.
-
-    Args:
-        query: (batch, heads, local_len, head_dim), this process's slice of the sequence; key, value: (batch,
-            kv_heads, local_len, head_dim), likewise.
-        attention_mask: the call's mask, which must say no more than causal (or, for a module that is not causal,
-            nothing): torch's context parallelism has no padding or window masks.
-        extras: the scorer's per-query inputs for these queries (``query_block`` gives a slice), or None.
-        attend: ``attend(query_rows, keys, values, extras_rows, first_position)`` scores a block of queries, whose
-            first sits at ``first_position`` of the sequence, against the keys given, causal aligned to the end of
-            the keys when the module is causal, and returns (batch, rows, heads, head_dim).
-
-    Returns:
-        (batch, local_len, heads, head_dim).
-
-    Raises:
-        ValueError: what cannot be made right (named): a padding or window mask, a KV cache, DTensor inputs
-            (torch's module-wrapper form of context parallelism), the attention probabilities.
-    """
-    group = shards.mesh.get_group()
-    _check_context_call(query, key, attention_mask, is_causal, need_weights, group)
-    keys = _GatherSequence.apply(key, group, shards.size, shards.rank)
-    values = _GatherSequence.apply(value, group, shards.size, shards.rank)
-    local_len = query.shape[-2]
-    if shards.load_balanced:
-        # Process r holds chunks r and 2W-1-r: the chunks of the sequence in order, then each of ours with its place.
-        chunk = local_len // 2
-        size, rank = shards.size, shards.rank
-        parts = [
-            (keys[c], values[c], 0) if c < size else (keys[2 * size - 1 - c], values[2 * size - 1 - c], chunk)
-            for c in range(2 * size)
-        ]
-        keys = torch.cat([k[..., start : start + chunk, :] for k, _, start in parts], dim=-2)
-        values = torch.cat([v[..., start : start + chunk, :] for _, v, start in parts], dim=-2)
-        blocks = [(0, chunk, rank * chunk), (chunk, 2 * chunk, (2 * size - 1 - rank) * chunk)]
-    else:
-        keys, values = torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
-        blocks = [(0, local_len, shards.rank * local_len)]
-    outputs = []
-    for start, end, position in blocks:
-        # A causal block sees the keys up to its own last position; a bidirectional one every key.
-        seen = position + (end - start) if is_causal else keys.shape[-2]
-        block_extras = extras.query_block(start, end) if extras is not None else None
-        outputs.append(attend(query[:, :, start:end], keys[:, :, :seen], values[:, :, :seen], block_extras, position))
-    return torch.cat(outputs, dim=1)
-
-
-def _check_context_call(query, key, attention_mask, is_causal: bool, need_weights: bool, group) -> None:
-    if is_dtensor(query) or is_dtensor(key):
-        raise ValueError(
-            "hf_neural_attn got DTensor queries or keys: torch's module-wrapper form of context parallelism, which it "
-            "does not support. Use torch's context_parallel context manager (what accelerate's cp_size runs) "
-            f"({_CP_HELP})."
-        )
-    if need_weights:
-        raise ValueError(
-            "hf_neural_attn does not return attention probabilities under context parallelism (each process holds "
-            "a slice of the rows). Ask for them without context parallelism."
-        )
-    q_len, kv_len = query.shape[-2], key.shape[-2]
-    if q_len != kv_len:
-        raise ValueError(
-            f"hf_neural_attn under context parallelism scores a sequence's own slice ({q_len} queries, {kv_len} keys "
-            "here: a KV cache?). Generate without context parallelism."
-        )
-    # Every process must refuse together: one whose slice has no padding would otherwise wait in the gather below
-    # for one that refused. (The other refusals above depend on the call's shapes and flags, the same everywhere.)
-    says_more = torch.tensor([0 if _plain_mask(attention_mask, q_len, kv_len, is_causal) else 1])
-    torch.distributed.all_reduce(says_more, group=group)
-    if says_more.item():
-        raise ValueError(
-            "hf_neural_attn under context parallelism scores full causal (or, for encoders, full) attention only: "
-            "this call's mask says more (padding, a sliding window or packed sequences), which torch's context "
-            "parallelism cannot split. Pass no attention_mask (accelerate's cp_size removes it), or run without "
-            f"context parallelism ({_CP_HELP})."
-        )
-
-
-def _plain_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, is_causal: bool) -> bool:
-    """Whether a slice's mask says no more than causal (or, not causal, nothing): what the scorers can split."""
-    if attention_mask is None:
-        return True
-    if attention_mask.dtype == torch.bool:
-        allowed = attention_mask
-    else:
-        allowed = attention_mask > torch.finfo(attention_mask.dtype).min / 2
-    expected = torch.ones(q_len, kv_len, dtype=torch.bool, device=allowed.device)
-    return bool((allowed == (expected.tril() if is_causal else expected)).all())
-
-
-class _GatherSequence(torch.autograd.Function):
-    """Every process's slice of a (batch, heads, local_len, dim) tensor, as a tuple in process order; the backward
-    sums each slice's gradient over the processes (whose queries read it) and keeps this process's."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group, size: int, rank: int):
-        ctx.group, ctx.rank = group, rank
-        slices = [torch.empty_like(tensor) for _ in range(size)]
-        torch.distributed.all_gather(slices, tensor.contiguous(), group=group)
-        return tuple(slices)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        # autograd hands zeros for a slice no query read (materialised gradients, its default)
-        whole = torch.stack(grads).contiguous()
-        torch.distributed.all_reduce(whole, group=ctx.group)
-        return whole[ctx.rank], None, None, None
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Sequence parallelism
-
-_ULYSSES_STATE = "deepspeed.runtime.sequence_parallel.parallel_state_sp"
-_SP_REFUSAL = (
-    "hf_neural_attn does not support DeepSpeed's Ulysses sequence parallelism (accelerate's sp_size): Ulysses trades "
-    "the sequence for the heads around the attention function it wraps, and the scorers' per-query inputs and "
-    "per-head parameters are not traded with them. For long sequences use context parallelism instead (torch's "
-    "context_parallel, accelerate's cp_size), which hf_neural_attn supports; for memory, tensor parallelism, FSDP2 "
-    f"or ZeRO-3 ({_CP_HELP})."
-)
-
-
-def refuse_ulysses(ulysses: ModuleType, *, attn_implementation: str) -> None:
-    """Wrap DeepSpeed's ``UlyssesSPAttentionHF.register_with_transformers`` (what accelerate's ``sp_size`` calls) so
-    that it refuses a patched model (one whose config runs ``attn_implementation``), or that implementation named as
-    the core, with the library's words, before it sets anything up."""
-    hub = getattr(ulysses, "UlyssesSPAttentionHF", None)
-    if not isinstance(vars(hub).get("register_with_transformers") if hub is not None else None, classmethod):
-        return  # another DeepSpeed layout: the check at the first scored call still refuses
-
-    def refusing(original):
-        @functools.wraps(original)
-        def register_with_transformers(
-            cls, model_name_or_path, core_attn_implementation, sequence_parallel_size, *args, **kwargs
-        ):
-            config = getattr(model_name_or_path, "config", None)
-            patched = config is not None and attn_implementation_of(config) == attn_implementation
-            if sequence_parallel_size != 1 and (patched or core_attn_implementation == attn_implementation):
-                raise ValueError(_SP_REFUSAL)
-            return original(cls, model_name_or_path, core_attn_implementation, sequence_parallel_size, *args, **kwargs)
-
-        return register_with_transformers
-
-    wrap_once(hub, "register_with_transformers", refusing)
-
-
-# Read once per trace under torch.compile: traced, the lookup in sys.modules would guard on its length, and every
-# import after the first call (any lazy import in transformers) would compile the model again.
-@torch.compiler.assume_constant_result
-def _sequence_parallel_size() -> int:
-    state = sys.modules.get(_ULYSSES_STATE)
-    group = getattr(state, "_SEQUENCE_PARALLEL_GROUP", None)
-    return 1 if group is None else torch.distributed.get_world_size(group=group)
-
-
-def check_no_sequence_parallelism() -> None:
-    """Refuse to score while DeepSpeed's sequence-parallel groups are set up (a registration that named the model by
-    path, which :func:`refuse_ulysses` cannot tell from an unpatched one): the sequence is split over the processes."""
-    if _sequence_parallel_size() > 1:
-        raise ValueError(_SP_REFUSAL)
+    return {PER_HEAD_STYLE: PerHeadParallel(), SHARED_STYLE: SharedParallel()}

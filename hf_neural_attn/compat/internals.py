@@ -6,12 +6,14 @@ keeps transformers' init off a tensor, the tensor-parallel plan of a model, ...)
 (``tests/architecture/test_architecture.py`` checks it), makes an upgrade of those libraries a review of this file.
 Each accessor says what it stands for, so that its callers read as what they mean.
 
-This module imports nothing of the library, and of transformers only what ``import transformers`` has loaded already
-(the library's version check imports it): any floor may use it.
+This module imports nothing of the library, of transformers only what ``import transformers`` has loaded already
+(the library's version check imports it), and of torch and DeepSpeed only what a caller's process has imported: any
+floor may use it.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -60,6 +62,11 @@ def tensor_parallel_plan(model: Any) -> dict[str, str]:
 def set_tensor_parallel_plan(model: Any, plan: dict[str, str]) -> None:
     """Replace ``model``'s tensor-parallel plan, which transformers reads when it shards the model."""
     model._tp_plan = plan
+
+
+def sharded_by_tensor_parallelism(module: Any) -> bool:
+    """Whether transformers' ``apply_tensor_parallelism`` hooked ``module`` (it marks what it shards: ``_is_hooked``)."""
+    return bool(getattr(module, "_is_hooked", False))
 
 
 # Where a PretrainedConfig keeps ``output_attentions`` behind its property (whose setter refuses the flag for an
@@ -190,6 +197,35 @@ def remove_forward_pre_hooks(module: Any, is_ours: Callable[[Callable], bool]) -
             module._forward_pre_hooks_with_kwargs.pop(hook_id, None)
 
 
+def parameter_slots(module: Any) -> dict[str, Any]:
+    """``module``'s own table of parameters by name (torch's ``_parameters``), which its forward reads them from.
+    Putting a tensor that is not a ``Parameter`` in a slot (a shard's local view) makes the forward read that tensor;
+    ``setattr`` would refuse it."""
+    return module._parameters
+
+
+# Where torch keeps the state of its ``context_parallel`` context manager (experimental, private in torch 2.x).
+CONTEXT_PARALLEL_MODULE = "torch.distributed.tensor.experimental._context_parallel._attention"
+
+
+def torch_context_parallel() -> tuple[Any, bool | None] | None:
+    """torch's ``context_parallel`` block as it stands now: None when none is open (SDPA is torch's own), else
+    ``(mesh, load_balanced)``: the device mesh the sequence is split over (None where this torch keeps it elsewhere)
+    and whether the split is the load-balanced (head-tail) one (None where unreadable). Read, never imported: a
+    process that never imported it runs no block."""
+    import torch.nn.functional as F
+
+    state = sys.modules.get(CONTEXT_PARALLEL_MODULE)
+    if state is None or F.scaled_dot_product_attention not in getattr(state, "_replaced_functions", {}):
+        return None
+    # The ring function torch put in SDPA's place closes over the mesh it was given.
+    function = F.scaled_dot_product_attention
+    cells = dict(zip(function.__code__.co_freevars, function.__closure__ or (), strict=True))
+    mesh = cells["device_mesh"].cell_contents if "device_mesh" in cells else None
+    options = getattr(state, "_cp_options", None)
+    return mesh, None if options is None else bool(options.enable_load_balance)
+
+
 # ---------------------------------------------------------------------------------------------------- accelerate
 
 # Where accelerate's ``add_hook_to_module`` (cpu_offload, disk_offload, dispatch_model, device_map loading) keeps the
@@ -201,3 +237,16 @@ def accelerate_hook(module: Any) -> Any:
     """The hook accelerate attached to ``module`` (an ``AlignDevicesHook``, a ``SequentialHook`` of them, ...), or
     None."""
     return getattr(module, ACCELERATE_HOOK_ATTRIBUTE, None)
+
+
+# ----------------------------------------------------------------------------------------------------- DeepSpeed
+
+# Where DeepSpeed's Ulysses keeps its sequence-parallel process group once ``register_with_transformers`` set it up.
+ULYSSES_STATE_MODULE = "deepspeed.runtime.sequence_parallel.parallel_state_sp"
+
+
+def ulysses_sequence_parallel_group() -> Any:
+    """The process group DeepSpeed's Ulysses splits sequences over, or None where none is set up (or DeepSpeed was
+    never imported)."""
+    state = sys.modules.get(ULYSSES_STATE_MODULE)
+    return getattr(state, "_SEQUENCE_PARALLEL_GROUP", None)
