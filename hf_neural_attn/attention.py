@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import eager_mask, sdpa_mask
 
+from . import placements
 from .compat.internals import output_attentions_collector
 from .families import FAMILIES, ModelFamily
 from .ops.context_parallel import attention_across_ranks
@@ -41,9 +42,7 @@ from .parallel.context import (
     refuse_unscored_under_context_parallelism,
 )
 from .parallel.sequence import check_no_sequence_parallelism
-from .parallel.tensor import sharded_heads, sharded_parameters_local
 from .patched_config import is_patched_config
-from .placement.offload import offloaded_weights_loaded
 from .record import ATTN_IMPLEMENTATION, EXTRAS_KWARG, FALLBACK_ATTR, SCORER_ATTR
 from .scorers import Scorer
 
@@ -215,17 +214,17 @@ def _attention(
         training=module.training,
         need_weights=need_weights,
     )
-    heads = sharded_heads(scorer, query.shape[1])
+    heads = placements.heads_held(scorer, query.shape[1])
     placement = None
     if module.training and dropout > 0 and (heads is not None or context_shards is not None):
         # A part of an attention computed in parts drops what the whole would: one seed for the whole, the heads'
         # and rows' places in it.
         first_head, total_heads = heads if heads is not None else (0, query.shape[1])
         placement = DropoutPlacement(draw_seed(), first_head, total_heads)
-    # The paths read the scorer's parameters without calling it as a module, so when accelerate offloaded the
-    # scorer (a model patched, then dispatched with offloading) its tensors are loaded here for the call; a scorer
-    # tensor parallelism sharded reads its shards as local tensors.
-    with offloaded_weights_loaded(scorer), sharded_parameters_local(scorer):
+    # The paths read the scorer's parameters without calling it as a module (no module hook runs for them): each
+    # placement puts them in place for the call (accelerate's offloaded tensors loaded, tensor parallelism's shards
+    # read as local tensors).
+    with placements.scorer_in_place(scorer):
         if context_shards is None:
             mask = _scoring_mask(attention_mask, query, key, is_causal)
             return score(query, key, value, mask, extras=extras, is_causal=is_causal, dropout_placement=placement)

@@ -22,18 +22,14 @@ from typing import Any, NamedTuple
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from . import narrow_keys
+from . import narrow_keys, placements
 from ._version import __version__
 from ._warnings import warn_user
 from .families import FAMILIES, ModelFamily, find_attention
 from .model_cards import checkpoint_tags
 from .ops.dispatch import check_impl
 from .ops.dropout import check_probability
-from .parallel.tensor import shard_scorer, sharded_parameters_local, tensor_parallel_heads
 from .patched_config import base_config_as_recorded, implementation_under_patch, make_patched, model_type_under_patch
-from .placement.offload import offloaded_weights_loaded
-from .placement.quantized import activation_dtype, turn_off_cpu_kernel_for_patch, warn_if_activations_quantized
-from .placement.zero3 import partition_like, partitioned_weights_gathered, register_scorer_parameters
 from .record import (
     ADDED_MODULE_ATTR,
     EXTRAS_KWARG,
@@ -64,7 +60,8 @@ class PatchPlan:
         narrow_projections: layer index -> the narrow query and key projections by attribute name (empty without
             narrow keys, :mod:`hf_neural_attn.narrow_keys`).
         narrow_width: the narrow keys' width, or None.
-        head_shards: layer index -> how the scorer shards with its module's heads under tensor parallelism, or None.
+        placement_plans: layer index -> what each way of holding weights planned for that layer, by its name
+            (:mod:`hf_neural_attn.placements`: how the scorer shards with the heads under tensor parallelism, ...).
         needs_hidden_states: whether the scorers read the attention modules' hidden states (a forward pre-hook).
         config_is_private: the model's config is already its own (a loader built the model from a copy): applying
             the plan patches it in place instead of copying it first.
@@ -79,7 +76,7 @@ class PatchPlan:
     scorers: Mapping[int, Scorer] = field(repr=False)
     narrow_projections: Mapping[int, Mapping[str, nn.Module]] = field(repr=False)
     narrow_width: int | None
-    head_shards: Mapping[int, Any] = field(repr=False)
+    placement_plans: Mapping[int, Mapping[str, Any]] = field(repr=False)
     needs_hidden_states: bool
     config_is_private: bool = False
 
@@ -116,10 +113,9 @@ def plan_patch(
     # models are often patched on the CPU and moved to the GPU afterwards.
     check_impl(getattr(config, "impl", "reference"))
     narrow_keys.check_base(model, config)
-    quantized_dtype = activation_dtype(model)
+    dtype = placements.scorer_dtype(model)
     built = {
-        index: _build_layer(model, family, attention_modules[index], scorer_type, config, quantized_dtype)
-        for index in selected
+        index: _build_layer(model, family, attention_modules[index], scorer_type, config, dtype) for index in selected
     }
     # Options the model decides ("auto") are recorded as what was computed, so that a saved record does not depend
     # on the loading version's rule; where the layers differ (SmolLM3's layers without RoPE), "auto" stays.
@@ -149,7 +145,7 @@ def plan_patch(
         scorers={index: layer.scorer for index, layer in built.items()},
         narrow_projections={index: layer.narrow_projections for index, layer in built.items()},
         narrow_width=config.narrow_key_dim,
-        head_shards={index: layer.head_shard for index, layer in built.items()},
+        placement_plans={index: layer.placement_plan for index, layer in built.items()},
         needs_hidden_states=scorer_type.needs_hidden_states,
         config_is_private=config_is_private,
     )
@@ -176,34 +172,32 @@ class _LayerPatch(NamedTuple):
     config: ScorerConfig  # the scorer config resolved for the module
     scorer: Scorer
     narrow_projections: dict[str, nn.Module]  # empty without narrow keys
-    head_shard: Any  # how the scorer shards with the module's heads under tensor parallelism, or None
+    placement_plan: Mapping[str, Any]  # what each placement planned for the module (placements.plan_layer)
 
 
 def _build_layer(
-    model, family: ModelFamily, module: nn.Module, scorer_type: type[Scorer], config: ScorerConfig, quantized_dtype
+    model, family: ModelFamily, module: nn.Module, scorer_type: type[Scorer], config: ScorerConfig, dtype
 ) -> _LayerPatch:
     """The patch of attention ``module``, built without changing it.
 
-    Offloaded weights are loaded while the module is read (as accelerate loads them for a call); the scorer is created
-    on the module's execution device and stays there, outside the offloading. Weights DeepSpeed ZeRO-3 partitioned are
-    gathered the same way, and the new modules are partitioned like them once built (placement/zero3.py). A
-    quantized base (bitsandbytes, torchao) keeps its projections in packed storage: the scorer is built in the dtype
-    its activations run in, ``quantized_dtype`` (placement/quantized.py; None: not quantized).
+    The module's weights are read however they are held (offloaded weights loaded as accelerate loads them for a
+    call, ZeRO-3 partitions gathered); the scorer is created on the module's execution device. ``dtype``: the one a
+    placement decides for the scorers (a quantized base's activations'; None: the weights' own). Then every
+    placement checks and prepares the new modules (tensor parallelism's head shards, ZeRO-3's partitioning):
+    :mod:`hf_neural_attn.placements`.
     """
     projections = {}
-    with offloaded_weights_loaded(module), partitioned_weights_gathered(module.parameters()):
+    with placements.weights_readable(module):
         scorer_type.check_module(config, module)
         geometry = family.geometry(module)
-        if quantized_dtype is not None:
-            geometry = dataclasses.replace(geometry, dtype=quantized_dtype)
+        if dtype is not None:
+            geometry = dataclasses.replace(geometry, dtype=dtype)
         resolved = config.resolved(geometry)
         scorer = scorer_type(resolved, geometry)
         if config.narrow_key_dim is not None:
             projections = narrow_keys.narrow_key_projections(family, module, config.narrow_key_dim)
-    # Under tensor parallelism the scorer shards with the module's heads, or the patch is refused here.
-    head_shard = tensor_parallel_heads(model, module, scorer)
-    partition_like(module, [scorer, *projections.values()])
-    return _LayerPatch(resolved, scorer, projections, head_shard)
+    planned = placements.plan_layer(model, module, scorer, projections.values())
+    return _LayerPatch(resolved, scorer, projections, planned)
 
 
 def apply_patch(plan: PatchPlan) -> PreTrainedModel:
@@ -220,14 +214,12 @@ def apply_patch(plan: PatchPlan) -> PreTrainedModel:
     for index, scorer_module in plan.scorers.items():
         module = plan.attention_modules[index]
         module.add_module(SCORER_ATTR, scorer_module)
-        register_scorer_parameters(model, module, scorer_module)
         projections = plan.narrow_projections[index]
         if projections:
             narrow_keys.use_narrow_keys(module, plan.narrow_width, dict(projections))
             for projection in projections.values():
                 setattr(projection, ADDED_MODULE_ATTR, True)
-        if plan.head_shards[index] is not None:
-            shard_scorer(model, module, scorer_module, plan.head_shards[index], dict(projections))
+        placements.apply_layer(model, module, scorer_module, dict(projections), plan.placement_plans[index])
         if plan.needs_hidden_states:
             module.register_forward_pre_hook(partial(add_query_extras, plan.family), with_kwargs=True)
     for config_object in configs_read_by(model, plan.config_readers):
@@ -235,10 +227,7 @@ def apply_patch(plan: PatchPlan) -> PreTrainedModel:
     plan.record.write_to(model.config)
     # transformers' own card writers (push_to_hub's, the Trainer's) add a model's model_tags to the cards they write.
     model.add_model_tags(checkpoint_tags(plan.record.scorer))
-    # A patched model is one to train: bitsandbytes' CPU kernel for 4-bit layers would stop its gradients at the
-    # first evaluation, and torchao's activation quantization stops them at every call. Last, as they warn.
-    turn_off_cpu_kernel_for_patch(model)
-    warn_if_activations_quantized(model)
+    placements.apply_model(model)  # last: a placement may warn about the patched model (placement/quantized.py)
     return model
 
 
@@ -346,7 +335,6 @@ def add_query_extras(family: ModelFamily, module: nn.Module, args: tuple, kwargs
     """Forward pre-hook of a patched module whose scorer reads hidden states: compute its per-query inputs."""
     scorer: Scorer = getattr(module, SCORER_ATTR)
     hidden_states = family.hidden_states(module, args, kwargs)
-    # A scorer accelerate offloaded (patched, then dispatched); a scorer sharded by tensor parallelism.
-    with offloaded_weights_loaded(scorer), sharded_parameters_local(scorer):
+    with placements.scorer_in_place(scorer):
         kwargs[EXTRAS_KWARG] = scorer.query_extras(hidden_states, family.rotary(module, args, kwargs))
     return args, kwargs

@@ -30,11 +30,10 @@ from typing import Any
 
 from transformers import PretrainedConfig, PreTrainedModel
 
-from . import narrow_keys
+from . import narrow_keys, placements
 from .compat.internals import remove_forward_pre_hooks
 from .model_cards import checkpoint_tags
 from .ops.dispatch import check_impl
-from .parallel.tensor import forget_scorer_plan
 from .patch_plan import (
     add_query_extras,
     adopt_private_configs,
@@ -44,8 +43,6 @@ from .patch_plan import (
     plan_patch,
 )
 from .patched_config import make_unpatched
-from .placement.quantized import restore_cpu_kernel
-from .placement.zero3 import unregister_scorer_parameters
 from .record import FALLBACK_ATTR, SCORER_ATTR, PatchRecord, inner_transformers_model, is_patched, patch_record
 from .scorers import Scorer, ScorerConfig
 
@@ -110,16 +107,15 @@ def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
     config_readers = [module for module in model.modules() if hasattr(module, FALLBACK_ATTR)]
     for module in config_readers:
         if hasattr(module, SCORER_ATTR):
-            unregister_scorer_parameters(model, module, getattr(module, SCORER_ATTR))
+            placements.remove_layer(model, module, getattr(module, SCORER_ATTR))
             delattr(module, SCORER_ATTR)
         _remove_query_extras_hooks(module)
         delattr(module, FALLBACK_ATTR)
     # The configs stay the model's private copies: handing the caller's shared object back is not possible
     # without undoing changes the caller may have made since. Their own implementation shows again.
-    forget_scorer_plan(model, SCORER_ATTR)
     for config_object in configs_read_by(model, config_readers):
         make_unpatched(config_object)
-    restore_cpu_kernel(model)  # the base's own bitsandbytes CPU kernel, which the patch turned off
+    placements.remove_model(model)
     return model
 
 

@@ -50,6 +50,7 @@ from ..compat.internals import (
     tensor_parallel_plan,
 )
 from ..compat.tensors import is_dtensor
+from ..placement.base import Placement
 from ..placement.zero3 import is_partitioned
 from ..scorers import HeadLayout, Scorer
 
@@ -366,3 +367,29 @@ def parallel_styles(tensor_parallel: ModuleType) -> dict[str, Any]:
         processes where the scorer reads it (``parallel.tensor.sharded_parameters_local``)."""
 
     return {PER_HEAD_STYLE: PerHeadParallel(), SHARED_STYLE: SharedParallel()}
+
+
+class TensorParallelSharding(Placement):
+    """transformers' tensor parallelism: the scorer shards with its module's heads (or the patch is refused when it
+    cannot), reads its shards as local tensors while it runs, and leaves the plan with the patch."""
+
+    name = "tensor parallelism"
+
+    def plan_layer(self, model, module, scorer, new_modules):
+        return tensor_parallel_heads(model, module, scorer)
+
+    def apply_layer(self, model, module, scorer, added, planned):
+        if planned is not None:
+            shard_scorer(model, module, scorer, planned, added)
+
+    def scorer_in_place(self, scorer):
+        return sharded_parameters_local(scorer)
+
+    def heads_held(self, scorer, local_heads):
+        return sharded_heads(scorer, local_heads)
+
+    def remove_layer(self, model, module, scorer):
+        forget_scorer_plan(model, _child_name(module, scorer))
+
+
+PLACEMENT = TensorParallelSharding()

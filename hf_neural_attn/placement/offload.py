@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from torch import nn
 
 from ..compat.internals import accelerate_hook
+from .base import Placement
 
 
 def _offloading_hooks(hook) -> list:
@@ -45,3 +46,19 @@ def offloaded_weights_loaded(module: nn.Module) -> Iterator[None]:
     finally:
         for hook, part in reversed(loaded):
             hook.post_forward(part, None)
+
+
+class AccelerateOffload(Placement):
+    """accelerate's offloading: a module's weights are loaded for the moment the patch reads them, and a scorer's
+    for each call that reads its parameters (a model patched, then dispatched with offloading)."""
+
+    name = "accelerate offload"
+
+    def weights_readable(self, module):
+        return offloaded_weights_loaded(module)
+
+    def scorer_in_place(self, scorer):
+        return offloaded_weights_loaded(scorer)
+
+
+PLACEMENT = AccelerateOffload()

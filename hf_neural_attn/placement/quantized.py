@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from .._warnings import warn_user
+from .base import Placement
 
 # The library that quantized a weight, by the top-level package of its tensor class.
 BITSANDBYTES = "bitsandbytes"
@@ -269,3 +270,25 @@ def activation_dtype(model: nn.Module) -> torch.dtype | None:
         parameter.dtype for parameter in parameters if parameter.is_floating_point() and not is_quantized(parameter)
     )
     return next(floats, torch.get_default_dtype())
+
+
+class QuantizedWeights(Placement):
+    """bitsandbytes' and torchao's quantized bases: scorers built in the activations' dtype; bitsandbytes' CPU kernel
+    turned off while patched (and on again after), torchao's activation quantization said once."""
+
+    name = "quantized"
+
+    def scorer_dtype(self, model):
+        return activation_dtype(model)
+
+    def apply_model(self, model):
+        # A patched model is one to train: bitsandbytes' CPU kernel for 4-bit layers would stop its gradients at the
+        # first evaluation, and torchao's activation quantization stops them at every call.
+        turn_off_cpu_kernel_for_patch(model)
+        warn_if_activations_quantized(model)
+
+    def remove_model(self, model):
+        restore_cpu_kernel(model)  # the base's own bitsandbytes CPU kernel, which the patch turned off
+
+
+PLACEMENT = QuantizedWeights()

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from .base import Placement
 from .quantized import logical_shape
 
 
@@ -116,3 +117,25 @@ def unregister_scorer_parameters(model: nn.Module, attention_module: nn.Module, 
         caller = _caller(model, attention_module)
         for parameter in parameters:
             _zero().unregister_external_parameter(caller, parameter)
+
+
+class ZeroThreePartitioning(Placement):
+    """DeepSpeed ZeRO-3: the module's weights gathered while read; the new modules partitioned like their
+    neighbours when planned; the scorer's parameters gathered with its caller's forward once patched."""
+
+    name = "DeepSpeed ZeRO-3"
+
+    def weights_readable(self, module):
+        return partitioned_weights_gathered(module.parameters())
+
+    def plan_layer(self, model, module, scorer, new_modules):
+        partition_like(module, new_modules)
+
+    def apply_layer(self, model, module, scorer, added, planned):
+        register_scorer_parameters(model, module, scorer)
+
+    def remove_layer(self, model, module, scorer):
+        unregister_scorer_parameters(model, module, scorer)
+
+
+PLACEMENT = ZeroThreePartitioning()

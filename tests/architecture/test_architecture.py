@@ -68,6 +68,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "hf_neural_attn.narrow_keys",
         ),
     ),
+    # PLACEMENTS, the ways weights are held, and the phases the patch calls them through: above each of them.
+    ("placements", ("hf_neural_attn.placements",)),
     ("record", ("hf_neural_attn.record",)),
     ("config", ("hf_neural_attn.model_cards", "hf_neural_attn.patched_config")),
     ("attention", ("hf_neural_attn.attention", "hf_neural_attn.paged_attention")),
@@ -285,6 +287,36 @@ def test_folders_import_one_way():
     """The folders are floors too: no folder imports a folder that imports it back, through any chain (a leaf that
     sat in the integrations folder, which also imports the whole library, made every floor import up into it)."""
     assert [sorted(circle) for circle in strongly_connected_components(folder_graph()) if len(circle) > 1] == []
+
+
+# The modules of the patch: they reach the ways weights are held through the placement seam alone.
+PATCH_MODULES = ("hf_neural_attn.patch_plan", "hf_neural_attn.patching", "hf_neural_attn.attention")
+PLACEMENT_MODULES = ("hf_neural_attn.placement.", "hf_neural_attn.parallel.tensor")
+
+
+def test_the_patch_names_no_placement():
+    """``patch_plan.py``, ``patching.py`` and ``attention.py`` call offloading, ZeRO-3, quantized bases and tensor
+    parallelism through ``hf_neural_attn.placements`` (each phase of every placement in turn), never by name."""
+    graph = internal_graph()
+    named = {name: sorted(t for t in graph[name] if t.startswith(PLACEMENT_MODULES)) for name in PATCH_MODULES}
+    assert named == {name: [] for name in PATCH_MODULES}
+
+
+def test_every_placement_is_in_the_list():
+    """A ``Placement`` subclass defined anywhere in the library is one entry of ``PLACEMENTS``, under its own name."""
+    from hf_neural_attn.placement.base import Placement
+    from hf_neural_attn.placements import PLACEMENTS
+
+    defined = {
+        value
+        for name in MODULES
+        if name.startswith("hf_neural_attn.") and name != "hf_neural_attn.placement.base"
+        and "Placement" in MODULES[name].read_text()
+        for value in vars(importlib.import_module(name)).values()
+        if isinstance(value, type) and issubclass(value, Placement) and value.__module__ == name
+    }  # fmt: skip
+    assert sorted(type(placement).__name__ for placement in PLACEMENTS) == sorted(cls.__name__ for cls in defined)
+    assert len({placement.name for placement in PLACEMENTS}) == len(PLACEMENTS)
 
 
 # Python runs a package's __init__ before any module inside it, an edge the graph above does not show. These modules,
