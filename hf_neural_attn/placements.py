@@ -24,9 +24,21 @@ from .placement.base import Placement
 PLACEMENTS: tuple[Placement, ...] = (offload.PLACEMENT, zero3.PLACEMENT, quantized.PLACEMENT, tensor.PLACEMENT)
 
 
+def _taking_part(phase: str) -> tuple[Placement, ...]:
+    """The placements that override ``phase`` (the others' block does nothing): the run phase opens its blocks on
+    every attention call, so the ones with nothing to do are left out once, here."""
+    return tuple(
+        placement for placement in PLACEMENTS if getattr(type(placement), phase) is not getattr(Placement, phase)
+    )
+
+
+_READERS = _taking_part("weights_readable")
+_RUNNERS = _taking_part("scorer_in_place")
+
+
 @contextlib.contextmanager
-def _every_block(enter: Callable[[Placement], contextlib.AbstractContextManager], placements=PLACEMENTS):
-    """Within the block, ``enter(placement)``'s block of every placement, the first outermost. Nested by recursion,
+def _every_block(enter: Callable[[Placement], contextlib.AbstractContextManager], placements: tuple[Placement, ...]):
+    """Within the block, ``enter(placement)``'s block of each of ``placements``, the first outermost. Nested by recursion,
     not an ``ExitStack``: torch.compile (``fullgraph=True``) traces nested with-blocks, and not the bound exit methods
     an ``ExitStack`` keeps; the run phase is traced on every attention call."""
     if not placements:
@@ -38,7 +50,7 @@ def _every_block(enter: Callable[[Placement], contextlib.AbstractContextManager]
 
 def weights_readable(module: nn.Module) -> contextlib.AbstractContextManager:
     """Read phase: within the block, ``module``'s weights are readable tensors, however they are held."""
-    return _every_block(lambda placement: placement.weights_readable(module))
+    return _every_block(lambda placement: placement.weights_readable(module), _READERS)
 
 
 def scorer_dtype(model: nn.Module) -> torch.dtype | None:
@@ -72,7 +84,7 @@ def apply_model(model: nn.Module) -> None:
 
 def scorer_in_place(scorer: nn.Module) -> contextlib.AbstractContextManager:
     """Run phase: within the block, ``scorer``'s parameters read as the compute paths need them."""
-    return _every_block(lambda placement: placement.scorer_in_place(scorer))
+    return _every_block(lambda placement: placement.scorer_in_place(scorer), _RUNNERS)
 
 
 def heads_held(scorer: nn.Module, local_heads: int) -> tuple[int, int] | None:
