@@ -340,3 +340,7 @@ def test_the_converged_comparison_is_recomputed_from_the_committed_runs():
         assert abs(change) > spread  # the rule, not met: the docs say so
         assert f"{abs(change):.4f}" in text and f"{spread:.4f}" in text
     assert "The rule is not met at 2,000 steps" in text
+    # "QANA ends below the control in each of the 5 seeds", and below the wider-MLP control "in every seed".
+    for against in ("baseline", "control=equal_params"):
+        assert all(losses["base"][seed] < losses[against][seed] for seed in losses["base"]), against
+    assert len(losses["base"]) == 5 and "ends below the control in each of the 5 seeds" in text
