@@ -175,7 +175,7 @@ def without(flags: dict, *names: str) -> dict:
 
 def test_the_converged_sweep_trains_longer_and_fine_tunes_against_equal_cost_controls(tmp_path):
     parts = yaml.safe_load(CONVERGED.read_text())["parts"]
-    assert list(parts) == ["pretrain", "budget", "pretrain_long", "schedule", "finetune"]
+    assert list(parts) == ["pretrain", "budget", "pretrain_long", "schedule", "finetune", "control_budget"]
     config = without(config_values(), "output_dir", "seed")
     pretrain = sweep_plan.build_plan(CONVERGED, part="pretrain").by_name("base")
     assert without(pretrain.flags, "output_dir") == config  # shakespeare_char.yaml's scratch baseline
@@ -191,6 +191,14 @@ def test_the_converged_sweep_trains_longer_and_fine_tunes_against_equal_cost_con
     assert parts["budget"]["base"]["model_name_or_path"] == str(pretrain.runs[0].output_dir)
     assert parts["schedule"]["base"]["model_name_or_path"] in checkpoints
     assert parts["finetune"]["base"]["model_name_or_path"] == parts["schedule"]["base"]["model_name_or_path"]
+    # The control's budget: the finetune part's control, only longer (8,000 steps, evaluated every eighth), 5 seeds.
+    longer = parts["control_budget"]
+    assert longer["base"]["model_name_or_path"] == parts["finetune"]["base"]["model_name_or_path"]
+    assert longer["seeds"] == [1337, 1338, 1339, 1340, 1341]  # the finetune part's five (its plan, below)
+    (budget,) = longer["axes"]["budget"]
+    assert budget["max_train_steps"] == 8 * budget["eval_steps"] == 8000
+    same = ("learning_rate", "min_learning_rate", "num_warmup_steps", "weight_decay", "adam_beta2", "block_size")
+    assert {key: longer["base"][key] for key in same} == {key: parts["finetune"]["base"][key] for key in same}
 
     # The finetune part, planned on a stand-in checkpoint of the same shape (the real one is trained by the sweep).
     overrides = dict(item.split("=") for item in config["config_overrides"].split(","))
