@@ -112,12 +112,12 @@ def comparison_plan(
         grid="full",
         mode="ablation",
         description="",
-        seeds=[args.seed + offset for offset in range(seeds)],
+        seeds=tuple(args.seed + offset for offset in range(seeds)),
         baseline=True,
         root=Path(args.output_dir),
         axes={},
         base_flags=flags,
-        command_line=[],
+        command_line=(),
         base_name=args.scorer,
         base_changes=describe_flags({k: v for k, v in flags.items() if getattr(unpatched, k) != v}),
         run_folder=single_seed_folder if seeds == 1 else per_seed_folder,
@@ -134,10 +134,10 @@ def compare(
     ``seed``, ``output_dir``, ``action`` (skipped, started or resumed from a checkpoint), ``results`` (its
     all_results.json) and ``history`` (its training history)."""
     plan = comparison_plan(args, no_difference_below, seeds)
-    check_run_folders(plan)
+    statuses = check_run_folders(plan)
     if is_main_process():
-        print(f"Comparison of baseline and {args.scorer}: {plan.status_line()}.")
-    log = run_sweep(plan)
+        print(f"Comparison of baseline and {args.scorer}: {plan.status_line(statuses)}.")
+    log = run_sweep(plan, statuses)
     if is_main_process():
         write_comparison(plan)
     return [

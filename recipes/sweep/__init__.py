@@ -102,14 +102,14 @@ def main(argv: list[str] | None = None) -> int:
                 # A later part may build on an earlier one's runs, which a dry run has not made.
                 print(f"Part {part!r}: planned once the parts before it have run ({error}).")
                 continue
-            check_run_folders(plan)
-            print(f"Sweep {plan.name} ({plan.grid} grid, {plan.mode}): {plan.status_line()}.")
+            statuses = check_run_folders(plan)
+            print(f"Sweep {plan.name} ({plan.grid} grid, {plan.mode}): {plan.status_line(statuses)}.")
             if known.dry_run:
                 for run in plan.runs():
-                    print(f"  {run.status:12s} {run.configuration} seed {run.seed}")
+                    print(f"  {statuses[run.configuration, run.seed]:12s} {run.configuration} seed {run.seed}")
                 continue
             if not known.report_only:
-                run_sweep(plan)
+                run_sweep(plan, statuses)
             if is_main_process():
                 written = write_report(plan)
                 print((plan.root / SWEEP_TABLE).read_text())

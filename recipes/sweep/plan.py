@@ -1,9 +1,11 @@
 """A sweep's plan: the config read and checked, and every run it implies, before anything runs.
 
-:func:`build_plan` reads a sweep config (its format: ``recipes/sweep/__init__.py`` and ``docs/recipes.md``);
-``recipes.compare`` builds a :class:`SweepPlan` in code and calls :func:`plan_runs` the same way. Every run's flags
-go through the recipes' own argument checks here, and :func:`check_run_folders` reads each run folder already there
-(done, interrupted or pending; a folder of another run is refused).
+:func:`build_plan` reads a sweep config (its format: ``recipes/sweep/__init__.py`` and ``docs/recipes.md``) and hands
+its values to :func:`plan_sweep`, which checks them and returns the plan; ``recipes.compare`` builds a
+:class:`SweepPlan` of settings in code and calls :func:`plan_runs` the same way. The plan is a value: frozen
+dataclasses, each step returning a new one. Every run's flags go through the recipes' own argument checks here.
+What the run folders hold is not part of the plan: :func:`check_run_folders` reads each one (done, interrupted or
+pending; a folder of another run is refused) and returns their statuses.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +69,7 @@ DATA_SOURCE_FLAGS = ("dataset_name", "train_file", "train_dir")
 DATA_FLAGS = (*DATA_SOURCE_FLAGS, "dataset_config_name", "validation_file", "validation_dir", "eval_split")
 
 
-@dataclass
+@dataclass(frozen=True)
 class AxisValue:
     """One value of one axis: the flags it sets, and its label in run names, tables and plots."""
 
@@ -76,7 +78,7 @@ class AxisValue:
     flags: dict[str, Any]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
     """One seed of one configuration."""
 
@@ -85,10 +87,13 @@ class Run:
     output_dir: Path
     args: argparse.Namespace
     key: dict[str, Any]  # the settings a run already in output_dir must have been started with
-    status: str = "pending"  # pending, done, interrupted
 
 
-@dataclass
+# What a run folder holds, by (configuration, seed): "done", "interrupted" or "pending" (check_run_folders).
+RunStatuses = dict[tuple[str, int], str]
+
+
+@dataclass(frozen=True)
 class Configuration:
     """A set of flags run over every seed: a point of the sweep, or a baseline."""
 
@@ -100,7 +105,7 @@ class Configuration:
     flags: dict[str, Any]
     changes: str  # the flags it changes, for the tables: ``h=1, layers=0``; ``scorer=none`` for a baseline
     baseline: str | None = None  # the name of its paired baseline
-    runs: list[Run] = field(default_factory=list)
+    runs: tuple[Run, ...] = ()
 
 
 def plural(count: int, noun: str) -> str:
@@ -113,22 +118,22 @@ def sweep_run_folder(root: Path, configuration: str, seed: int) -> Path:
     return root / configuration / f"seed_{seed}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class SweepPlan:
-    """What the sweep runs: its settings (from a config, or from ``recipes.compare``), and once :func:`plan_runs`
-    has filled them in, its configurations (baselines first) and their runs."""
+    """What the sweep runs: its settings (from a config, or from ``recipes.compare``), and in the plan
+    :func:`plan_runs` returns for them, its configurations (baselines first) and their runs."""
 
     name: str  # in headings and run records: the config's stem, or the comparison's name
     config_path: Path | None  # None for a plan built in code (recipes.compare)
     grid: str
     mode: str
     description: str
-    seeds: list[int]
+    seeds: tuple[int, ...]
     baseline: bool
     root: Path
-    axes: dict[str, list[AxisValue]]
+    axes: dict[str, tuple[AxisValue, ...]]
     base_flags: dict[str, Any]
-    command_line: list[str]
+    command_line: tuple[str, ...]
     base_name: str = "base"  # the run name of the base point (no axis value)
     base_changes: str = BASE_CHANGES  # the base point's "flags" cell
     run_folder: Callable[[Path, str, int], Path] = sweep_run_folder
@@ -138,10 +143,10 @@ class SweepPlan:
     # The metric the tables and plots report (default: the task's primary metric), e.g. eval_loss.
     metric: str | None = None
     # Comparisons beyond each configuration against its baseline: (configuration, against) by run name.
-    compare: list[tuple[str, str]] = field(default_factory=list)
+    compare: tuple[tuple[str, str], ...] = ()
     correction: str = "none"  # CORRECTIONS: "holm" reads every comparison of the table as one family
-    configurations: list[Configuration] = field(default_factory=list)
-    cells: list[tuple[tuple[AxisValue, ...], str]] = field(default_factory=list)  # each point -> its configuration
+    configurations: tuple[Configuration, ...] = ()
+    cells: tuple[tuple[tuple[AxisValue, ...], str], ...] = ()  # each point -> its configuration
 
     @property
     def source(self) -> str:
@@ -162,11 +167,12 @@ class SweepPlan:
         picture, however far it gets."""
         return [c.runs[index] for index in range(len(self.seeds)) for c in self.configurations]
 
-    def status_line(self) -> str:
-        """``3 configurations x 2 seeds = 6 runs in <root>; 2 done, 1 interrupted, 3 to run``, the statuses as
+    def status_line(self, statuses: RunStatuses) -> str:
+        """``3 configurations x 2 seeds = 6 runs in <root>; 2 done, 1 interrupted, 3 to run``, ``statuses`` as
         :func:`check_run_folders` found them."""
         runs = self.runs()
-        count = {status: sum(run.status == status for run in runs) for status in ("done", "interrupted", "pending")}
+        found = [statuses[run.configuration, run.seed] for run in runs]
+        count = {status: found.count(status) for status in ("done", "interrupted", "pending")}
         return (
             f"{plural(len(self.configurations), 'configuration')} x {plural(len(self.seeds), 'seed')} = "
             f"{plural(len(runs), 'run')} in {self.root}; {count['done']} done, {count['interrupted']} interrupted, "
@@ -277,13 +283,13 @@ def select_grid(values: dict[str, Any], grid: str, path: Path) -> dict[str, Any]
     return selected
 
 
-def parse_axes(axes: Any, recipe_flags: set[str], path: Path) -> dict[str, list[AxisValue]]:
+def parse_axes(axes: Any, recipe_flags: set[str], path: Path) -> dict[str, tuple[AxisValue, ...]]:
     """Each axis's values as AxisValue: a scalar sets the axis's flag, a mapping sets its flags (+ ``label``)."""
     if axes is None:
         return {}
     if not isinstance(axes, dict):
         raise RecipeError(f"Sweep config {path}: axes must map axis names to lists of values.")
-    parsed: dict[str, list[AxisValue]] = {}
+    parsed: dict[str, tuple[AxisValue, ...]] = {}
     for axis, values in axes.items():
         where = f"sweep config {path}, axis {axis!r}"
         if not isinstance(values, list) or not values:
@@ -319,7 +325,7 @@ def parse_axes(axes: Any, recipe_flags: set[str], path: Path) -> dict[str, list[
         labels = [item.label for item in items]
         if len(set(labels)) != len(labels):
             raise RecipeError(f"In {where}: two values have the same label ({labels}); give each a distinct label.")
-        parsed[axis] = items
+        parsed[axis] = tuple(items)
     return parsed
 
 
@@ -398,7 +404,7 @@ def describe_flags(flags: dict[str, Any]) -> str:
     return ", ".join(f"{key}={format_label(value)}" for key, value in flags.items())
 
 
-def parse_seeds(seeds_value: Any, first_seed: Any, seed_on_command_line: bool, path: Path) -> list[int]:
+def parse_seeds(seeds_value: Any, first_seed: Any, seed_on_command_line: bool, path: Path) -> tuple[int, ...]:
     """The plan's seeds: ``seeds: N`` counts up from base's (or the command line's) ``seed``; a list is taken as it
     is (the command line's ``--seed`` is refused then)."""
     if isinstance(seeds_value, bool) or not isinstance(seeds_value, (int, list)):
@@ -419,16 +425,23 @@ def parse_seeds(seeds_value: Any, first_seed: Any, seed_on_command_line: bool, p
             or len(set(seeds)) != len(seeds)
         ):
             raise RecipeError(f"Sweep config {path}: seeds must be distinct integers, got {seeds!r}.")
-    return seeds
+    return tuple(seeds)
 
 
 def build_plan(
     config_path: str | os.PathLike, grid: str = "full", argv: list[str] | None = None, part: str = ""
 ) -> SweepPlan:
-    """Read and check the sweep config (of a config of parts, the part named ``part``) and every run it implies;
-    nothing is run or written."""
+    """Read the sweep config at ``config_path`` and plan it (:func:`plan_sweep`); nothing is run or written."""
     path = Path(config_path)
-    values = read_config(path)
+    return plan_sweep(read_config(path), path, grid, argv, part)
+
+
+def plan_sweep(
+    values: dict[str, Any], path: Path, grid: str = "full", argv: list[str] | None = None, part: str = ""
+) -> SweepPlan:
+    """The plan of the sweep config ``values`` (read from ``path``; of a config of parts, the part named ``part``)
+    on the ``grid`` with the command line ``argv``: every key checked and every run it implies, as a value. Reads
+    no run folder and writes nothing."""
     parts = dict(config_parts(values, path))
     if part not in parts:
         raise RecipeError(f"Sweep config {path} has no part {part!r}; its parts are {list(parts)}.")
@@ -488,12 +501,12 @@ def build_plan(
         root=root,
         axes=axes,
         base_flags=shared,
-        command_line=list(argv or []),
+        command_line=tuple(argv or []),
         metric=metric,
         correction=correction,
     )
     plan = plan_runs(plan)
-    plan.compare = parse_compare(values.get("compare"), plan, path)
+    plan = replace(plan, compare=parse_compare(values.get("compare"), plan, path))
     columns = get_task(plan.configurations[-1].runs[0].args.task).metric_columns()
     if metric is not None and metric not in columns:
         raise RecipeError(f"Sweep config {path}: metric {metric!r} is not one the task reports ({columns}).")
@@ -511,11 +524,11 @@ def parse_reading(values: dict[str, Any], path: Path) -> tuple[str | None, str]:
     return metric, correction
 
 
-def parse_compare(pairs: Any, plan: SweepPlan, path: Path) -> list[tuple[str, str]]:
+def parse_compare(pairs: Any, plan: SweepPlan, path: Path) -> tuple[tuple[str, str], ...]:
     """The config's ``compare:`` list, ``[{configuration: <run name>, against: <run name>}, ...]``, checked against
     the plan's configurations (each configuration is already compared with its baseline)."""
     if pairs is None:
-        return []
+        return ()
     names = [c.name for c in plan.configurations]
     if not isinstance(pairs, list):
         raise RecipeError(f"Sweep config {path}: compare must be a list of {{configuration: ..., against: ...}}.")
@@ -534,13 +547,13 @@ def parse_compare(pairs: Any, plan: SweepPlan, path: Path) -> list[tuple[str, st
         compare.append((pair["configuration"], pair["against"]))
     if len(set(compare)) != len(compare) or set(compare) & set(plan.comparisons()):
         raise RecipeError(f"Sweep config {path}, compare: a comparison is listed twice (or is a baseline pair).")
-    return compare
+    return tuple(compare)
 
 
 def plan_runs(plan: SweepPlan) -> SweepPlan:
-    """Fill in ``plan``'s configurations (one per point of the sweep, an ablation's base point once; with
-    ``baseline``, the unpatched runs they are paired with) and each one's run per seed, every run's flags
-    parsed and checked. Returns the plan."""
+    """``plan`` (its settings) with its configurations (one per point of the sweep, an ablation's base point once;
+    with ``baseline``, the unpatched runs they are paired with) and each one's run per seed, every run's flags
+    parsed and checked: a new plan, ``plan`` unchanged."""
     if plan.mode == "ablation":  # the points of the sweep, each as the axis values that define it
         points: list[tuple[AxisValue, ...]] = [()]
         points += [(item,) for items in plan.axes.values() for item in items]
@@ -582,7 +595,8 @@ def plan_runs(plan: SweepPlan) -> SweepPlan:
                 )
             # A control is paired with the base's baseline (what its axis values change is what it measures).
             paired = Configuration(plan.base_name, "configuration", (), dict(plan.base_flags), "") if control else None
-            configuration.baseline = paired_baseline(plan, paired or configuration, baselines, by_settings)
+            baseline = paired_baseline(plan, paired or configuration, baselines, by_settings)
+            configuration = replace(configuration, baseline=baseline)
         configurations.append(configuration)
         by_settings[key] = name
         cells.append((choices, name))
@@ -590,9 +604,7 @@ def plan_runs(plan: SweepPlan) -> SweepPlan:
         raise RecipeError(
             f"In {plan.source}, the runs mix tasks {sorted(task_names)}; a sweep compares runs of one task."
         )
-    plan.configurations, plan.cells = [*baselines, *configurations], cells
-    add_seed_runs(plan)
-    return plan
+    return with_seed_runs(replace(plan, configurations=(*baselines, *configurations), cells=tuple(cells)))
 
 
 def point_name(plan: SweepPlan, choices: tuple[AxisValue, ...]) -> str:
@@ -648,20 +660,25 @@ def paired_baseline(
     return base_name
 
 
-def add_seed_runs(plan: SweepPlan) -> None:
-    """Each configuration's run per seed, in its folder, resuming from its newest checkpoint."""
-    for configuration in plan.configurations:
-        for seed in plan.seeds:
-            output_dir = plan.run_folder(plan.root, configuration.name, seed)
-            flags = {
-                **run_defaults(configuration.flags),
-                "seed": seed,
-                "output_dir": str(output_dir),
-                "resume_from_checkpoint": "latest",
-            }
-            args = parse_values(flags, source=f"Run {configuration.name!r} (seed {seed}) of {plan.source}")
-            key = comparable(public_settings(args))
-            configuration.runs.append(Run(configuration.name, seed, output_dir, args, key))
+def with_seed_runs(plan: SweepPlan) -> SweepPlan:
+    """``plan`` with each configuration's run per seed, in its folder, resuming from its newest checkpoint."""
+    return replace(plan, configurations=tuple(replace(c, runs=seed_runs(plan, c)) for c in plan.configurations))
+
+
+def seed_runs(plan: SweepPlan, configuration: Configuration) -> tuple[Run, ...]:
+    """``configuration``'s run per seed of ``plan``."""
+    runs = []
+    for seed in plan.seeds:
+        output_dir = plan.run_folder(plan.root, configuration.name, seed)
+        flags = {
+            **run_defaults(configuration.flags),
+            "seed": seed,
+            "output_dir": str(output_dir),
+            "resume_from_checkpoint": "latest",
+        }
+        args = parse_values(flags, source=f"Run {configuration.name!r} (seed {seed}) of {plan.source}")
+        runs.append(Run(configuration.name, seed, output_dir, args, comparable(public_settings(args))))
+    return tuple(runs)
 
 
 def read_settings(path: Path) -> dict[str, Any] | None:
@@ -673,9 +690,10 @@ def read_settings(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def check_run_folders(plan: SweepPlan) -> None:
-    """Set each run's status from its folder: done, interrupted or pending; refuse folders of other runs."""
-    problems = []
+def check_run_folders(plan: SweepPlan) -> RunStatuses:
+    """Each run's status from its folder, by (configuration, seed): done, interrupted or pending; refuses folders of
+    other runs."""
+    problems, statuses = [], {}
     for run in plan.runs():
         folder = run.output_dir
         results, record = folder / RESULTS_FILE, folder / RUN_RECORD
@@ -694,10 +712,11 @@ def check_run_folders(plan: SweepPlan) -> None:
                 details = ", ".join(f"{key}: there {old!r}, planned {new!r}" for key, (old, new) in different.items())
                 problems.append(f"{folder} holds a run with other settings ({details}).")
                 continue
-        run.status = status
+        statuses[run.configuration, run.seed] = status
     if problems:
         shown = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
         raise RecipeError(
             f"The folder {plan.root} holds runs that do not belong to {plan.source}:\n  {shown}\n"
             "Use another --output_dir (or move those folders away): runs of different settings are not mixed."
         )
+    return statuses

@@ -650,7 +650,7 @@ def summary_card(plan: SweepPlan, summary: Summary, table: str, notes: str, pict
     data_text, model_text, budget = what_was_run(found)
     runtime = sum(float(r.get("train_runtime_s", 0.0)) for results in found.values() for r in results.values())
     command = ["python -m recipes.sweep --config", str(plan.config_path)]
-    command += (["--grid reduced"] if plan.grid == "reduced" else []) + plan.command_line
+    command += (["--grid reduced"] if plan.grid == "reduced" else []) + list(plan.command_line)
     axes_lines = "".join(
         f"  * `{axis}`: {', '.join(item.label for item in items)}\n" for axis, items in plan.axes.items()
     )

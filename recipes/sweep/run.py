@@ -19,7 +19,7 @@ from typing import Any
 
 from recipes import checkpointing, training
 from recipes.report import RESULTS_FILE, write_json
-from recipes.sweep.plan import RUN_LOCK, RUN_RECORD, Run, SweepPlan
+from recipes.sweep.plan import RUN_LOCK, RUN_RECORD, Run, RunStatuses, SweepPlan
 
 logger = logging.getLogger("recipes")
 
@@ -81,15 +81,15 @@ def release(run: Run) -> None:
         (run.output_dir / RUN_LOCK).unlink(missing_ok=True)
 
 
-def run_sweep(plan: SweepPlan) -> list[dict[str, Any]]:
-    """Run what is not finished, in order (:func:`recipes.sweep.plan.check_run_folders` sets what is); returns what
+def run_sweep(plan: SweepPlan, statuses: RunStatuses) -> list[dict[str, Any]]:
+    """Run what is not finished, in order (``statuses``: :func:`recipes.sweep.plan.check_run_folders`'); returns what
     happened to each run: ``configuration``, ``seed``, ``output_dir`` and ``action`` (skipped, started, resumed
     from ...), with ``wall_s`` for the runs that ran."""
     log = []
     runs = plan.runs()
     for index, run in enumerate(runs, 1):
         entry = {"configuration": run.configuration, "seed": run.seed, "output_dir": str(run.output_dir)}
-        if run.status == "done":
+        if statuses[run.configuration, run.seed] == "done":
             logger.info(
                 "Sweep run %d/%d %s seed %d: finished before, skipped", index, len(runs), run.configuration, run.seed
             )
@@ -125,7 +125,6 @@ def run_sweep(plan: SweepPlan) -> list[dict[str, Any]]:
             training.run(copy.deepcopy(run.args))
         finally:
             release(run)
-        run.status = "done"
         log.append({**entry, "action": action, "wall_s": time.time() - started})
         gc.collect()
         try:

@@ -115,7 +115,7 @@ def test_the_sweep_trains_the_configs_baseline_and_fine_tunes_it():
     assert (scratch.metric, scratch.mode, scratch.seeds, scratch.baseline) == (
         "eval_loss",
         "grid",
-        [1337, 1338, 1339],
+        (1337, 1338, 1339),
         True,
     )
     assert config_values()["seed"] == scratch.seeds[0]
@@ -221,11 +221,11 @@ def test_the_converged_sweep_trains_longer_and_fine_tunes_against_equal_cost_con
         "control=equal_time": "control",
         "control=equal_params": "control",
     }
-    assert (plan.seeds, plan.correction, plan.metric) == ([1337, 1338, 1339, 1340, 1341], "holm", "eval_loss")
-    assert len(plan.comparisons()) == 8 and plan.compare == [
+    assert (plan.seeds, plan.correction, plan.metric) == ((1337, 1338, 1339, 1340, 1341), "holm", "eval_loss")
+    assert len(plan.comparisons()) == 8 and plan.compare == (
         ("base", "control=equal_time"),
         ("base", "control=equal_params"),
-    ]
+    )
     base = plan.by_name("base").runs[0].args
     assert (base.scorer, base.h, base.layers, base.scorer_learning_rate) == ("qana", 4, None, 1e-3)
     control = plan.by_name("baseline").runs[0].args

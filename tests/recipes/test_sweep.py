@@ -137,7 +137,7 @@ def test_bad_sweep_configs_fail_before_anything_runs(assets, tmp_path, monkeypat
     listed = write_config(tmp_path / "listed.yaml", base=tiny_base(assets, tmp_path / "out"), seeds=[3, 4])
     with pytest.raises(RecipeError, match="lists its seeds"):
         sweep_plan.build_plan(listed, "full", ["--seed", "8"])
-    assert sweep_plan.build_plan(config, "full", ["--seed", "8"]).seeds == [8]
+    assert sweep_plan.build_plan(config, "full", ["--seed", "8"]).seeds == (8,)
 
 
 def test_a_bad_config_is_one_line_and_leaves_nothing_behind(assets, tmp_path, capsys, monkeypatch):
@@ -247,7 +247,7 @@ def test_sweep_plan_grid_reduced_and_command_line_overrides(assets, tmp_path):
 
     reduced = sweep_plan.build_plan(config, "reduced", ["--model_name_or_path", str(assets["gpt2"])])
     assert [c.name for c in reduced.configurations] == ["baseline", "h=4"]
-    assert reduced.seeds == [5] and reduced.runs()[1].args.max_train_steps == 2
+    assert reduced.seeds == (5,) and reduced.runs()[1].args.max_train_steps == 2
 
     # Ablation (the default): the base point once, an axis value equal to the base maps onto it.
     ablation = write_config(tmp_path / "ablation.yaml", base=tiny_base(assets, tmp_path / "a"), axes={"h": [1, 2, 4]})
@@ -291,12 +291,12 @@ def test_a_killed_sweep_resumes_its_interrupted_run_and_skips_finished_ones(
     assert not (out / "base" / "seed_43").exists() and not (out / "sweep.md").exists()
 
     plan = sweep_plan.build_plan(config)
-    sweep_plan.check_run_folders(plan)
-    assert [r.status for r in plan.runs()] == ["done", "interrupted", "pending", "pending"]
+    statuses = sweep_plan.check_run_folders(plan)
+    assert [statuses[r.configuration, r.seed] for r in plan.runs()] == ["done", "interrupted", "pending", "pending"]
     read = []
     real_read = checkpointing.read_progress
     monkeypatch.setattr(checkpointing, "read_progress", lambda path: read.append(Path(path)) or real_read(path))
-    log = sweep_run.run_sweep(plan)
+    log = sweep_run.run_sweep(plan, statuses)
     assert [(e["configuration"], e["seed"], e["action"]) for e in log] == [
         ("base", 42, "skipped"),
         ("h=4", 42, "resumed from step_2"),
@@ -322,8 +322,8 @@ def test_a_killed_sweep_resumes_its_interrupted_run_and_skips_finished_ones(
         del saved["settings"][flag]
     results_file.write_text(json.dumps(saved))
     plan = sweep_plan.build_plan(config)
-    sweep_plan.check_run_folders(plan)
-    assert plan.runs()[0].status == "done"
+    first = plan.runs()[0]
+    assert sweep_plan.check_run_folders(plan)[first.configuration, first.seed] == "done"
 
     # A folder of a run with other settings is refused, naming the setting, before anything runs.
     changed = write_config(tmp_path / "s2.yaml", base=tiny_base(assets, out, learning_rate=0.5), axes={"h": [2, 4]})
@@ -614,7 +614,7 @@ def test_two_sweep_processes_share_the_runs(assets, tmp_path, monkeypatch, no_ru
     out = tmp_path / "sweep"
     config = write_config(tmp_path / "s.yaml", base=tiny_base(assets, out), axes={"h": [2, 4]})
     plan = sweep_plan.build_plan(config)
-    sweep_plan.check_run_folders(plan)
+    statuses = sweep_plan.check_run_folders(plan)
     first, second = plan.runs()
     # Another live process holds the first run: this one skips it; a lock whose process is gone is taken over.
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -627,7 +627,7 @@ def test_two_sweep_processes_share_the_runs(assets, tmp_path, monkeypatch, no_ru
         second.output_dir.mkdir(parents=True)
         (second.output_dir / sweep_plan.RUN_LOCK).write_text(f"{sweep_run.socket.gethostname()} {dead.stdout.strip()}")
         sweep_plan.check_run_folders(sweep_plan.build_plan(config))  # a lock alone is no stranger's folder
-        log = sweep_run.run_sweep(plan)
+        log = sweep_run.run_sweep(plan, statuses)
     finally:
         holder.kill()
         holder.wait()
