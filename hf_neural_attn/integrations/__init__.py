@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import importlib
 
-_FROM_INSTALL = ("INTEGRATIONS", "OPT_OUT_VARIABLE", "install", "installed", "uninstall")
+_FROM_INSTALL = ("INTEGRATIONS", "OPT_OUT_VARIABLE", "enabled_rows", "install", "installed", "uninstall")
 
 
 def __getattr__(name: str):

@@ -266,7 +266,7 @@ LEFT_OUT = textwrap.dedent(
     from transformers.utils import hub
     from hf_neural_attn import integrations
     from hf_neural_attn.integrations import wrapping
-    from hf_neural_attn.integrations.installer import enabled_rows
+    from hf_neural_attn.integrations import enabled_rows
 
     def state():
         return {
