@@ -23,7 +23,8 @@ from transformers.masking_utils import eager_mask, sdpa_mask
 from . import placements
 from .compat.internals import output_attentions_collector
 from .families import FAMILIES, ModelFamily
-from .ops.context_parallel import attention_across_ranks
+from .ops.call_shapes import CONTEXT, ORDINARY, PACKED, PAGED
+from .ops.context_parallel import ContextShards, attention_across_ranks
 from .ops.dispatch import scored_attention
 from .ops.dropout import DropoutPlacement, draw_seed
 from .ops.masks import as_additive_mask, zero_rows_without_keys
@@ -72,11 +73,36 @@ def hf_neural_attention_forward(
     Over a paged base (:data:`PAGED_BASES`) the call goes to that base's function, which reads the keys from its
     cache; otherwise the keys are the call's own (:func:`attention_with_keys`).
     """
-    if PAGED_BASES:  # only where an integration registered one: no lookup of the config on the usual path
-        paged = PAGED_BASES.get(base_implementation(getattr(module, "config", None)))
-        if paged is not None:
-            return paged(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if call_shape(module, kwargs) == PAGED:
+        paged = PAGED_BASES[base_implementation(module.config)]
+        return paged(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     return attention_with_keys(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+
+def call_shape(module: nn.Module, kwargs: dict) -> str:
+    """The shape of this call (a name of :data:`hf_neural_attn.ops.call_shapes.CALL_SHAPES`), as the call shows it:
+    ``"paged"`` over a base whose keys stay in an engine's cache, else :func:`keys_call_shape`. The one place that
+    tells it (a padded batch is the dispatcher's, which splits one only where its path gains)."""
+    # PAGED_BASES is empty unless an integration registered one: no lookup of the config on the usual path.
+    if PAGED_BASES and base_implementation(getattr(module, "config", None)) in PAGED_BASES:
+        return PAGED
+    return keys_call_shape(kwargs)
+
+
+def keys_call_shape(kwargs: dict) -> str:
+    """The shape of a call that carries its keys: ``"packed"`` (``cu_seq_lens_q`` and ``cu_seq_lens_k``: several
+    sequences in one row), ``"context"`` (torch's context-parallel block is open) or ``"ordinary"``.
+
+    Raises:
+        ValueError: a packed call under context parallelism (each process holds a slice of the row).
+    """
+    context = context_parallel_shards() is not None
+    if kwargs.get("cu_seq_lens_q") is not None:
+        if context:
+            refuse_packed_under_context_parallelism()
+        if kwargs.get("cu_seq_lens_k") is not None:
+            return PACKED
+    return CONTEXT if context else ORDINARY
 
 
 def attention_with_keys(
@@ -96,11 +122,14 @@ def attention_with_keys(
     """
     extras = kwargs.pop(EXTRAS_KWARG, None)
     is_causal = kwargs.get("is_causal", getattr(module, "is_causal", False))
-    if kwargs.get("cu_seq_lens_q") is not None:
-        refuse_packed_under_context_parallelism()
-    sequences = packed_sequences(query, key, kwargs)
+    shape = keys_call_shape(kwargs)
+    sequences = packed_sequences(query, key, kwargs) if shape == PACKED else None
     if sequences is None:
-        return _attention(module, query, key, value, attention_mask, scaling, dropout, extras, is_causal, kwargs)
+        context_shards = context_parallel_shards() if shape == CONTEXT else None
+        return _attention(
+            module, query, key, value, attention_mask, scaling, dropout, extras, is_causal, kwargs,
+            context_shards=context_shards,
+        )  # fmt: skip
     sliding_window = kwargs.get("sliding_window")
     call_kwargs = {name: value for name, value in kwargs.items() if name not in PACKING_KWARGS}
     eager_base = getattr(module, SCORER_ATTR, None) is None and _unscored_implementation(module) == "eager"
@@ -185,12 +214,14 @@ def _attention(
     extras,
     is_causal: bool,
     kwargs: dict,
+    *,
+    context_shards: ContextShards | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One ordinary call of :func:`hf_neural_attention_forward`: ``module``'s scorer, or the model's own attention
-    for a module the patch does not score. Shapes as there; ``extras`` is the scorer's per-query inputs."""
+    """One call of :func:`hf_neural_attention_forward` (an ordinary or a context-parallel one, ``context_shards``
+    saying which; or one sequence of a packed call): ``module``'s scorer, or the model's own attention for a module
+    the patch does not score. Shapes as there; ``extras`` is the scorer's per-query inputs."""
     need_weights = wants_attention_weights(kwargs)
     scorer: Scorer | None = getattr(module, SCORER_ATTR, None)
-    context_shards = context_parallel_shards()
     if scorer is None:
         return _unscored_attention(
             module, query, key, value, attention_mask, scaling, dropout, is_causal, kwargs,

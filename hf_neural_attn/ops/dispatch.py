@@ -288,7 +288,8 @@ def scored_attention(
     # uniform weights over every key under an additive one, whose blocks the causal skip must then not cut short.
     rows_by_sequence = query_rows_seeing_all(attention_mask, query.shape[-2]) if is_causal and scored_in_blocks else []
     run = functools.partial(PATHS[path], scorer, scaling=scaling, is_causal=is_causal)
-    # Where the sequences of a batch differ, the blockwise paths run one sequence at a time.
+    # Where the sequences of a batch differ, the blockwise paths run one sequence at a time: the "padded" call shape
+    # (ops.call_shapes), told here because only these paths gain from the split and only uncompiled calls may read it.
     sequences = None
     if blocked and not compiling:
         sequences = padded_sequences(
