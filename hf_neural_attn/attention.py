@@ -39,7 +39,7 @@ from .ops.packed import (
 from .parallel.context import (
     check_context_parallel_scorer,
     context_parallel_shards,
-    refuse_packed_under_context_parallelism,
+    packed_call_refused,
     refuse_unscored_under_context_parallelism,
 )
 from .parallel.sequence import check_no_sequence_parallelism
@@ -73,36 +73,41 @@ def hf_neural_attention_forward(
     Over a paged base (:data:`PAGED_BASES`) the call goes to that base's function, which reads the keys from its
     cache; otherwise the keys are the call's own (:func:`attention_with_keys`).
     """
-    if call_shape(module, kwargs) == PAGED:
+    context_shards = context_parallel_shards()
+    shape = call_shape(module, kwargs, context_shards)
+    if shape == PAGED:
         paged = PAGED_BASES[base_implementation(module.config)]
         return paged(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    return attention_with_keys(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    return _attention_of_shape(
+        shape, context_shards, module, query, key, value, attention_mask, scaling, dropout, kwargs
+    )
 
 
-def call_shape(module: nn.Module, kwargs: dict) -> str:
+def call_shape(module: nn.Module, kwargs: dict, context_shards: ContextShards | None) -> str:
     """The shape of this call (a name of :data:`hf_neural_attn.ops.call_shapes.CALL_SHAPES`), as the call shows it:
-    ``"paged"`` over a base whose keys stay in an engine's cache, else :func:`keys_call_shape`. The one place that
-    tells it (a padded batch is the dispatcher's, which splits one only where its path gains)."""
+    ``"paged"`` over a base whose keys stay in an engine's cache, else :func:`keys_call_shape`. ``context_shards``:
+    :func:`~hf_neural_attn.parallel.context.context_parallel_shards`, read once per call by the caller. The one place
+    that tells it (a padded batch is the dispatcher's, which splits one only where its path gains)."""
     # PAGED_BASES is empty unless an integration registered one: no lookup of the config on the usual path.
     if PAGED_BASES and base_implementation(getattr(module, "config", None)) in PAGED_BASES:
         return PAGED
-    return keys_call_shape(kwargs)
+    return keys_call_shape(kwargs, context_shards)
 
 
-def keys_call_shape(kwargs: dict) -> str:
+def keys_call_shape(kwargs: dict, context_shards: ContextShards | None) -> str:
     """The shape of a call that carries its keys: ``"packed"`` (``cu_seq_lens_q`` and ``cu_seq_lens_k``: several
-    sequences in one row), ``"context"`` (torch's context-parallel block is open) or ``"ordinary"``.
+    sequences in one row), ``"context"`` (torch's context-parallel block is open: ``context_shards``) or
+    ``"ordinary"``.
 
     Raises:
         ValueError: a packed call under context parallelism (each process holds a slice of the row).
     """
-    context = context_parallel_shards() is not None
     if kwargs.get("cu_seq_lens_q") is not None:
-        if context:
-            refuse_packed_under_context_parallelism()
+        if context_shards is not None:
+            raise packed_call_refused()
         if kwargs.get("cu_seq_lens_k") is not None:
             return PACKED
-    return CONTEXT if context else ORDINARY
+    return CONTEXT if context_shards is not None else ORDINARY
 
 
 def attention_with_keys(
@@ -115,17 +120,33 @@ def attention_with_keys(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`hf_neural_attention_forward` over the keys and values the call carries. Shapes as there.
+    """:func:`hf_neural_attention_forward` over the keys and values the call carries (a paged base's function calls
+    it with the keys it read back). Shapes as there."""
+    context_shards = context_parallel_shards()
+    shape = keys_call_shape(kwargs, context_shards)
+    return _attention_of_shape(
+        shape, context_shards, module, query, key, value, attention_mask, scaling, dropout, kwargs
+    )
 
-    A packed call (continuous batching, or a packed training batch: ``cu_seq_lens_q`` / ``cu_seq_lens_k``, batch 1)
-    runs one sequence at a time, each against its own keys (:mod:`hf_neural_attn.ops.packed`), scored or not.
-    """
+
+def _attention_of_shape(
+    shape: str,
+    context_shards: ContextShards | None,
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    kwargs: dict,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A call whose keys it carries, served as its ``shape`` says (:func:`keys_call_shape`). A packed call runs one
+    sequence at a time, each against its own keys (:mod:`hf_neural_attn.ops.packed`), scored or not."""
     extras = kwargs.pop(EXTRAS_KWARG, None)
     is_causal = kwargs.get("is_causal", getattr(module, "is_causal", False))
-    shape = keys_call_shape(kwargs)
     sequences = packed_sequences(query, key, kwargs) if shape == PACKED else None
     if sequences is None:
-        context_shards = context_parallel_shards() if shape == CONTEXT else None
         return _attention(
             module, query, key, value, attention_mask, scaling, dropout, extras, is_causal, kwargs,
             context_shards=context_shards,
@@ -165,7 +186,7 @@ def attention_with_keys(
                 mask = _additive_mask(mask, sequence_query, sequence_key, is_causal)
         output[:, sequence.queries], _ = _attention(
             module, sequence_query, sequence_key, sequence.keys_of(value), mask, scaling, dropout,
-            sequence.extras_of(extras, query.shape[0]), is_causal, call_kwargs,
+            sequence.extras_of(extras, query.shape[0]), is_causal, call_kwargs, context_shards=None,
         )  # fmt: skip
     return output, None
 
@@ -188,7 +209,9 @@ def decoding_attention(
     own; mask: (rows, 1, 1, longest), True on a row's own keys (:func:`hf_neural_attn.ops.packed.key_padding_mask`);
     extras: the scorer's per-query inputs for these rows (:func:`extras_rows`). Returns (rows, 1, heads, head_dim).
     """
-    return _attention(module, query, keys, values, mask, scaling, dropout, extras, False, kwargs)[0]
+    return _attention(module, query, keys, values, mask, scaling, dropout, extras, False, kwargs, context_shards=None)[
+        0
+    ]
 
 
 def query_rows(query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -215,7 +238,7 @@ def _attention(
     is_causal: bool,
     kwargs: dict,
     *,
-    context_shards: ContextShards | None = None,
+    context_shards: ContextShards | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One call of :func:`hf_neural_attention_forward` (an ordinary or a context-parallel one, ``context_shards``
     saying which; or one sequence of a packed call): ``module``'s scorer, or the model's own attention for a module

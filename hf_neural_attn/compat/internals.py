@@ -7,8 +7,8 @@ keeps transformers' init off a tensor, the tensor-parallel plan of a model, ...)
 Each accessor says what it stands for, so that its callers read as what they mean.
 
 This module imports nothing of the library, of transformers only what ``import transformers`` has loaded already
-(the library's version check imports it), and of torch and DeepSpeed only what a caller's process has imported: any
-floor may use it.
+(the library's version check imports it), of torch its functional module (transformers imported torch), and of
+DeepSpeed only what a caller's process has imported: any floor may use it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import sys
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
+
+import torch.nn.functional as F
 
 # ------------------------------------------------------------------------------------------------- transformers
 
@@ -213,8 +215,6 @@ def torch_context_parallel() -> tuple[Any, bool | None] | None:
     ``(mesh, load_balanced)``: the device mesh the sequence is split over (None where this torch keeps it elsewhere)
     and whether the split is the load-balanced (head-tail) one (None where unreadable). Read, never imported: a
     process that never imported it runs no block."""
-    import torch.nn.functional as F
-
     state = sys.modules.get(CONTEXT_PARALLEL_MODULE)
     if state is None or F.scaled_dot_product_attention not in getattr(state, "_replaced_functions", {}):
         return None

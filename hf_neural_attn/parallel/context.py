@@ -48,15 +48,14 @@ def check_context_parallel_scorer(scorer: Scorer) -> None:
         )
 
 
-def refuse_packed_under_context_parallelism() -> None:
-    """A packed call (``cu_seq_lens_q``: several sequences in one row) under context parallelism: each process holds
-    a slice of the row, and the sequences' bounds are the whole row's. Refused."""
-    if context_parallel_shards() is not None:
-        raise ValueError(
-            "hf_neural_attn cannot score a packed call (cu_seq_lens_q / cu_seq_lens_k: several sequences in one row) "
-            "under context parallelism: each process holds a slice of the row, which the sequences' bounds do not "
-            f"describe. Pass the sequences as a batch, or run packed calls without context parallelism ({CONTEXT_PARALLEL_HELP})."
-        )
+def packed_call_refused() -> ValueError:
+    """The error for a packed call (``cu_seq_lens_q``: several sequences in one row) under context parallelism: each
+    process holds a slice of the row, and the sequences' bounds are the whole row's."""
+    return ValueError(
+        "hf_neural_attn cannot score a packed call (cu_seq_lens_q / cu_seq_lens_k: several sequences in one row) "
+        "under context parallelism: each process holds a slice of the row, which the sequences' bounds do not "
+        f"describe. Pass the sequences as a batch, or run packed calls without context parallelism ({CONTEXT_PARALLEL_HELP})."
+    )
 
 
 def refuse_unscored_under_context_parallelism(implementation: str, module: nn.Module) -> None:

@@ -301,7 +301,7 @@ def test_decoding_requests_scored_as_one_batch_equal_scored_apart(scorer):
             causal = sequence_mask(sequence, is_causal=True, sliding_window=None, device=query.device)
             alone, _ = attention._attention(
                 module, sequence.query_of(query), sequence.keys_of(key), sequence.keys_of(value), causal, None, 0.0,
-                sequence.extras_of(extras, 1), True, {},
+                sequence.extras_of(extras, 1), True, {}, context_shards=None,
             )  # fmt: skip
             torch.testing.assert_close(batched[:, sequence.queries], alone, atol=1e-5, rtol=0)
 

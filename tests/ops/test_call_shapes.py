@@ -28,21 +28,19 @@ def test_calls_are_told_as_the_table_says(monkeypatch):
     model = hf_neural_attn.patch_model(tiny_model("llama"), "qana", h=2)
     module = next(m for m in model.modules() if hasattr(m, SCORER_ATTR))
     lengths = torch.tensor([0, 3, 5])
-    assert attention.call_shape(module, {}) == ORDINARY
-    assert attention.call_shape(module, {"cu_seq_lens_q": lengths, "cu_seq_lens_k": lengths}) == PACKED
-    assert attention.call_shape(module, {"cu_seq_lens_q": lengths}) == ORDINARY  # no key spans: not packed
+    assert attention.call_shape(module, {}, None) == ORDINARY
+    assert attention.call_shape(module, {"cu_seq_lens_q": lengths, "cu_seq_lens_k": lengths}, None) == PACKED
+    assert attention.call_shape(module, {"cu_seq_lens_q": lengths}, None) == ORDINARY  # no key spans: not packed
     # A base whose keys stay in an engine's paged cache (vLLM's registers itself): the call is that engine's.
     model.set_attn_implementation("sdpa")
     monkeypatch.setitem(attention.PAGED_BASES, "sdpa", lambda *args, **kwargs: None)
-    assert attention.call_shape(module, {"cu_seq_lens_q": lengths, "cu_seq_lens_k": lengths}) == PAGED
+    assert attention.call_shape(module, {"cu_seq_lens_q": lengths, "cu_seq_lens_k": lengths}, None) == PAGED
 
 
-def test_a_packed_call_under_context_parallelism_is_refused(monkeypatch):
-    monkeypatch.setattr(attention, "context_parallel_shards", lambda: object())
-    monkeypatch.setattr(
-        "hf_neural_attn.parallel.context.context_parallel_shards", lambda: object()
-    )  # what the refusal asks
+def test_a_packed_call_under_context_parallelism_is_refused():
+    shards = object()  # what context_parallel_shards returns while torch's block is open
     lengths = torch.tensor([0, 3, 5])
     with pytest.raises(ValueError, match="cannot score a packed call"):
-        attention.keys_call_shape({"cu_seq_lens_q": lengths, "cu_seq_lens_k": lengths})
-    assert attention.keys_call_shape({}) == CONTEXT
+        attention.keys_call_shape({"cu_seq_lens_q": lengths, "cu_seq_lens_k": lengths}, shards)
+    assert attention.keys_call_shape({}, shards) == CONTEXT
+    assert attention.keys_call_shape({}, None) == ORDINARY

@@ -47,7 +47,9 @@ def _expected(module, scorer, sequence):
     """One ordinary causal call of a request's whole sequence: (T, heads, d)."""
     query, key, value, hidden = sequence
     extras = scorer.query_extras(hidden[None], None) if scorer.needs_hidden_states else None
-    output, _ = attention._attention(module, query[None], key[None], value[None], None, None, 0.0, extras, True, {})
+    output, _ = attention._attention(
+        module, query[None], key[None], value[None], None, None, 0.0, extras, True, {}, context_shards=None
+    )
     return output[0]
 
 
